@@ -1,0 +1,126 @@
+"""Argument rules of the block scorers, shared by every backend (torch, Triton, FlyDSL).
+
+``check_decode_args`` raises ValueError naming the argument and the rule it broke;
+``decode_supported`` answers the same question with ``(ok, reason)`` and never raises.
+"""
+
+import math
+
+import torch
+
+from ...formats import FP8_DTYPE, INDEX_DIM, IndexKFormat, check_index_k_cache
+
+Q_DTYPES = (torch.bfloat16, FP8_DTYPE)
+
+
+def check_sm_scale(sm_scale) -> float:
+    try:
+        value = float(sm_scale)
+    except (TypeError, ValueError):
+        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"sm_scale must be positive and finite (the page max is taken before scaling), got {sm_scale!r}"
+        )
+    return value
+
+
+def check_cp(cp_rank: int, cp_world: int) -> None:
+    if cp_world < 1 or not (0 <= cp_rank < cp_world):
+        raise ValueError(f"need cp_world >= 1 and 0 <= cp_rank < cp_world, got cp_rank={cp_rank}, cp_world={cp_world}")
+
+
+def _check_q(q: torch.Tensor, rows: int | None) -> None:
+    if q.dtype not in Q_DTYPES:
+        raise ValueError(f"q must be bfloat16 or float8_e4m3fn, got {q.dtype}")
+    if q.dim() != 3 or q.shape[2] != INDEX_DIM or q.shape[1] < 1:
+        raise ValueError(f"q must be [rows, H >= 1, {INDEX_DIM}], got {tuple(q.shape)}")
+    if rows is not None and q.shape[0] != rows:
+        raise ValueError(f"q must have batch*S = {rows} rows, got {q.shape[0]}")
+    if q.stride(2) != 1:
+        raise ValueError(f"q must be contiguous in its last dim, got strides {q.stride()}")
+
+
+def _check_int32_vector(name: str, t: torch.Tensor, length: int | None = None) -> None:
+    if t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous int32 vector, got {t.dtype} {tuple(t.shape)}")
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{name} must have {length} entries, got {t.shape[0]}")
+
+
+def check_decode_args(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0, cp_world=1):
+    """Validate a decode scoring call; returns ``(format, batch, H, max_block, sm_scale)``.
+
+    Shapes: ``q [batch*S, H, 128]`` bf16 | e4m3; ``block_table int32 [batch, >= max_block]`` (last
+    dim contiguous); ``seq_lens int32 [batch]``; ``out fp32 [H, batch*S, max_block]`` with a
+    contiguous last dim, or None.
+    """
+    fmt = check_index_k_cache(k_cache, k_scale)
+    if not isinstance(S, int) or S < 1:
+        raise ValueError(f"S (query rows per request) must be an int >= 1, got {S!r}")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.stride(1) != 1:
+        raise ValueError(
+            f"block_table must be int32 [batch, max_block] with a contiguous last dim, got {block_table.dtype} "
+            f"{tuple(block_table.shape)} strides {block_table.stride()}"
+        )
+    batch = block_table.shape[0]
+    _check_int32_vector("seq_lens", seq_lens, batch)
+    _check_q(q, batch * S)
+    H = q.shape[1]
+    if max_block is None:
+        max_block = out.shape[2] if out is not None else block_table.shape[1]
+    if max_block < 0 or max_block > block_table.shape[1]:
+        raise ValueError(f"max_block must be in [0, block_table.shape[1] = {block_table.shape[1]}], got {max_block}")
+    if out is not None:
+        if out.dtype != torch.float32 or tuple(out.shape) != (H, batch * S, max_block) or out.stride(2) != 1:
+            raise ValueError(
+                f"out must be float32 [H={H}, batch*S={batch * S}, max_block={max_block}] with a contiguous last dim, "
+                f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}"
+            )
+    devices = {t.device for t in (q, k_cache, block_table, seq_lens) if t is not None}
+    if out is not None:
+        devices.add(out.device)
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
+    check_cp(cp_rank, cp_world)
+    return fmt, batch, H, max_block, check_sm_scale(sm_scale)
+
+
+def check_prefill_args(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None, out=None):
+    """Validate a prefill scoring call; returns ``(format, batch, H, max_block, sm_scale)``.
+
+    ``cu_seqlens_q int32 [batch + 1]``: request b's new tokens are q rows
+    ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``, the last of them at position ``seq_lens[b] - 1``.
+    """
+    fmt = check_index_k_cache(k_cache, k_scale)
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.stride(1) != 1:
+        raise ValueError(f"block_table must be int32 [batch, max_block], got {block_table.dtype} {tuple(block_table.shape)}")
+    batch = block_table.shape[0]
+    _check_int32_vector("seq_lens", seq_lens, batch)
+    _check_int32_vector("cu_seqlens_q", cu_seqlens_q, batch + 1)
+    _check_q(q, None)
+    H = q.shape[1]
+    if max_block is None:
+        max_block = out.shape[2] if out is not None else block_table.shape[1]
+    if max_block < 0 or max_block > block_table.shape[1]:
+        raise ValueError(f"max_block must be in [0, block_table.shape[1] = {block_table.shape[1]}], got {max_block}")
+    if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != (H, q.shape[0], max_block)):
+        raise ValueError(f"out must be float32 [{H}, {q.shape[0]}, {max_block}], got {out.dtype} {tuple(out.shape)}")
+    return fmt, batch, H, max_block, check_sm_scale(sm_scale)
+
+
+def supported(check, *args, **kwargs):
+    """``(True, "")`` if ``check(*args, **kwargs)`` accepts the call, else ``(False, reason)``."""
+    try:
+        check(*args, **kwargs)
+    except ValueError as e:
+        return False, str(e)
+    return True, ""
+
+
+def decode_supported(*args, **kwargs):
+    """Same arguments as ``check_decode_args``; ``(ok, reason)``, never raises."""
+    return supported(check_decode_args, *args, **kwargs)
+
+
+__all__ = ["IndexKFormat", "check_decode_args", "check_prefill_args", "check_sm_scale", "decode_supported", "supported"]

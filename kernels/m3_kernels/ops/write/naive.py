@@ -1,0 +1,34 @@
+"""Torch reference index-cache writer: quantize index K and store it at token slots."""
+
+import torch
+
+from ...formats import PAGE_SIZE, IndexKFormat, ScaleRule, check_index_k_cache, parse_format, quantize_index_k
+
+
+def check_write_args(k, loc, k_cache, k_scale, fmt):
+    fmt = parse_format(fmt)
+    stored = check_index_k_cache(k_cache, k_scale)
+    if (stored is IndexKFormat.MXFP4) != fmt.is_mxfp4 or (not fmt.is_mxfp4 and stored is not fmt):
+        raise ValueError(f"fmt {fmt.value!r} does not match the cache's storage ({stored.value})")
+    if k.dtype not in (torch.float32, torch.bfloat16) or k.dim() != 2 or k.shape[1] != 128:
+        raise ValueError(f"k must be float32 or bfloat16 [tokens, 128], got {k.dtype} {tuple(k.shape)}")
+    if loc.dtype not in (torch.int32, torch.int64) or loc.dim() != 1 or loc.shape[0] != k.shape[0]:
+        raise ValueError(f"loc must be int32/int64 [tokens={k.shape[0]}], got {loc.dtype} {tuple(loc.shape)}")
+    return fmt
+
+
+def write_index_k_ref(k, loc, k_cache, k_scale, fmt, scale_rule: ScaleRule | str = ScaleRule.RCEIL, sign_seed=None):
+    """Store ``k [tokens, 128]`` (fp32/bf16, after norm + RoPE) at slots ``loc [tokens]``.
+
+    Slot ``loc`` is page ``loc // 128``, row ``loc % 128``. Every slot is checked before anything
+    is written, so a bad ``loc`` raises ValueError and leaves the cache untouched.
+    """
+    fmt = check_write_args(k, loc, k_cache, k_scale, fmt)
+    capacity = k_cache.shape[0] * PAGE_SIZE
+    if loc.numel() and (int(loc.min()) < 0 or int(loc.max()) >= capacity):
+        raise ValueError(f"loc values must lie in [0, {capacity}), got min {int(loc.min())}, max {int(loc.max())}")
+    rows, scale_rows = quantize_index_k(k, fmt, scale_rule, sign_seed)
+    page, row = loc.long() // PAGE_SIZE, loc.long() % PAGE_SIZE
+    k_cache[page, row] = rows
+    if k_scale is not None:
+        k_scale[page, row] = scale_rows
