@@ -1,0 +1,63 @@
+"""Block scorers: one dispatcher per entry point.
+
+Backends: ``torch`` (the reference in ``naive.py``; CPU and anything else), ``triton`` (CUDA and
+ROCm), ``flydsl`` (ROCm gfx950), ``aiter`` (aiter's installed MXFP4 scorer). ``auto`` picks FlyDSL
+on gfx950, Triton on other GPUs and torch on CPU. ``M3_SCORE_BACKEND`` forces one.
+"""
+
+import os
+
+import torch
+
+from .common import check_decode_args, check_prefill_args, decode_supported  # noqa: F401
+
+BACKENDS = ("auto", "torch", "triton", "flydsl", "aiter")
+ENV_BACKEND = "M3_SCORE_BACKEND"
+
+
+def resolve_backend(device: torch.device, backend: str | None = None) -> str:
+    """The backend a call on ``device`` uses: ``backend``, else ``$M3_SCORE_BACKEND``, else auto."""
+    backend = backend or os.environ.get(ENV_BACKEND, "auto")
+    if backend not in BACKENDS:
+        raise ValueError(f"{ENV_BACKEND} / backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    if device.type != "cuda":
+        return "torch"
+    return "triton"
+
+
+def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None,
+                 cp_rank=0, cp_world=1, backend=None):
+    """Decode block scores ``fp32 [H, batch*S, max_block]`` (contract: ``naive.score_decode_ref``).
+
+    With ``out=None`` the result is freshly allocated and columns past a row's last visible page
+    read -inf; a preallocated ``out`` is written up to each request's last page only.
+    """
+    name = resolve_backend(q.device, backend)
+    if name == "torch":
+        from .naive import score_decode_ref
+
+        res = score_decode_ref(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, cp_rank, cp_world,
+                               dtype=torch.float32)
+        if out is None:
+            return res
+        out.copy_(res)
+        return out
+    raise NotImplementedError(f"score backend {name!r} is not available in this build")
+
+
+def score_prefill(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None, out=None,
+                  backend=None):
+    """Prefill block scores ``fp32 [H, total_new_tokens, max_block]`` (contract: ``naive.score_prefill_ref``)."""
+    name = resolve_backend(q.device, backend)
+    if name in ("torch", "flydsl", "aiter"):  # prefill has a torch and a Triton path only
+        from .naive import score_prefill_ref
+
+        res = score_prefill_ref(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block,
+                                dtype=torch.float32)
+        if out is None:
+            return res
+        out.copy_(res)
+        return out
+    raise NotImplementedError(f"score backend {name!r} is not available in this build")
