@@ -23,6 +23,8 @@ E8M0_EXPONENT_BIAS = 127
 E8M0_NAN = 255
 E8M0_MIN_WRITTEN = 1  # the writer never emits byte 0 (2^-127) ...
 E8M0_MAX_WRITTEN = 254  # ... nor 255 (NaN)
+# Inputs saturate here: the largest magnitude whose MXFP4 encoding dequantizes finitely in fp32.
+MXFP4_INPUT_MAX = 6.0 * 2.0**125  # 2.55e38
 
 MX_GROUP_SIZE = 32  # elements sharing one e8m0 scale
 MX_GROUPS_PER_TOKEN = INDEX_DIM // MX_GROUP_SIZE  # 4

@@ -7,18 +7,18 @@ Encoding (the contract every kernel meets bit for bit):
 - e2m1 code: bit 3 is the sign, bits 0-2 index ``F4_E2M1_MAGNITUDES`` (0, .5, 1, 1.5, 2, 3, 4, 6).
   No inf, no NaN. Two codes per byte, element ``2i`` in the LOW nibble, ``2i+1`` in the high one.
 - Input: fp32 or bf16, quantized from fp32 with one rounding (no intermediate bf16 step).
-- Non-finite input: NaN is stored as +0 and +-inf as +-(largest finite fp32) before anything
-  else, so a bad element can only move its own group's scale and its own code; neighbouring
-  groups, tokens and pages are untouched, and the scorers never see NaN.
+- Non-finite and huge input: NaN is stored as +0, and every value (+-inf included) saturates at
+  +-``MXFP4_INPUT_MAX`` = 6 * 2^125 before anything else, so a bad element can only move its own
+  group's scale and its own code; neighbouring groups, tokens and pages are untouched, and every
+  stored value dequantizes to a finite fp32 (6 * 2^125 is the largest that does under both rules).
 - Scale: ``ScaleRule`` (``rceil`` default, ``floor``), biased exponent clamped to [1, 254]. An
   all-zero (or all-underflowing) group gets byte 1 and codes 0; bytes 0 and 255 are never written.
   Both rules are computed from fp32 bit fields, which is exact (see ``e8m0_scale``).
 - Elements: ``x / 2^e`` rounded to nearest, ties to even code, saturating at 6. The sign bit is
   ``x < 0``, so a small negative value that rounds to zero is stored as code 8 (-0).
 
-Dequantization is exact: ``e2m1 * 2^e`` is representable in fp32 for every byte the writer emits
-(|values| below fp32's max; only inputs within a factor 1.5 of fp32's max round up to inf), and
-in bf16 too, since an e2m1 value has at most 2 significant bits.
+Dequantization is exact: ``e2m1 * 2^e`` is representable in fp32 and bf16 for every code and
+every scale the writer emits (at most 2 significant bits, magnitude at most 6 * 2^125).
 """
 
 import torch
@@ -36,6 +36,7 @@ from .constants import (
     F4_E2M1_TIES_UP,
     INDEX_DIM,
     MX_GROUP_SIZE,
+    MXFP4_INPUT_MAX,
 )
 
 _FP32_MANTISSA_BITS = 23
@@ -123,7 +124,7 @@ def quantize_mxfp4(k: torch.Tensor, rule: ScaleRule | str = ScaleRule.RCEIL):
         raise ValueError(f"k must have last dim {INDEX_DIM}, got shape {tuple(k.shape)}")
     if k.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"k must be float32 or bfloat16, got {k.dtype}")
-    x = sanitize_fp32(k)
+    x = sanitize_fp32(k).clamp(-MXFP4_INPUT_MAX, MXFP4_INPUT_MAX)
     groups = x.unflatten(-1, (-1, MX_GROUP_SIZE))  # [..., 4, 32]
     scale_e8m0 = e8m0_scale(groups.abs().amax(dim=-1), rule)  # [..., 4]
     exponent = scale_e8m0.double() - E8M0_EXPONENT_BIAS
