@@ -1,0 +1,55 @@
+"""Reference selector against a brute-force Python sort."""
+
+import math
+
+import pytest
+import torch
+
+from m3_kernels.ops.select.naive import select_blocks_ref, visible_blocks
+
+
+def brute_select(scores, n_visible, topk, local, init):
+    H, rows, _ = scores.shape
+    out = torch.full((H, rows, topk), -1, dtype=torch.int32)
+    for h in range(H):
+        for r in range(rows):
+            n = int(n_visible[r])
+            if n <= topk:
+                chosen = list(range(n))
+            else:
+                s = [(-math.inf if math.isnan(v) else v) for v in scores[h, r, :n].tolist()]
+                middle = sorted(range(init, n - local), key=lambda i: (-s[i], i))
+                chosen = list(range(init)) + middle[: topk - init - local] + list(range(n - local, n))
+            out[h, r, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
+    return out
+
+
+@pytest.mark.parametrize("topk,local,init", [(16, 1, 0), (16, 2, 1), (4, 1, 0), (1, 1, 0)])
+def test_matches_brute_force(gen, topk, local, init):
+    H, rows, nb = 3, 40, 64
+    # Coarse integer scores force many ties; a few -inf and NaN.
+    scores = torch.randint(0, 4, (H, rows, nb), generator=gen).double()
+    scores[scores == 3] = -math.inf
+    scores[0, 0, 5] = math.nan
+    n_visible = torch.randint(0, nb + 1, (rows,), generator=gen)
+    n_visible[:6] = torch.tensor([0, 1, topk, topk + 1, nb, 17])
+    got = select_blocks_ref(scores, n_visible, topk, local, init)
+    assert torch.equal(got, brute_select(scores, n_visible, topk, local, init))
+
+
+def test_own_block_last_and_ties_to_lower_id():
+    scores = torch.zeros(1, 1, 40)
+    got = select_blocks_ref(scores, torch.tensor([40]))
+    assert got[0, 0].tolist() == list(range(15)) + [39]
+
+
+def test_visible_blocks():
+    pos = torch.tensor([-1, 0, 127, 128, 255, 256])
+    assert visible_blocks(pos, 128).tolist() == [0, 1, 1, 2, 2, 3]
+
+
+def test_rejects_bad_options():
+    with pytest.raises(ValueError, match="local_blocks >= 1"):
+        select_blocks_ref(torch.zeros(1, 1, 4), torch.tensor([4]), 16, 0, 0)
+    with pytest.raises(ValueError, match="n_visible"):
+        select_blocks_ref(torch.zeros(1, 1, 4), torch.tensor([5]))
