@@ -1,0 +1,19 @@
+"""Optional decode-scorer backends, each a lazily imported module with the same surface:
+
+``NAME``, ``availability(device) -> (ok, reason)``, ``is_available(device)``,
+``verify_decode(<score_decode arguments>) -> (ok, reason)`` and ``score_decode(...)``.
+
+- ``flydsl``: our FlyDSL kernel for ROCm gfx950.
+- ``aiter``: aiter's installed MXFP4 scorer (``score_flydsl_fp4``), when present.
+"""
+
+import importlib
+
+NAMES = ("flydsl", "aiter")
+
+
+def get_backend(name: str):
+    """The backend module ``name`` (imports only that module; its kernel loads on first call)."""
+    if name not in NAMES:
+        raise ValueError(f"score backend must be one of {list(NAMES)}, got {name!r}")
+    return importlib.import_module(f".{name}", __name__)

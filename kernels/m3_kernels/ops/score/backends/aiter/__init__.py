@@ -1,0 +1,101 @@
+"""aiter's MXFP4 decode scorer (``score_flydsl_fp4``, ROCm/aiter#7060) as a score backend.
+
+Only used when the installed aiter exposes that entry point. Our call is built in one place,
+``decode_call``, so a test can bind it to the installed function's signature (or, without aiter,
+to the documented one in ``signature.py``).
+
+Differences handled here: aiter stores ``max * sm_scale * log2(e)`` (we pass ``sm_scale / log2(e)``,
+so the product is ``sm_scale`` up to one fp32 rounding); it takes no context-parallel shard
+(``cp_world`` must be 1) and reads only MXFP4 caches.
+"""
+
+import importlib
+import importlib.util
+import math
+
+import torch
+
+from ...common import check_decode_args, supported
+from .....formats import IndexKFormat, VIEW_ALIGN_BYTES
+from .signature import ENTRY_POINT, LOCATIONS
+
+NAME = "aiter"
+LOG2E = math.log2(math.e)
+
+
+def find_scorer():
+    """The installed ``score_flydsl_fp4``, or None (aiter missing or older than the MXFP4 PR)."""
+    if importlib.util.find_spec("aiter") is None:
+        return None
+    for module, attr in LOCATIONS:
+        try:
+            fn = getattr(importlib.import_module(module), attr, None)
+        except Exception:  # aiter imports its compiled ops eagerly; a broken install counts as absent
+            fn = None
+        if fn is not None:
+            return fn
+    return None
+
+
+def availability(device) -> tuple[bool, str]:
+    if importlib.util.find_spec("aiter") is None:
+        return False, "aiter is not installed"
+    if find_scorer() is None:
+        return False, f"the installed aiter has no {ENTRY_POINT} (needs ROCm/aiter#7060)"
+    if torch.device(device).type != "cuda" or not getattr(torch.version, "hip", None):
+        return False, f"aiter's scorer runs on ROCm GPUs; {torch.device(device)} is not one"
+    return True, ""
+
+
+def is_available(device) -> bool:
+    return availability(device)[0]
+
+
+def check_aiter_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
+                       cp_world=1):
+    """The shared rules plus aiter's: MXFP4 cache, no CP shard, 16-byte aligned q rows."""
+    fmt, batch, H, max_block, sm_scale = check_decode_args(
+        q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank, cp_world
+    )
+    if fmt is not IndexKFormat.MXFP4:
+        raise ValueError(f"aiter's {ENTRY_POINT} reads MXFP4 caches only, got a {fmt.value} cache")
+    if cp_world != 1:
+        raise ValueError(f"aiter's {ENTRY_POINT} takes no context-parallel shard, got cp_world={cp_world}")
+    es = q.element_size()
+    if q.data_ptr() % VIEW_ALIGN_BYTES or (q.stride(0) * es) % VIEW_ALIGN_BYTES or (q.stride(1) * es) % VIEW_ALIGN_BYTES:
+        raise ValueError(f"q base and row/head strides must be {VIEW_ALIGN_BYTES}-byte aligned for aiter, got {q.stride()}")
+    return fmt, batch, H, max_block, sm_scale
+
+
+def decode_call(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
+                cp_world=1):
+    """Validate and build ``(args, kwargs, out)`` for ``score_flydsl_fp4``; allocates ``out`` (-inf) if None."""
+    _, batch, H, max_block, sm_scale = check_aiter_decode(
+        q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank, cp_world
+    )
+    if out is None:
+        out = torch.full((H, batch * S, max_block), float("-inf"), dtype=torch.float32, device=q.device)
+    args = (q, k_cache, k_scale, block_table, seq_lens, S, H, sm_scale / LOG2E, max_block)
+    return args, {"out": out}, out
+
+
+def verify_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
+                  cp_world=1) -> tuple[bool, str]:
+    ok, reason = supported(check_aiter_decode, q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block,
+                           out, cp_rank, cp_world)
+    if not ok:
+        return ok, reason
+    return availability(q.device)
+
+
+def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
+                 cp_world=1):
+    """Decode block scores through aiter (contract: ``ops.score.score_decode``)."""
+    ok, reason = availability(q.device)
+    if not ok:
+        raise NotImplementedError(reason)
+    args, kwargs, out = decode_call(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank,
+                                    cp_world)
+    if out.shape[1] and out.shape[2]:
+        find_scorer()(*args, **kwargs)
+    return out

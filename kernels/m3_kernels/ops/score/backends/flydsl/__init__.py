@@ -1,0 +1,63 @@
+"""FlyDSL decode scorer for AMD gfx950 (MI350/MI355X).
+
+Importing this package imports neither FlyDSL nor the kernel: ``score_decode`` loads them on
+first use, so a machine without FlyDSL (every NVIDIA or CPU box) imports ``sglang_m3`` unharmed.
+The kernel has been compile-checked to gfx950 assembly on a CPU machine; it has not run on a GPU.
+"""
+
+import importlib.util
+
+import torch
+
+from ...common import supported
+
+TARGET_ARCH = "gfx950"
+NAME = "flydsl"
+
+
+def is_installed() -> bool:
+    """FlyDSL importable (the ``amd`` extra)."""
+    return importlib.util.find_spec("flydsl") is not None
+
+
+def device_arch(device) -> str | None:
+    """``gfxNNN`` of a ROCm device, None for CPU or CUDA devices."""
+    device = torch.device(device)
+    if device.type != "cuda" or not getattr(torch.version, "hip", None):
+        return None
+    return torch.cuda.get_device_properties(device).gcnArchName.split(":", 1)[0]
+
+
+def availability(device) -> tuple[bool, str]:
+    """``(True, "")`` if this backend can run on ``device``, else ``(False, reason)``."""
+    if not is_installed():
+        return False, "flydsl is not installed (pip install 'sglang-m3[amd]')"
+    arch = device_arch(device)
+    if arch != TARGET_ARCH:
+        return False, f"the FlyDSL scorer targets ROCm {TARGET_ARCH}; {torch.device(device)} is {arch or 'not a ROCm GPU'}"
+    return True, ""
+
+
+def is_available(device) -> bool:
+    return availability(device)[0]
+
+
+def verify_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
+                  cp_world=1) -> tuple[bool, str]:
+    """``(ok, reason)`` for a ``score_decode`` call: the shared argument rules, this kernel's
+    alignment and 32-bit offset rules, then hardware availability. Never raises."""
+    from .checks import check_flydsl_decode
+
+    ok, reason = supported(check_flydsl_decode, q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block,
+                           out, cp_rank, cp_world)
+    if not ok:
+        return ok, reason
+    return availability(q.device)
+
+
+def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
+                 cp_world=1, nt_k=None):
+    """Decode block scores (contract: ``ops.score.score_decode``); ValueError on bad arguments."""
+    from .host import score_decode as run
+
+    return run(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank, cp_world, nt_k)
