@@ -15,8 +15,11 @@ BACKENDS = ("auto", "torch", "triton", "flydsl", "aiter")
 ENV_BACKEND = "M3_SCORE_BACKEND"
 
 
-def resolve_backend(device: torch.device, backend: str | None = None) -> str:
-    """The backend a call on ``device`` uses: ``backend``, else ``$M3_SCORE_BACKEND``, else auto."""
+def resolve_backend(device: torch.device, backend: str | None = None, op: str = "decode") -> str:
+    """The backend a call on ``device`` uses: ``backend``, else ``$M3_SCORE_BACKEND``, else auto.
+
+    auto: torch off-GPU; for ``op="decode"`` FlyDSL on ROCm gfx950 (when installed); else Triton.
+    """
     backend = backend or os.environ.get(ENV_BACKEND, "auto")
     if backend not in BACKENDS:
         raise ValueError(f"{ENV_BACKEND} / backend must be one of {list(BACKENDS)}, got {backend!r}")
@@ -24,6 +27,10 @@ def resolve_backend(device: torch.device, backend: str | None = None) -> str:
         return backend
     if device.type != "cuda":
         return "torch"
+    from .backends import flydsl  # light: imports FlyDSL only when a kernel is launched
+
+    if op == "decode" and flydsl.is_available(device):  # ROCm gfx950 with FlyDSL installed
+        return "flydsl"
     return "triton"
 
 
@@ -44,13 +51,22 @@ def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_bl
             return res
         out.copy_(res)
         return out
+    if name in ("flydsl", "aiter"):
+        from .backends import get_backend
+
+        impl = get_backend(name)
+        ok, why = impl.availability(q.device)
+        if not ok:
+            raise NotImplementedError(f"score backend {name!r} cannot run here: {why}")
+        return impl.score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank,
+                                 cp_world)
     raise NotImplementedError(f"score backend {name!r} is not available in this build")
 
 
 def score_prefill(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None, out=None,
                   backend=None):
     """Prefill block scores ``fp32 [H, total_new_tokens, max_block]`` (contract: ``naive.score_prefill_ref``)."""
-    name = resolve_backend(q.device, backend)
+    name = resolve_backend(q.device, backend, op="prefill")
     if name in ("torch", "flydsl", "aiter"):  # prefill has a torch and a Triton path only
         from .naive import score_prefill_ref
 
