@@ -1,0 +1,124 @@
+"""Needle-in-a-haystack samples generated locally (RULER-style), sized in tokens of the served model.
+
+A sample is a chronicle (``accuracy.haystack``) with one or more needles, sentences of the form
+``The special number for "<key>" is <7 digits>.``, and a question about one key. ``single`` has one
+needle; ``multikey`` has ``n_keys`` needles with distinct keys and asks for one of them (the others
+are distractors at random depths). The queried needle sits at ``depth`` percent of the context, so
+with a depth grid the needle lands in many different 128-token blocks. ``length`` is the budget of
+prompt tokens plus ``gen_tokens`` generated tokens.
+
+Doc fields: ``input`` (prompt), ``target`` (the digits), ``length``, ``depth``, ``tokens`` (prompt
+tokens measured), ``key``, ``n_keys``, ``sample``.
+"""
+
+import bisect
+import random
+import re
+
+from .haystack import sentences
+
+PROMPT = (
+    "Some special numbers are hidden in the chronicle below. Remember them: you will be asked for one.\n\n"
+    "{context}\n\n"
+    'Question: what is the special number for "{key}" in the chronicle above?\n'
+    'Answer: the special number for "{key}" is'
+)
+NEEDLE = 'The special number for "{key}" is {value}.'
+_KEY_A = ["amber", "silver", "quiet", "northern", "crooked", "velvet", "hollow", "bitter", "golden", "rusty",
+          "painted", "frozen", "scarlet", "gentle", "iron", "wandering"]
+_KEY_B = ["falcon", "orchard", "lantern", "harbour", "thistle", "anchor", "meadow", "compass", "sparrow",
+          "kettle", "willow", "beacon", "otter", "bramble", "chapel", "juniper"]
+GEN_TOKENS = 24  # tokens the model may generate; a 7-digit answer needs far fewer
+_POOL_SEED = 1234  # haystack stream shared by all samples (each sample reads its own window)
+
+
+def depth_grid(num_depths: int) -> list[float]:
+    """``num_depths`` evenly spaced needle depths in percent, 0 and 100 included (50 for one)."""
+    if num_depths < 1:
+        raise ValueError(f"num_depths must be >= 1, got {num_depths}")
+    if num_depths == 1:
+        return [50.0]
+    return [100.0 * i / (num_depths - 1) for i in range(num_depths)]
+
+
+class _Pool:
+    """Haystack sentences with their token counts and prefix sums, grown on demand."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.stream = sentences(_POOL_SEED)
+        self.text: list[str] = []
+        self.cum = [0]  # cum[i] = tokens of sentences [0, i)
+
+    def ensure(self, tokens: int):
+        while self.cum[-1] < tokens:
+            batch = [next(self.stream) for _ in range(512)]
+            counts = [len(ids) for ids in self.tokenizer([" " + s for s in batch], add_special_tokens=False)["input_ids"]]
+            self.text += batch
+            for c in counts:
+                self.cum.append(self.cum[-1] + c)
+
+
+def _count(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _key(rng: random.Random, used: set) -> str:
+    while True:
+        key = f"{rng.choice(_KEY_A)}-{rng.choice(_KEY_B)}"
+        if key not in used:
+            used.add(key)
+            return key
+
+
+def make_sample(tokenizer, pool: _Pool, length: int, depth: float, n_keys: int, rng: random.Random, index: int) -> dict:
+    """One sample of at most ``length - GEN_TOKENS`` prompt tokens (see module doc)."""
+    used: set = set()
+    needles = [(_key(rng, used), f"{rng.randrange(10**6, 10**7)}") for _ in range(n_keys)]
+    key, value = needles[0]
+    frame = _count(tokenizer, PROMPT.format(context="", key=key))
+    needle_tokens = sum(_count(tokenizer, " " + NEEDLE.format(key=k, value=v)) for k, v in needles)
+    budget = length - GEN_TOKENS - frame - needle_tokens
+    if budget <= 0:
+        raise ValueError(f"length {length} is too short for the prompt frame ({frame} + {needle_tokens} + {GEN_TOKENS} tokens)")
+    for _ in range(8):  # per-sentence counts are an estimate: trim until the prompt fits
+        pool.ensure(budget * 3 + 1)
+        start = rng.randrange(0, max(1, len(pool.text) - 1))
+        while pool.cum[-1] - pool.cum[start] < budget:
+            start = start // 2  # window too close to the end of the pool: move it back
+        end = bisect.bisect_right(pool.cum, pool.cum[start] + budget) - 1
+        hay = pool.text[start:end]
+        # Depth is placed by tokens: the needle goes at the sentence boundary nearest depth%.
+        offsets = [pool.cum[i] - pool.cum[start] for i in range(start, end + 1)]
+        spots = [bisect.bisect_left(offsets, depth / 100.0 * offsets[-1])]
+        spots += [rng.randrange(0, len(hay) + 1) for _ in needles[1:]]
+        inserts = sorted(zip(spots, range(len(needles))), reverse=True)
+        body = list(hay)
+        for spot, i in inserts:
+            body.insert(min(spot, len(body)), NEEDLE.format(key=needles[i][0], value=needles[i][1]))
+        prompt = PROMPT.format(context=" ".join(body), key=key)
+        tokens = _count(tokenizer, prompt)
+        if tokens <= length - GEN_TOKENS:
+            return {"input": prompt, "target": value, "length": length, "depth": depth, "tokens": tokens,
+                    "key": key, "n_keys": n_keys, "sample": index}
+        budget -= tokens - (length - GEN_TOKENS) + 8
+    raise RuntimeError(f"could not fit a sample into {length} tokens")
+
+
+def generate(tokenizer, lengths, num_samples: int, num_depths: int, n_keys: int, seed: int) -> list[dict]:
+    """``num_samples`` samples per length, depths cycling over ``depth_grid(num_depths)``."""
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    pool = _Pool(tokenizer)
+    grid = depth_grid(num_depths)
+    docs = []
+    for length in sorted(int(n) for n in lengths):
+        rng = random.Random(f"{seed}-{length}-{n_keys}")
+        for i in range(num_samples):
+            docs.append(make_sample(tokenizer, pool, length, grid[i % len(grid)], n_keys, rng, i))
+    return docs
+
+
+def score(response: str, target: str) -> float:
+    """1.0 when the target digits appear in the response as a whole number, else 0.0."""
+    return 1.0 if re.search(rf"(?<!\d){re.escape(target)}(?!\d)", response) else 0.0
