@@ -190,8 +190,11 @@ def build_decode_scorer(k_format: str, q_fp8: bool, S: int, H: int, waves: int =
         # Per n-tile, per lane: the last visible token row of this page for the lane's column.
         limits = [seq_len - S + tok_of[j] - gp * PAGE_SIZE for j in range(NF)]
         best = [fx.Float32(NEG_INF) for _ in range(NF)]
+        # Issue order is pinned with scheduling barriers, so exactly nt_k tiles are in flight while
+        # tile t is multiplied (LLVM would otherwise hoist or sink loads at will).
         inflight = [load_tile(t, k_rsrc, s_rsrc, n_col, grp) for t in range(min(nt_k, TILES_PER_PAGE))]
         for t in range(TILES_PER_PAGE):
+            rocdl.sched_barrier(0)
             if t + nt_k < TILES_PER_PAGE:
                 inflight.append(load_tile(t + nt_k, k_rsrc, s_rsrc, n_col, grp))
             accs = tile_scores(*inflight[t], q_frags)
@@ -274,4 +277,6 @@ def build_decode_scorer(k_format: str, q_fp8: bool, S: int, H: int, waves: int =
         ).launch(grid=(batch, grid_y, 1), block=(waves * WAVE, 1, 1), stream=stream)
 
     launch.pages_per_cta = pages_per_cta
+    launch.pages_per_wave = pages_per_wave
+    launch.features = F
     return launch

@@ -1,0 +1,200 @@
+"""FlyDSL decode scorer: compile-level proof for gfx950, plus its host-side rules and dispatch.
+
+No AMD GPU is available to these tests. Each specialisation is traced from a real, validated
+decode call built on the CPU (``prepare_decode``), lowered by FlyDSL's own pipeline in
+compile-only mode for gfx950, and turned into assembly with ``gpu-module-to-binary{format=isa}``
+(the fatbin step needs ROCm's lld, the assembly does not). The tests then read the assembly:
+the instructions that carry the design are present in the expected numbers, loads are 16 B
+wide, and nothing spills to scratch. Whether the kernel computes the right scores on a GPU is
+NOT tested here.
+"""
+
+import importlib.util
+import math
+import re
+
+import pytest
+import torch
+
+from m3_kernels.formats import FP8_DTYPE, PAGE_SIZE, alloc_index_k_cache
+from m3_kernels.ops.score import resolve_backend, score_decode, score_prefill
+from m3_kernels.ops.score.backends import flydsl as flydsl_backend
+from m3_kernels.ops.score.backends.flydsl.checks import check_flydsl_decode
+from m3_kernels.ops.score.common import check_decode_args
+
+HAS_FLYDSL = importlib.util.find_spec("flydsl") is not None
+needs_flydsl = pytest.mark.skipif(not HAS_FLYDSL, reason="flydsl is not installed (pip install '.[amd]'; CI installs it)")
+
+FORMATS = ("mxfp4", "fp8", "bf16")
+Q_DTYPES = {"bf16": torch.bfloat16, "e4m3": FP8_DTYPE}
+GEOMETRIES = [(S, H) for S in (1, 2, 4) for H in (1, 4)]  # M3: 1 + up to 3 draft tokens, 1 or 4 index heads
+NUM_PAGES = 4
+
+
+def decode_call(fmt, q_name, S, H, batch=2, q=None):
+    """A valid decode call on the CPU: (args, kwargs) for score_decode."""
+    k_cache, k_scale = alloc_index_k_cache(NUM_PAGES, fmt)
+    if q is None:
+        q = torch.randn(batch * S, H, 128).to(Q_DTYPES[q_name])
+    block_table = torch.randint(0, NUM_PAGES, (batch, NUM_PAGES), dtype=torch.int32)
+    seq_lens = torch.tensor([3 * PAGE_SIZE + 1, S][:batch], dtype=torch.int32)
+    return (q, k_cache, k_scale, block_table, seq_lens, S, 1 / math.sqrt(128)), {}
+
+
+_ISA = {}  # one lowering per specialisation per session
+
+
+def lowered(fmt, q_name, S, H, nt_k=None):
+    """(isa text, launcher) of one specialisation, lowered once per session."""
+    from m3_kernels.ops.score.backends.flydsl.host import prepare_decode
+    from m3_kernels.ops.score.backends.flydsl.isa import lower_to_isa
+
+    key = (fmt, q_name, S, H, nt_k)
+    if key not in _ISA:
+        args, kwargs = decode_call(fmt, q_name, S, H)
+        launcher, launch_args, _ = prepare_decode(*args, **kwargs, nt_k=nt_k)
+        _ISA[key] = lower_to_isa(launcher, *launch_args, arch="gfx950"), launcher
+    return _ISA[key]
+
+
+def expected(fmt, q_name, S, H, launcher):
+    """Instruction counts the design implies for one specialisation."""
+    tiles = launcher.pages_per_wave * PAGE_SIZE // 16  # K tiles per wave (pages unrolled)
+    nf = -(-S * H // 16)  # 16-feature n-tiles
+    scaled = q_name == "e4m3" and fmt != "bf16"
+    k_x4 = {"mxfp4": 1, "fp8": 2, "bf16": 4}[fmt]  # 16-byte loads per lane per tile
+    q_x4 = nf * (2 if q_name == "e4m3" else 4)
+    want = {
+        "buffer_load_dwordx4": tiles * k_x4 + q_x4,
+        "buffer_load_ubyte": tiles if fmt == "mxfp4" else 0,  # the lane's e8m0 byte
+        "v_mfma_scale_f32_16x16x128_f8f6f4": tiles * nf if scaled else 0,
+        "v_mfma_f32_16x16x32_bf16": 0 if scaled else tiles * nf * 4,
+        "v_cvt_scalef32_pk_bf16_fp4": tiles * 16 if fmt == "mxfp4" and not scaled else 0,
+        "v_cvt_scalef32_pk_bf16_fp8": (tiles * 16 if fmt == "fp8" and not scaled else 0)
+        + (nf * 16 if fmt == "bf16" and q_name == "e4m3" else 0),
+        "buffer_store_dword": launcher.pages_per_wave * nf,
+    }
+    return want
+
+
+@needs_flydsl
+@pytest.mark.parametrize("S,H", GEOMETRIES, ids=[f"S{S}H{H}" for S, H in GEOMETRIES])
+@pytest.mark.parametrize("q_name", list(Q_DTYPES))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_specialisation_lowers_to_gfx950_isa(fmt, q_name, S, H):
+    from m3_kernels.ops.score.backends.flydsl.isa import instruction_counts, kernel_resources
+
+    isa, launcher = lowered(fmt, q_name, S, H)
+    assert re.search(r"\.amdgcn_target \"amdgcn-amd-amdhsa-[a-z]*-gfx950\"", isa)
+    counts = instruction_counts(isa)
+    got = {name: counts.get(name, 0) for name in expected(fmt, q_name, S, H, launcher)}
+    assert got == expected(fmt, q_name, S, H, launcher)
+    # Only 16-byte vector loads for K and Q: nothing split into narrower pieces.
+    assert not any(counts.get(n) for n in ("buffer_load_dword", "buffer_load_dwordx2", "buffer_load_dwordx3"))
+    assert not any(n.startswith(("global_load", "flat_load")) for n in counts)
+    # The scaled MFMA reads K as e2m1 (cbsz:4) for MXFP4 and as e4m3 (no format modifier) for fp8.
+    scaled_lines = [line for line in isa.splitlines() if "v_mfma_scale_f32_16x16x128_f8f6f4" in line]
+    assert all(("cbsz:4" in line) == (fmt == "mxfp4") for line in scaled_lines)
+    # No scratch: no private segment, no spills, no scratch instructions.
+    res = kernel_resources(isa)
+    assert res["private_segment_fixed_size"] == 0 and res["private_seg_size"] == 0
+    assert res["vgpr_spill_count"] == 0 and res["sgpr_spill_count"] == 0
+    assert not any(n.startswith("scratch_") for n in counts)
+    assert res["num_vgpr"] <= 128, res  # leaves room for 4 waves per SIMD (512 VGPRs each)
+
+
+@needs_flydsl
+@pytest.mark.parametrize("nt_k", [1, 3, 6, 8])
+def test_k_tiles_in_flight(nt_k):
+    """Before the first MFMA the kernel has issued Q and exactly nt_k + 1 K tiles (tile 0 and the
+    nt_k tiles whose loads run while it is multiplied)."""
+    isa, _ = lowered("mxfp4", "bf16", 4, 1, nt_k=nt_k)
+    body = [line.split()[0] for line in isa.splitlines() if line.startswith("\t") and not line.startswith("\t.")]
+    first_mfma = next(i for i, name in enumerate(body) if name.startswith("v_mfma"))
+    q_loads = 4
+    assert body[:first_mfma].count("buffer_load_dwordx4") == q_loads + min(nt_k + 1, PAGE_SIZE // 16)
+
+
+@needs_flydsl
+def test_default_nt_k_is_six_for_mxfp4():
+    from m3_kernels.ops.score.backends.flydsl.host import prepare_decode
+
+    args, kwargs = decode_call("mxfp4", "bf16", 4, 1)
+    launcher, *_ = prepare_decode(*args, **kwargs)
+    launcher6, *_ = prepare_decode(*args, **kwargs, nt_k=6)
+    assert launcher is launcher6
+
+
+# Host-side rules and dispatch: no FlyDSL needed.
+
+
+def test_shares_the_decode_rules():
+    args, _ = decode_call("mxfp4", "bf16", 2, 4)
+    assert check_flydsl_decode(*args) == check_decode_args(*args)
+    bad = list(args)
+    bad[6] = -1.0
+    with pytest.raises(ValueError, match="sm_scale"):
+        check_flydsl_decode(*bad)
+    ok, reason = flydsl_backend.verify_decode(*bad)
+    assert not ok and "sm_scale" in reason
+
+
+def test_rejects_misaligned_q():
+    store = torch.zeros(2 * 4 * 128 + 8, dtype=torch.bfloat16)
+    q = store[8:].view(2, 4, 128)  # 16 B past the base: aligned; 8 elements = 16 B
+    args, _ = decode_call("mxfp4", "bf16", 1, 4, q=q)
+    check_flydsl_decode(*args)
+    q = store[4 : 4 + 2 * 4 * 128].view(2, 4, 128)  # 8 B past the base
+    args, _ = decode_call("mxfp4", "bf16", 1, 4, q=q)
+    check_decode_args(*args)  # the shared rules accept it ...
+    with pytest.raises(ValueError, match="16-byte aligned"):  # ... this kernel does not
+        check_flydsl_decode(*args)
+
+
+def test_not_available_off_rocm():
+    ok, reason = flydsl_backend.availability(torch.device("cpu"))
+    assert not ok and ("gfx950" in reason or "not installed" in reason)
+    args, _ = decode_call("mxfp4", "bf16", 1, 1)
+    ok, reason = flydsl_backend.verify_decode(*args)
+    assert not ok and reason
+    with pytest.raises(NotImplementedError, match="flydsl"):
+        score_decode(*args, backend="flydsl")
+
+
+def test_resolve_backend(monkeypatch):
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    monkeypatch.delenv("M3_SCORE_BACKEND", raising=False)
+    assert resolve_backend(cpu) == "torch"
+    monkeypatch.setattr(flydsl_backend, "is_available", lambda device: True)  # as on ROCm gfx950
+    assert resolve_backend(gpu) == "flydsl"
+    assert resolve_backend(gpu, op="prefill") == "triton"  # no FlyDSL prefill
+    monkeypatch.setattr(flydsl_backend, "is_available", lambda device: False)  # NVIDIA, other AMD
+    assert resolve_backend(gpu) == "triton"
+    for forced in ("torch", "triton", "flydsl", "aiter"):
+        monkeypatch.setenv("M3_SCORE_BACKEND", forced)
+        assert resolve_backend(gpu) == forced and resolve_backend(cpu) == forced
+    monkeypatch.setenv("M3_SCORE_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="M3_SCORE_BACKEND"):
+        resolve_backend(gpu)
+
+
+def test_prefill_ignores_forced_flydsl_on_cpu(monkeypatch):
+    """Forcing flydsl for decode must not break prefill, which has no FlyDSL path."""
+    monkeypatch.setenv("M3_SCORE_BACKEND", "flydsl")
+    k_cache, k_scale = alloc_index_k_cache(2, "mxfp4")
+    q = torch.randn(3, 1, 128).to(torch.bfloat16)
+    out = score_prefill(q, k_cache, k_scale, torch.tensor([[0, 1]], dtype=torch.int32),
+                        torch.tensor([3], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32), 0.1)
+    assert out.shape == (1, 3, 2)
+
+
+@needs_flydsl
+def test_prepare_allocates_minus_inf_and_skips_empty_launch():
+    from m3_kernels.ops.score.backends.flydsl.host import prepare_decode
+
+    args, _ = decode_call("fp8", "bf16", 2, 1)
+    launcher, launch_args, out = prepare_decode(*args)
+    assert launcher is not None and out.shape == (1, 4, NUM_PAGES) and torch.isneginf(out).all()
+    q, k_cache, k_scale, bt, sl, S, sm = args
+    launcher, launch_args, out = prepare_decode(q[:0], k_cache, k_scale, bt[:0], sl[:0], S, sm)
+    assert launcher is None and out.shape == (1, 0, NUM_PAGES)
