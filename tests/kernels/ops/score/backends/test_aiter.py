@@ -1,0 +1,102 @@
+"""aiter's MXFP4 scorer as a backend: our call binds to its signature, without a GPU.
+
+With aiter installed (and exposing ``score_flydsl_fp4``) the call is bound to the installed
+function, so a version mismatch fails here rather than at the first decode. Without aiter
+(every CPU machine: it is not on PyPI) it is bound to the signature documented by the pull
+request (``backends/aiter/signature.py``), which only checks that our call matches that
+document. The test reports which one it checked.
+"""
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from m3_kernels.formats import PAGE_SIZE, alloc_index_k_cache
+from m3_kernels.ops.score import score_decode
+from m3_kernels.ops.score.backends import aiter as aiter_backend
+from m3_kernels.ops.score.backends.aiter import signature
+
+
+def mxfp4_call(S=4, H=1, batch=3, num_pages=4, q_dtype=torch.bfloat16, fmt="mxfp4"):
+    k_cache, k_scale = alloc_index_k_cache(num_pages, fmt)
+    q = torch.randn(batch * S, H, 128).to(q_dtype)
+    block_table = torch.randint(0, num_pages, (batch, num_pages), dtype=torch.int32)
+    seq_lens = torch.tensor([1, PAGE_SIZE + 1, 3 * PAGE_SIZE][:batch], dtype=torch.int32)
+    return q, k_cache, k_scale, block_table, seq_lens, S, 0.125
+
+
+def target():
+    """(function to bind against, what it is)."""
+    fn = aiter_backend.find_scorer()
+    if fn is not None:
+        return fn, f"installed aiter {getattr(fn, '__module__', '?')}.{fn.__name__}"
+    return signature.score_flydsl_fp4, f"signature documented in {signature.PR} (aiter not installed)"
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "e4m3"])
+def test_call_binds_to_aiter_signature(q_dtype, record_property):
+    fn, what = target()
+    record_property("aiter_signature_checked", what)
+    print(f"bound against: {what}")
+    args, kwargs, out = aiter_backend.decode_call(*mxfp4_call(q_dtype=q_dtype))
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    q, k_data, k_scale = args[:3]
+    names = list(bound.arguments)
+    # The two cache views and the scale land in the parameters that take them, by position.
+    assert bound.arguments[names[1]] is k_data and bound.arguments[names[2]] is k_scale
+    assert bound.arguments["out"] is out
+    assert bound.arguments["S"] == 4 and bound.arguments["H"] == 1
+
+
+def test_spec_matches_the_fp8_entry_point_shape():
+    """The spec is the fp8 signature with ``cache`` split into two views: our call must NOT bind
+    to the fp8 entry point (an aiter without the MXFP4 PR), or this test could not catch one."""
+
+    def score_flydsl(idx_q, cache, block_table, seq_lens, S, H, sm_scale, max_block, out=None, cfg=None,
+                     work_map=None, **cfg_kwargs):
+        """The fp8 scorer's documented signature."""
+
+    args, kwargs, _ = aiter_backend.decode_call(*mxfp4_call())
+    with pytest.raises(TypeError):
+        inspect.signature(score_flydsl).bind(*args, **kwargs)
+    params = list(signature.SPEC.parameters)
+    assert params[:3] == ["idx_q", "k_data", "k_scale"]
+    assert params[3:] == [p for p in inspect.signature(score_flydsl).parameters if p not in ("idx_q", "cache")]
+
+
+def test_scale_is_converted_from_log2_domain():
+    """aiter stores max * sm_scale * log2(e); we hand it sm_scale / log2(e)."""
+    call = mxfp4_call()
+    args, _, _ = aiter_backend.decode_call(*call)
+    passed = args[7]
+    assert math.isclose(passed * math.log2(math.e), call[6], rel_tol=1e-15)
+
+
+def test_rejections():
+    call = list(mxfp4_call())
+    with pytest.raises(ValueError, match="MXFP4"):
+        aiter_backend.decode_call(*mxfp4_call(fmt="fp8"))
+    with pytest.raises(ValueError, match="cp_world"):
+        aiter_backend.decode_call(*call, cp_rank=0, cp_world=2)
+    bad = list(call)
+    bad[6] = float("nan")
+    with pytest.raises(ValueError, match="sm_scale"):
+        aiter_backend.decode_call(*bad)
+    ok, reason = aiter_backend.verify_decode(*bad)
+    assert not ok and "sm_scale" in reason
+
+
+def test_default_out_reads_minus_inf():
+    args, kwargs, out = aiter_backend.decode_call(*mxfp4_call(S=2, H=4, batch=2))
+    assert out.shape == (4, 4, 4) and out.dtype == torch.float32 and torch.isneginf(out).all()
+
+
+def test_unavailable_without_aiter_on_rocm():
+    if aiter_backend.find_scorer() is not None and torch.cuda.is_available():
+        pytest.skip("aiter and a GPU are present")
+    ok, reason = aiter_backend.availability(torch.device("cpu"))
+    assert not ok and reason
+    with pytest.raises(NotImplementedError, match="aiter"):
+        score_decode(*mxfp4_call(), backend="aiter")
