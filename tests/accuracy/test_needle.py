@@ -1,0 +1,65 @@
+"""Locally generated needle samples: sized in tokens, needle at its depth, scored by whole number."""
+
+from pathlib import Path
+
+import pytest
+
+from accuracy import haystack, needle
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "minimax-m3.1-tiny"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(TINY))
+
+
+def test_haystack_is_deterministic_and_varied():
+    a = [s for s, _ in zip(haystack.sentences(5), range(200))]
+    assert a == [s for s, _ in zip(haystack.sentences(5), range(200))]
+    assert a != [s for s, _ in zip(haystack.sentences(6), range(200))]
+    assert len(set(a)) > 150
+
+
+def test_depth_grid():
+    assert needle.depth_grid(1) == [50.0]
+    assert needle.depth_grid(5) == [0.0, 25.0, 50.0, 75.0, 100.0]
+    with pytest.raises(ValueError, match="num_depths"):
+        needle.depth_grid(0)
+
+
+@pytest.mark.parametrize("n_keys", [1, 4])
+def test_samples_fit_their_length(tokenizer, n_keys):
+    lengths = [1024, 3000]
+    docs = needle.generate(tokenizer, lengths, num_samples=5, num_depths=5, n_keys=n_keys, seed=1)
+    assert [d["length"] for d in docs] == [1024] * 5 + [3000] * 5
+    for d in docs:
+        tokens = len(tokenizer(d["input"], add_special_tokens=False)["input_ids"])
+        assert tokens == d["tokens"]
+        assert d["length"] - needle.GEN_TOKENS - 64 <= tokens <= d["length"] - needle.GEN_TOKENS
+        assert d["input"].count(f'is {d["target"]}.') == 1
+        assert d["input"].count("The special number for") == n_keys
+        assert d["input"].endswith(f'the special number for "{d["key"]}" is')
+    assert docs == needle.generate(tokenizer, lengths, 5, 5, n_keys, 1)  # deterministic
+
+
+def test_needle_lands_at_its_depth(tokenizer):
+    docs = needle.generate(tokenizer, [4096], num_samples=5, num_depths=5, n_keys=1, seed=2)
+    for d in docs:
+        context = d["input"].split("\n\n")[1]
+        at = context.index("The special number for") / len(context)
+        assert abs(100 * at - d["depth"]) < 5, (d["depth"], at)
+
+
+def test_too_short_length_raises(tokenizer):
+    with pytest.raises(ValueError, match="too short"):
+        needle.generate(tokenizer, [40], 1, 1, 1, 0)
+
+
+def test_score_whole_numbers_only():
+    assert needle.score(" 4793957.", "4793957") == 1.0
+    assert needle.score("it is 14793957", "4793957") == 0.0
+    assert needle.score("47939570", "4793957") == 0.0
+    assert needle.score("no idea", "4793957") == 0.0

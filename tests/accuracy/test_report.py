@@ -1,0 +1,44 @@
+"""Report tables and the plot from constructed per-sample results."""
+
+import pytest
+
+from accuracy import report
+
+
+def _rows(scores_by_length, targets="t"):
+    rows, i = [], 0
+    for length, scores in scores_by_length.items():
+        for s in scores:
+            rows.append({"doc_id": i, "length": length, "depth": 0.0, "target": f"{targets}{i}", "response": "", "score": s})
+            i += 1
+    return rows
+
+
+def test_build_pairs_by_length_and_overall(tmp_path):
+    per_format = {
+        "fp8": {"m3_niah_single": _rows({1024: [1, 1, 1, 0], 2048: [1, 0, 0, 0]})},
+        "mxfp4": {"m3_niah_single": _rows({1024: [1, 1, 0, 0], 2048: [1, 0, 0, 1]})},
+    }
+    summary = report.build(per_format, ["fp8", "mxfp4"], n_boot=200)
+    groups = summary["tasks"]["m3_niah_single"]
+    assert [g["length"] for g in groups] == [1024, 2048, report.ALL]
+    assert groups[0]["acc"] == {"fp8": 0.75, "mxfp4": 0.5}
+    p = groups[2]["paired"]["mxfp4"]
+    assert (p["n"], p["n10"], p["n01"], p["diff"]) == (8, 1, 1, 0.0)
+    text = report.markdown(summary)
+    assert "### m3_niah_single" in text and "| 1024 | 4 | 75.0 | 50.0 |" in text
+    assert report.plot(summary, tmp_path / "a.png").stat().st_size > 1000
+
+
+def test_short_task_has_one_group():
+    rows = [{"doc_id": i, "length": None, "depth": None, "target": str(i), "response": "", "score": 1.0} for i in range(3)]
+    summary = report.build({"fp8": {"m3_short_arith": rows}, "mxfp4": {"m3_short_arith": rows}}, ["fp8", "mxfp4"], n_boot=10)
+    assert [g["length"] for g in summary["tasks"]["m3_short_arith"]] == [report.ALL]
+    assert summary["tasks"]["m3_short_arith"][0]["paired"]["mxfp4"]["agreement"] == 1.0
+
+
+def test_mismatched_data_is_refused():
+    a = _rows({1024: [1, 0]}, targets="x")
+    b = _rows({1024: [1, 0]}, targets="y")
+    with pytest.raises(ValueError, match="target differs"):
+        report.build({"fp8": {"t": a}, "mxfp4": {"t": b}}, ["fp8", "mxfp4"])

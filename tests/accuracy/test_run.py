@@ -1,0 +1,52 @@
+"""The runner's argument handling and the format switch (the end-to-end run is test_run_e2e.py)."""
+
+import json
+
+import pytest
+
+from accuracy import run
+
+
+def test_format_switch_adds_the_override():
+    args = run.format_launch_args("mxfp4", ["--tp", "8"])
+    assert args[:2] == ["--tp", "8"]
+    assert args[2] == run.OVERRIDE_FLAG and json.loads(args[3]) == {"index_k_format": "mxfp4"}
+
+
+@pytest.mark.parametrize("style", ["split", "equals"])
+def test_format_switch_merges_user_overrides(style):
+    user = json.dumps({"rope_theta": 1.0, "index_k_format": "bf16"})
+    launch = ["--tp", "2", run.OVERRIDE_FLAG, user] if style == "split" else ["--tp", "2", f"{run.OVERRIDE_FLAG}={user}"]
+    args = run.format_launch_args("fp8", launch)
+    assert args.count(run.OVERRIDE_FLAG) == 1
+    assert json.loads(args[-1]) == {"rope_theta": 1.0, "index_k_format": "fp8"}
+    assert args[:2] == ["--tp", "2"]
+
+
+def test_format_switch_rejects_unknown_format():
+    with pytest.raises(ValueError, match="mxfp4_rot"):
+        run.format_launch_args("fp4", [])
+
+
+def test_default_lengths():
+    assert run.default_lengths(8192) == [1024, 2048, 4096, 8192]
+    assert run.default_lengths(5000) == [1024, 2048, 4096, 5000]
+
+
+def test_base_urls():
+    assert run._parse_base_urls(["http://h:1"], ["fp8"]) == {"fp8": "http://h:1"}
+    assert run._parse_base_urls(["fp8=http://a", "mxfp4=http://b"], ["fp8", "mxfp4"]) == {"fp8": "http://a", "mxfp4": "http://b"}
+    with pytest.raises(ValueError, match="one format"):
+        run._parse_base_urls(["http://h:1"], ["fp8", "mxfp4"])
+    with pytest.raises(ValueError, match="fmt=URL"):
+        run._parse_base_urls(["fp8=http://a", "http://b"], ["fp8", "mxfp4"])
+
+
+def test_cli_validates_before_starting_anything(tmp_path):
+    with pytest.raises(ValueError, match="repeat"):
+        run.main(["--model", "m", "--formats", "fp8", "fp8", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--tasks"):
+        run.main(["--model", "m", "--tasks", "gsm8k", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--base-url names"):
+        run.main(["--model", "m", "--formats", "fp8", "mxfp4", "--base-url", "fp8=http://a", "bf16=http://b",
+                  "--out", str(tmp_path)])
