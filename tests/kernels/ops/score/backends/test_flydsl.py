@@ -23,7 +23,9 @@ from m3_kernels.ops.score.backends.flydsl.checks import check_flydsl_decode
 from m3_kernels.ops.score.common import check_decode_args
 
 HAS_FLYDSL = importlib.util.find_spec("flydsl") is not None
-needs_flydsl = pytest.mark.skipif(not HAS_FLYDSL, reason="flydsl is not installed (pip install '.[amd]'; CI installs it)")
+needs_flydsl = pytest.mark.skipif(
+    not HAS_FLYDSL, reason="flydsl is not installed (pip install '.[amd]'; CI installs it)"
+)
 
 FORMATS = ("mxfp4", "fp8", "bf16")
 Q_DTYPES = {"bf16": torch.bfloat16, "e4m3": FP8_DTYPE}
@@ -66,7 +68,9 @@ def expected(fmt, q_name, S, H, launcher):
     q_x4 = nf * (2 if q_name == "e4m3" else 4)
     want = {
         "buffer_load_dwordx4": tiles * k_x4 + q_x4,
-        "buffer_load_ubyte": tiles if fmt == "mxfp4" else 0,  # the lane's e8m0 byte
+        # MXFP4 scales: two dwords per lane per page (512 B), then one cross-lane read per tile.
+        "buffer_load_dword": 2 * launcher.pages_per_wave if fmt == "mxfp4" else 0,
+        "ds_bpermute_b32": tiles if fmt == "mxfp4" else 0,
         "v_mfma_scale_f32_16x16x128_f8f6f4": tiles * nf if scaled else 0,
         "v_mfma_f32_16x16x32_bf16": 0 if scaled else tiles * nf * 4,
         "v_cvt_scalef32_pk_bf16_fp4": tiles * 16 if fmt == "mxfp4" and not scaled else 0,
@@ -89,8 +93,8 @@ def test_specialisation_lowers_to_gfx950_isa(fmt, q_name, S, H):
     counts = instruction_counts(isa)
     got = {name: counts.get(name, 0) for name in expected(fmt, q_name, S, H, launcher)}
     assert got == expected(fmt, q_name, S, H, launcher)
-    # Only 16-byte vector loads for K and Q: nothing split into narrower pieces.
-    assert not any(counts.get(n) for n in ("buffer_load_dword", "buffer_load_dwordx2", "buffer_load_dwordx3"))
+    # K and Q only through 16-byte vector loads (the counts above): nothing split into narrower pieces.
+    assert not any(counts.get(n) for n in ("buffer_load_ubyte", "buffer_load_dwordx2", "buffer_load_dwordx3"))
     assert not any(n.startswith(("global_load", "flat_load")) for n in counts)
     # The scaled MFMA reads K as e2m1 (cbsz:4) for MXFP4 and as e4m3 (no format modifier) for fp8.
     scaled_lines = [line for line in isa.splitlines() if "v_mfma_scale_f32_16x16x128_f8f6f4" in line]

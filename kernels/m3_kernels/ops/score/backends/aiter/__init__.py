@@ -62,8 +62,11 @@ def check_aiter_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, 
     if cp_world != 1:
         raise ValueError(f"aiter's {ENTRY_POINT} takes no context-parallel shard, got cp_world={cp_world}")
     es = q.element_size()
-    if q.data_ptr() % VIEW_ALIGN_BYTES or (q.stride(0) * es) % VIEW_ALIGN_BYTES or (q.stride(1) * es) % VIEW_ALIGN_BYTES:
-        raise ValueError(f"q base and row/head strides must be {VIEW_ALIGN_BYTES}-byte aligned for aiter, got {q.stride()}")
+    if any(x % VIEW_ALIGN_BYTES for x in (q.data_ptr(), q.stride(0) * es, q.stride(1) * es)):
+        raise ValueError(
+            f"q base address and row/head strides must be {VIEW_ALIGN_BYTES}-byte aligned for aiter, "
+            f"got address % {VIEW_ALIGN_BYTES} = {q.data_ptr() % VIEW_ALIGN_BYTES}, strides {q.stride()} x {es} B"
+        )
     return fmt, batch, H, max_block, sm_scale
 
 

@@ -34,7 +34,8 @@ def availability(device) -> tuple[bool, str]:
         return False, "flydsl is not installed (pip install 'sglang-m3[amd]')"
     arch = device_arch(device)
     if arch != TARGET_ARCH:
-        return False, f"the FlyDSL scorer targets ROCm {TARGET_ARCH}; {torch.device(device)} is {arch or 'not a ROCm GPU'}"
+        what = arch or "not a ROCm GPU"
+        return False, f"the FlyDSL scorer targets ROCm {TARGET_ARCH}; {torch.device(device)} is {what}"
     return True, ""
 
 

@@ -23,7 +23,7 @@ def check_flydsl_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale,
         q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank, cp_world
     )
     es = q.element_size()
-    if q.data_ptr() % VIEW_ALIGN_BYTES or (q.stride(0) * es) % VIEW_ALIGN_BYTES or (q.stride(1) * es) % VIEW_ALIGN_BYTES:
+    if any(x % VIEW_ALIGN_BYTES for x in (q.data_ptr(), q.stride(0) * es, q.stride(1) * es)):
         raise ValueError(
             f"q base address and row/head strides must be {VIEW_ALIGN_BYTES}-byte aligned for the FlyDSL scorer, "
             f"got address % {VIEW_ALIGN_BYTES} = {q.data_ptr() % VIEW_ALIGN_BYTES}, strides {q.stride()} x {es} B"

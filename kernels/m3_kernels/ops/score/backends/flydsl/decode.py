@@ -17,6 +17,10 @@ A and B agree, so lane ``l`` always takes the dims of MX group ``g = l // 16`` (
   e2m1 with its e8m0 byte or as e4m3 with unit scale, B = Q as e4m3 with unit scale).
 - bf16 K: bf16 MFMA; an e4m3 Q is widened to bf16 once (exact).
 
+MXFP4 scales: each lane loads two dwords of the page's 512 B scale block at the start of the page;
+tile ``t`` fetches its token's dword from the holding lane with one ``ds_bpermute`` and shifts
+out byte ``g`` (one VMEM load per lane per tile would double the load instructions).
+
 Output tile lane ``l`` holds column ``l % 16`` and rows ``4 (l // 16) + i``: each lane keeps a
 running masked max over its rows of the page's 8 tiles, two xor-shuffles finish the page.
 ``NT_K`` is the number of K tiles whose loads are issued ahead of the tile being multiplied.
@@ -140,18 +144,26 @@ def build_decode_scorer(k_format: str, q_fp8: bool, S: int, H: int, waves: int =
     s_page_bytes = PAGE_SIZE * MXFP4_SCALE_BYTES
     pages_per_cta = waves * pages_per_wave
 
-    def load_tile(t, k_rsrc, s_rsrc, n_col, grp):
-        """This lane's K words of tile ``t`` (and its e8m0 byte as i32 for MXFP4)."""
-        row = t * TILE_TOKENS + n_col
-        kb = row * k_token_bytes + grp * k_lane_bytes
+    def load_tile(t, k_rsrc, n_col, grp):
+        """This lane's K words of tile ``t`` (16 B loads)."""
+        kb = (t * TILE_TOKENS + n_col) * k_token_bytes + grp * k_lane_bytes
         words = []
         for i in range(k_lane_bytes // 16):
             x4 = _load_x4(k_rsrc, kb + 16 * i)
             words += [x4[e] for e in range(4)]
-        scale = None
-        if k_format == "mxfp4":
-            scale = fx.Int32(arith.extui(T.i32, _load(s_rsrc, row * MXFP4_SCALE_BYTES + grp, T.i8)))
-        return words, scale
+        return words
+
+    def load_page_scales(s_rsrc, lane):
+        """The page's 512 B of e8m0 bytes, one dword per lane per half page (token ``64 h + lane``)."""
+        return [fx.Int32(_load(s_rsrc, h * WAVE * MXFP4_SCALE_BYTES + lane * MXFP4_SCALE_BYTES, T.i32))
+                for h in range(PAGE_SIZE // WAVE)]
+
+    def tile_scale(page_scales, t, n_col, grp):
+        """e8m0 byte (as i32) of this lane's token ``16 t + n_col`` and MX group ``grp``."""
+        token = t * TILE_TOKENS  # + n_col: the source lane
+        src_lane = token % WAVE + n_col
+        word = rocdl.ds_bpermute(T.i32, rocdl._to_ir(src_lane * 4), rocdl._to_ir(page_scales[token // WAVE]))
+        return (fx.Int32(word) >> (grp * 8)) & 0xFF
 
     def tile_scores(words, scale, q_frags):
         """MFMA accumulators (``vector<4xf32>`` per n-tile) of one K tile against Q."""
@@ -184,20 +196,22 @@ def build_decode_scorer(k_format: str, q_fp8: bool, S: int, H: int, waves: int =
         gp = p * cp_world + cp_rank
         page_id = fx.Int32(rocdl.s_buffer_load(fx.get_iter(rocdl.make_buffer_tensor(block_table)), b * bt_row + p))
         k_rsrc = _page_rsrc(k_data, fx.Int64(page_id) * fx.Int64(k_page), k_page_bytes)
-        s_rsrc = None
-        if k_format == "mxfp4":
+        page_scales = None
+        if k_format == "mxfp4":  # issued first: tile 0 waits for the scales, not for later K tiles
             s_rsrc = _page_rsrc(k_scale, fx.Int64(page_id) * fx.Int64(s_page), s_page_bytes)
+            page_scales = load_page_scales(s_rsrc, grp * TILE_FEATURES + n_col)
         # Per n-tile, per lane: the last visible token row of this page for the lane's column.
         limits = [seq_len - S + tok_of[j] - gp * PAGE_SIZE for j in range(NF)]
         best = [fx.Float32(NEG_INF) for _ in range(NF)]
         # Issue order is pinned with scheduling barriers, so exactly nt_k tiles are in flight while
         # tile t is multiplied (LLVM would otherwise hoist or sink loads at will).
-        inflight = [load_tile(t, k_rsrc, s_rsrc, n_col, grp) for t in range(min(nt_k, TILES_PER_PAGE))]
+        inflight = [load_tile(t, k_rsrc, n_col, grp) for t in range(min(nt_k, TILES_PER_PAGE))]
         for t in range(TILES_PER_PAGE):
             rocdl.sched_barrier(0)
             if t + nt_k < TILES_PER_PAGE:
-                inflight.append(load_tile(t + nt_k, k_rsrc, s_rsrc, n_col, grp))
-            accs = tile_scores(*inflight[t], q_frags)
+                inflight.append(load_tile(t + nt_k, k_rsrc, n_col, grp))
+            scale = tile_scale(page_scales, t, n_col, grp) if k_format == "mxfp4" else None
+            accs = tile_scores(inflight[t], scale, q_frags)
             for j in range(NF):
                 for i in range(4):
                     row = t * TILE_TOKENS + grp * 4 + i
