@@ -81,10 +81,13 @@ def expected(fmt, q_name, S, H, launcher):
     return want
 
 
+# Every M3 specialisation, plus S*H = 32 (two 16-feature n-tiles) for MXFP4.
+SPECIALISATIONS = [(f, q, S, H) for f in FORMATS for q in Q_DTYPES for S, H in GEOMETRIES]
+SPECIALISATIONS += [("mxfp4", q, 8, 4) for q in Q_DTYPES]
+
+
 @needs_flydsl
-@pytest.mark.parametrize("S,H", GEOMETRIES, ids=[f"S{S}H{H}" for S, H in GEOMETRIES])
-@pytest.mark.parametrize("q_name", list(Q_DTYPES))
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt,q_name,S,H", SPECIALISATIONS, ids=[f"{f}-{q}-S{S}H{H}" for f, q, S, H in SPECIALISATIONS])
 def test_specialisation_lowers_to_gfx950_isa(fmt, q_name, S, H):
     from m3_kernels.ops.score.backends.flydsl.isa import instruction_counts, kernel_resources
 
