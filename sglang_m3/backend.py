@@ -1,0 +1,198 @@
+"""MSA attention backend for MiniMax-M3.1 over the quantized index-K cache.
+
+Subclasses SGLang's ``MiniMaxSparseAttnBackend`` (which ``MiniMaxHybridAttnBackend`` pairs with
+the dense backend for layers 0-2) and replaces its index path. Per sparse layer and forward:
+
+1. store main K/V and the index key at ``out_cache_loc`` (``write_index_k`` inside the pool);
+2. score every visible 128-token block from the paged index cache (``score_prefill`` /
+   ``score_decode``; radix-cached prefixes are read from the cache like any other page);
+3. pick the top blocks (``select_blocks``);
+4. attend over the picked blocks (``sparse_attention``: SGLang's Triton kernels on CUDA, torch
+   elsewhere).
+
+Plan, then run: host work (block tables for prefill, per-batch-size buffers) happens in
+``init_forward_metadata_out_graph``; decode metadata is refreshed by device ops in
+``init_forward_metadata_in_graph`` into buffers that CUDA-graph capture and replay share.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from m3_kernels.formats import FP8_DTYPE, PAGE_SIZE, prepare_index_q
+from m3_kernels.ops.score import score_decode, score_prefill
+from m3_kernels.ops.select import select_blocks, visible_blocks
+from sglang.srt.configs.model_config import get_minimax_sparse_attention_config
+from sglang.srt.layers.attention.minimax_sparse_backend import MiniMaxSparseAttnBackend
+from sglang.srt.runtime_context import get_parallel
+
+from .config import IndexKSettings
+from .debug import SelectionRecorder
+from .sparse_attention import sparse_attention_decode, sparse_attention_extend
+
+
+@dataclass
+class _DecodeMeta:
+    """Per-batch-size decode buffers (shared by CUDA-graph capture and replay)."""
+
+    block_table: torch.Tensor  # int32 [bs, max_blocks]: page id of each request block
+    seq_lens: torch.Tensor  # int32 [bs]
+    n_visible: torch.Tensor  # int64 [bs]: blocks the decode row sees
+    scores: torch.Tensor  # fp32 [H_idx, bs, max_blocks]
+
+
+@dataclass
+class _ExtendMeta:
+    block_table: torch.Tensor  # int32 [bs, max_block]
+    seq_lens: torch.Tensor  # int32 [bs]
+    prefix_lens: torch.Tensor  # int32 [bs]
+    cu_seqlens_q: torch.Tensor  # int32 [bs + 1]
+    max_seqlen_q: int
+    max_block: int
+    num_tokens: int
+
+
+class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
+    """Sparse-layer backend reading the ``MiniMaxM31SparseKVPool`` index cache (see module docstring)."""
+
+    def __init__(self, runner, settings: IndexKSettings):
+        super().__init__(runner)
+        # Our index path feeds SGLang's Triton sparse kernels; MSA (SM100) decode is not wired in.
+        self.use_msa = self._use_msa_decode = self._msa_owns_decode = False
+        self.use_dense_sparse_decode = False
+        self.settings = settings
+        if self.block_size_k != PAGE_SIZE:
+            raise ValueError(f"sparse_block_size must be {PAGE_SIZE}, got {self.block_size_k}")
+        if self.score_type != "max":
+            raise NotImplementedError(f"sparse_score_type {self.score_type!r}: the index-K scorers compute 'max'")
+        sparse_cfg = get_minimax_sparse_attention_config(runner.model_config.hf_config)
+        total_idx_heads = sparse_cfg["sparse_num_index_heads"]
+        self.num_idx_heads = total_idx_heads // min(get_parallel().attn_tp_size, total_idx_heads)
+        num_kv_heads = self.kv_pool.main_pool.head_num
+        if self.num_idx_heads != num_kv_heads:
+            raise NotImplementedError(
+                f"{self.num_idx_heads} index heads per rank against {num_kv_heads} KV heads: "
+                "only one index head per KV head (MiniMax-M3) is supported"
+            )
+        self.idx_sm_scale = self.idx_head_dim**-0.5
+        self.device = self.req_to_token.device
+        # First token slot of every block of every request row: [max_reqs, max_blocks] (a view).
+        self._block_starts = self.req_to_token[:, ::PAGE_SIZE]
+        self.max_blocks = self._block_starts.shape[1]
+        self._graph_decode_meta: dict[int, _DecodeMeta] = {}
+        self._in_graph_mode = False
+        self._decode_meta: Optional[_DecodeMeta] = None
+        self._extend_meta: Optional[_ExtendMeta] = None
+        self.recorder = SelectionRecorder.from_config(runner.model_config.hf_config, self.sparse_layer_ids)
+
+    # ---- plan --------------------------------------------------------------------------------
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        self._in_graph_mode = True
+
+    def _new_decode_meta(self, bs: int) -> _DecodeMeta:
+        dev = self.device
+        return _DecodeMeta(
+            block_table=torch.zeros(bs, self.max_blocks, dtype=torch.int32, device=dev),
+            seq_lens=torch.ones(bs, dtype=torch.int32, device=dev),
+            n_visible=torch.ones(bs, dtype=torch.int64, device=dev),
+            scores=torch.empty(self.num_idx_heads, bs, self.max_blocks, dtype=torch.float32, device=dev),
+        )
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        mode = forward_batch.forward_mode
+        self._decode_meta = self._extend_meta = None
+        if mode.is_idle():
+            return
+        if mode.is_target_verify() or mode.is_draft_extend_v2():
+            raise NotImplementedError("speculative decoding is not supported with the MiniMax-M3.1 index-K cache")
+        if mode.is_decode():
+            bs = forward_batch.seq_lens.shape[0]
+            if self._in_graph_mode:
+                if bs not in self._graph_decode_meta:
+                    self._graph_decode_meta[bs] = self._new_decode_meta(bs)
+                self._decode_meta = self._graph_decode_meta[bs]
+            else:
+                self._decode_meta = self._new_decode_meta(bs)
+            return
+        # Extend (prefill, chunked prefill, mixed): eager, host metadata allowed.
+        seq_lens_cpu = forward_batch.seq_lens_cpu
+        extend_lens_cpu = forward_batch.extend_seq_lens_cpu
+        max_block = max(1, math.ceil(int(seq_lens_cpu.max()) / PAGE_SIZE))
+        extend_lens = forward_batch.extend_seq_lens.to(torch.int32)
+        cu = torch.zeros(extend_lens.shape[0] + 1, dtype=torch.int32, device=extend_lens.device)
+        torch.cumsum(extend_lens, 0, out=cu[1:])
+        prefix = forward_batch.extend_prefix_lens
+        seq_lens = forward_batch.seq_lens.to(torch.int32)
+        self._extend_meta = _ExtendMeta(
+            block_table=self._block_table(forward_batch.req_pool_indices)[:, :max_block].contiguous(),
+            seq_lens=seq_lens,
+            prefix_lens=prefix.to(torch.int32) if prefix is not None else seq_lens - extend_lens,
+            cu_seqlens_q=cu,
+            max_seqlen_q=int(max(extend_lens_cpu)),
+            max_block=max_block,
+            num_tokens=int(sum(extend_lens_cpu)),
+        )
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        meta = self._decode_meta
+        if meta is None:
+            return
+        # Device ops only: recorded at capture, replayed with the runner's refreshed inputs.
+        meta.block_table.copy_(self._block_table(forward_batch.req_pool_indices))
+        meta.seq_lens.copy_(forward_batch.seq_lens)
+        meta.n_visible.copy_(visible_blocks(forward_batch.seq_lens - 1, PAGE_SIZE))
+
+    def _block_table(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
+        """int32 ``[bs, max_blocks]``: cache page of each block of each request (one page per block)."""
+        return torch.div(self._block_starts[req_pool_indices.long()], PAGE_SIZE, rounding_mode="floor").to(torch.int32)
+
+    # ---- run ---------------------------------------------------------------------------------
+
+    def _index_q(self, idx_q: torch.Tensor) -> torch.Tensor:
+        """Index Q as the scorers take it: bf16 (or e4m3), rotated for ``mxfp4_rot``."""
+        if idx_q.dtype not in (torch.bfloat16, FP8_DTYPE):
+            idx_q = idx_q.to(torch.bfloat16)
+        return prepare_index_q(idx_q, self.settings.fmt, self.settings.sign_seed)
+
+    def _select(self, scores: torch.Tensor, n_visible: torch.Tensor) -> torch.Tensor:
+        return select_blocks(scores, n_visible, self.topk_blocks, self.local_blocks, self.init_blocks)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, *, idx_q, idx_k, idx_v, **kwargs):
+        meta = self._extend_meta
+        self.kv_pool.set_fused_kv_index_buffer(layer, forward_batch.out_cache_loc, k, v, idx_k, idx_v)
+        k_cache, v_cache = self.kv_pool.get_kv_buffer(layer.layer_id)
+        idx_cache, idx_scale = self.kv_pool.get_index_k_buffer(layer.layer_id)
+
+        padded_tokens, n = q.shape[0], meta.num_tokens  # DP attention may pad q past the real tokens
+        q, idx_q, positions = q[:n], idx_q[:n], forward_batch.positions[:n]
+        scores = score_prefill(self._index_q(idx_q), idx_cache, idx_scale, meta.block_table, meta.seq_lens,
+                               meta.cu_seqlens_q, self.idx_sm_scale, max_block=meta.max_block)
+        n_visible = visible_blocks(positions, PAGE_SIZE)
+        selected = self._select(scores, n_visible)
+        o = sparse_attention_extend(q, k_cache, v_cache, self.req_to_token, forward_batch.req_pool_indices,
+                                    meta.seq_lens, meta.prefix_lens, meta.cu_seqlens_q, meta.max_seqlen_q, positions,
+                                    selected, self.block_size_k, layer.scaling)
+        if self.recorder is not None:
+            self.recorder.record("extend", layer.layer_id, positions, n_visible, selected, scores)
+        o = o.reshape(n, -1)
+        if padded_tokens > n:
+            o = torch.cat([o, o.new_zeros(padded_tokens - n, o.shape[1])])
+        return None, o
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, *, idx_q, idx_k, idx_v, **kwargs):
+        meta = self._decode_meta
+        self.kv_pool.set_fused_kv_index_buffer(layer, forward_batch.out_cache_loc, k, v, idx_k, idx_v)
+        k_cache, v_cache = self.kv_pool.get_kv_buffer(layer.layer_id)
+        idx_cache, idx_scale = self.kv_pool.get_index_k_buffer(layer.layer_id)
+
+        scores = score_decode(self._index_q(idx_q), idx_cache, idx_scale, meta.block_table, meta.seq_lens, 1,
+                              self.idx_sm_scale, max_block=self.max_blocks, out=meta.scores)
+        selected = self._select(scores, meta.n_visible)
+        o = sparse_attention_decode(q, k_cache, v_cache, self.req_to_token, forward_batch.req_pool_indices,
+                                    meta.seq_lens, selected, self.block_size_k, layer.scaling)
+        if self.recorder is not None:
+            self.recorder.record("decode", layer.layer_id, meta.seq_lens - 1, meta.n_visible, selected, scores)
+        return None, o.reshape(q.shape[0], -1)

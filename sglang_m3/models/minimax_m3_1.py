@@ -1,0 +1,82 @@
+"""MiniMax-M3.1 for SGLang: SGLang's MiniMax-M3 model with the index-K cache chosen by config.
+
+The layers are SGLang's own (``sglang.srt.models.minimax_m3``); what differs lives elsewhere in
+this package (pool, backend). This class adds what serving on a CPU needs, scoped to its own
+construction and modules:
+
+- rotary: off CUDA, SGLang's rotary layer imports ``vllm._custom_ops`` unless its module thinks it
+  runs on the CPU engine; construction flips that module flag for the duration, so the layer
+  keeps its pure-torch forward;
+- router: the bf16 router GEMM (``torch.mm(..., out_dtype=float32)``) has no CPU kernel, so the
+  router runs as an fp32 linear;
+- routed scale: SGLang's torch top-k cannot scale the routed weights itself, so the routing
+  weights are multiplied by ``routed_scaling_factor`` right after top-k (same result).
+
+The architecture name stays ``MiniMaxM3SparseForCausalLM``: SGLang keys its M3 pool, backend and
+server defaults on it.
+"""
+
+import contextlib
+import logging
+
+import torch
+from torch import nn
+
+from sglang.srt.models.minimax_m3 import MiniMaxM3MoE
+from sglang.srt.models.minimax_m3 import MiniMaxM3SparseForCausalLM as _UpstreamM3
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _torch_rotary_off_cuda():
+    """While active (and only off CUDA), SGLang's rotary layer picks its torch path at init."""
+    from sglang.srt.layers.rotary_embedding import base as rotary_base
+
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = rotary_base._is_cpu
+    rotary_base._is_cpu = True
+    try:
+        yield
+    finally:
+        rotary_base._is_cpu = saved
+
+
+class _ScaledTopK(nn.Module):
+    """SGLang's ``TopK`` whose routed weights are multiplied by ``routed_scaling_factor`` after
+    selection (for top-k paths that cannot apply the scale themselves)."""
+
+    def __init__(self, topk: nn.Module, routed_scaling_factor: float):
+        super().__init__()
+        self.inner = topk
+        self.routed_scaling_factor = routed_scaling_factor
+        topk.topk_config.apply_routed_scaling_factor_on_output = False
+
+    def forward(self, hidden_states, router_logits, **kwargs):
+        out = self.inner(hidden_states, router_logits, **kwargs)
+        return out._replace(topk_weights=out.topk_weights * self.routed_scaling_factor)
+
+    def empty_topk_output(self, *args, **kwargs):
+        return self.inner.empty_topk_output(*args, **kwargs)
+
+
+def _fp32_router_logits(moe: MiniMaxM3MoE, hidden_states: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(hidden_states.float(), moe.gate.weight.float())
+
+
+class MiniMaxM3SparseForCausalLM(_UpstreamM3):
+    """SGLang's MiniMax-M3 model, servable on a CPU (see the module docstring)."""
+
+    def __init__(self, config, quant_config=None, prefix: str = ""):
+        with _torch_rotary_off_cuda():
+            super().__init__(config, quant_config=quant_config, prefix=prefix)
+        if not torch.cuda.is_available():
+            for module in self.modules():
+                if isinstance(module, MiniMaxM3MoE):
+                    module._compute_router_logits = _fp32_router_logits.__get__(module)
+                    module.topk = _ScaledTopK(module.topk, module.routed_scaling_factor)
+
+
+EntryClass = [MiniMaxM3SparseForCausalLM]
