@@ -205,3 +205,52 @@ def test_prepare_allocates_minus_inf_and_skips_empty_launch():
     q, k_cache, k_scale, bt, sl, S, sm = args
     launcher, launch_args, out = prepare_decode(q[:0], k_cache, k_scale, bt[:0], sl[:0], S, sm)
     assert launcher is None and out.shape == (1, 0, NUM_PAGES)
+
+
+# On a ROCm gfx950 GPU only (written for MI350/MI355X; never run: no such GPU was available).
+
+ON_GFX950 = torch.cuda.is_available() and flydsl_backend.is_available(torch.device("cuda", 0))
+GPU_CASES = [  # (seq_lens, S, H, cp_rank, cp_world)
+    ([0, 1, 127, 128, 129, 1000], 1, 4, 0, 1),
+    ([4, 300, 257, 4096], 4, 1, 0, 1),
+    ([2, 129, 640], 2, 4, 0, 1),
+    ([1000, 513, 130], 4, 4, 1, 2),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GFX950, reason="needs a ROCm gfx950 GPU with flydsl installed")
+@pytest.mark.parametrize("seq,S,H,cp_rank,cp_world", GPU_CASES)
+@pytest.mark.parametrize("q_name", list(Q_DTYPES))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_matches_reference_on_gfx950(gen, fmt, q_name, seq, S, H, cp_rank, cp_world):
+    from m3_kernels.ops.score.naive import score_decode_ref
+    from m3_kernels.ops.write.naive import write_index_k_ref
+
+    dev = torch.device("cuda", 0)
+    batch, max_block = len(seq), -(-max(seq) // PAGE_SIZE)
+    num_pages = batch * max_block + 3
+    k_cache, k_scale = alloc_index_k_cache(num_pages, fmt)
+    k = torch.randn(num_pages * PAGE_SIZE, 128, generator=gen) * torch.rand(1, 128, generator=gen) * 4
+    write_index_k_ref(k, torch.arange(k.shape[0]), k_cache, k_scale, fmt)
+    block_table = torch.randperm(num_pages, generator=gen)[: batch * max_block].view(batch, max_block).int()
+    seq_lens = torch.tensor(seq, dtype=torch.int32)
+    q = (torch.randn(batch * S, H, 128, generator=gen) * 0.5).to(Q_DTYPES[q_name])
+    sm = 1 / math.sqrt(128)
+    want = score_decode_ref(q, k_cache, k_scale, block_table, seq_lens, S, sm, max_block, cp_rank, cp_world)
+    to = lambda t: None if t is None else t.to(dev)  # noqa: E731
+    args = [to(q), to(k_cache), to(k_scale), to(block_table), to(seq_lens), S, sm, max_block]
+    got = score_decode(*args, cp_rank=cp_rank, cp_world=cp_world, backend="flydsl").cpu()
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    finite = torch.isfinite(want)
+    assert torch.allclose(got[finite].double(), want[finite], rtol=1e-5, atol=1e-5)
+    # A preallocated out is written on visible pages only: poison it and check the rest is untouched.
+    out = torch.full_like(got, float("nan")).to(dev)
+    score_decode(*args, out=out, cp_rank=cp_rank, cp_world=cp_world, backend="flydsl")
+    out = out.cpu()
+    visible = torch.zeros_like(want, dtype=torch.bool)
+    for b, n in enumerate(seq):
+        n_local = max(0, min(max_block, (-(-n // PAGE_SIZE) - cp_rank + cp_world - 1) // cp_world))
+        visible[:, b * S : (b + 1) * S, :n_local] = True
+    assert torch.isnan(out[~visible]).all()
+    assert torch.equal(out[visible].nan_to_num(), got[visible].nan_to_num())
