@@ -24,6 +24,13 @@ out byte ``g`` (one VMEM load per lane per tile would double the load instructio
 Output tile lane ``l`` holds column ``l % 16`` and rows ``4 (l // 16) + i``: each lane keeps a
 running masked max over its rows of the page's 8 tiles, two xor-shuffles finish the page.
 ``NT_K`` is the number of K tiles whose loads are issued ahead of the tile being multiplied.
+
+Hardware assumptions, not checked on a GPU (none was available): the 16x16xK MFMA operand layout
+puts A[i][k] in lane ``i + 16 (k // (K/4))`` (8 bf16 per lane for K=32, 32 e2m1 or e4m3 for the
+scaled K=128, whose per-lane scale covers those 32), D[i][j] in lane ``j + 16 (i // 4)``, element
+``i % 4``; ``v_cvt_scalef32_pk_bf16_fp4`` turns byte ``sel`` into (low nibble, high nibble) in
+(low, high) half. The seed PR (aiter#7060) describes the same per-lane scaled-MFMA operand (16 B of
+e2m1 plus its e8m0 byte) and the same nibble order, and passed its tests on gfx950.
 """
 
 import flydsl.compiler as flyc
