@@ -37,7 +37,11 @@ def find_scorer():
     return None
 
 
-def availability(device) -> tuple[bool, str]:
+def availability(device=None) -> tuple[bool, str]:
+    """``(True, "")`` if aiter's scorer can run on ``device`` (default: the current GPU)."""
+    from ..flydsl import default_device
+
+    device = default_device() if device is None else device
     if importlib.util.find_spec("aiter") is None:
         return False, "aiter is not installed"
     if find_scorer() is None:
@@ -47,7 +51,8 @@ def availability(device) -> tuple[bool, str]:
     return True, ""
 
 
-def is_available(device) -> bool:
+def is_available(device=None) -> bool:
+    """``device`` defaults to the current GPU (or the CPU when there is none)."""
     return availability(device)[0]
 
 

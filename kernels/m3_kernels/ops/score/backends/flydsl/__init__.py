@@ -20,6 +20,10 @@ def is_installed() -> bool:
     return importlib.util.find_spec("flydsl") is not None
 
 
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def device_arch(device) -> str | None:
     """``gfxNNN`` of a ROCm device, None for CPU or CUDA devices."""
     device = torch.device(device)
@@ -28,8 +32,10 @@ def device_arch(device) -> str | None:
     return torch.cuda.get_device_properties(device).gcnArchName.split(":", 1)[0]
 
 
-def availability(device) -> tuple[bool, str]:
-    """``(True, "")`` if this backend can run on ``device``, else ``(False, reason)``."""
+def availability(device=None) -> tuple[bool, str]:
+    """``(True, "")`` if this backend can run on ``device`` (default: the current GPU), else
+    ``(False, reason)``."""
+    device = default_device() if device is None else device
     if not is_installed():
         return False, "flydsl is not installed (pip install 'sglang-m3[amd]')"
     arch = device_arch(device)
@@ -39,7 +45,8 @@ def availability(device) -> tuple[bool, str]:
     return True, ""
 
 
-def is_available(device) -> bool:
+def is_available(device=None) -> bool:
+    """``device`` defaults to the current GPU (or the CPU when there is none)."""
     return availability(device)[0]
 
 
