@@ -64,6 +64,51 @@ K_FORMATS = ("mxfp4", "fp8", "bf16")
 assert LANE_GROUPS * MX_GROUP_SIZE == INDEX_DIM
 
 
+# Index arithmetic of the kernel, written once: the kernel calls these with DSL values, the
+# lane-level CPU model in the tests with Python ints (lane = 16 grp + n_col).
+
+
+def local_page(chunk, jp, wave, waves, pages_per_wave):
+    """Local page column scored by ``wave`` in its ``jp``-th step of CTA ``chunk``."""
+    return chunk * (waves * pages_per_wave) + jp * waves + wave
+
+
+def k_lane_offset(t, n_col, grp, k_token_bytes):
+    """Byte offset in a K page of the 16 B pieces lane ``(n_col, grp)`` reads for tile ``t``."""
+    return (t * TILE_TOKENS + n_col) * k_token_bytes + grp * (k_token_bytes // LANE_GROUPS)
+
+
+def scale_word_offset(half, lane):
+    """Byte offset in a scale page of the dword ``lane`` loads for page half ``half``."""
+    return (half * WAVE + lane) * MXFP4_SCALE_BYTES
+
+
+def scale_source(t, n_col):
+    """(page half, source lane) holding the scale dword of token ``16 t + n_col``."""
+    token = t * TILE_TOKENS
+    return token // WAVE, token % WAVE + n_col
+
+
+def q_lane_offset(b, tok, head, grp, S, q_row, q_head, q_bytes):
+    """Byte offset in q of the MX group ``grp`` of row ``b S + tok``, head ``head``."""
+    return (b * S + tok) * q_row + head * q_head + grp * (MX_GROUP_SIZE * q_bytes)
+
+
+def acc_row(t, grp, i):
+    """Token row in the page of accumulator element ``i`` in a lane of group ``grp`` (tile ``t``)."""
+    return t * TILE_TOKENS + grp * 4 + i
+
+
+def visible_limit(seq_len, S, tok, gp):
+    """Last visible token row of global page ``gp`` for query token ``tok`` (may be < 0 or > 127)."""
+    return seq_len - S + tok - gp * PAGE_SIZE
+
+
+def out_offset(head, tok, b, p, S, out_head, out_row):
+    """Element offset of ``out[head, b S + tok, p]``."""
+    return head * out_head + (b * S + tok) * out_row + p
+
+
 def _i32(v):
     return rocdl._to_ir(fx.Int32(v))
 
@@ -153,7 +198,7 @@ def build_decode_scorer(k_format: str, q_fp8: bool, S: int, H: int, waves: int =
 
     def load_tile(t, k_rsrc, n_col, grp):
         """This lane's K words of tile ``t`` (16 B loads)."""
-        kb = (t * TILE_TOKENS + n_col) * k_token_bytes + grp * k_lane_bytes
+        kb = k_lane_offset(t, n_col, grp, k_token_bytes)
         words = []
         for i in range(k_lane_bytes // 16):
             x4 = _load_x4(k_rsrc, kb + 16 * i)
@@ -162,14 +207,12 @@ def build_decode_scorer(k_format: str, q_fp8: bool, S: int, H: int, waves: int =
 
     def load_page_scales(s_rsrc, lane):
         """The page's 512 B of e8m0 bytes, one dword per lane per half page (token ``64 h + lane``)."""
-        return [fx.Int32(_load(s_rsrc, h * WAVE * MXFP4_SCALE_BYTES + lane * MXFP4_SCALE_BYTES, T.i32))
-                for h in range(PAGE_SIZE // WAVE)]
+        return [fx.Int32(_load(s_rsrc, scale_word_offset(h, lane), T.i32)) for h in range(PAGE_SIZE // WAVE)]
 
     def tile_scale(page_scales, t, n_col, grp):
         """e8m0 byte (as i32) of this lane's token ``16 t + n_col`` and MX group ``grp``."""
-        token = t * TILE_TOKENS  # + n_col: the source lane
-        src_lane = token % WAVE + n_col
-        word = rocdl.ds_bpermute(T.i32, rocdl._to_ir(src_lane * 4), rocdl._to_ir(page_scales[token // WAVE]))
+        half, src_lane = scale_source(t, n_col)
+        word = rocdl.ds_bpermute(T.i32, rocdl._to_ir(src_lane * 4), rocdl._to_ir(page_scales[half]))
         return (fx.Int32(word) >> (grp * 8)) & 0xFF
 
     def tile_scores(words, scale, q_frags):
@@ -208,7 +251,7 @@ def build_decode_scorer(k_format: str, q_fp8: bool, S: int, H: int, waves: int =
             s_rsrc = _page_rsrc(k_scale, fx.Int64(page_id) * fx.Int64(s_page), s_page_bytes)
             page_scales = load_page_scales(s_rsrc, grp * TILE_FEATURES + n_col)
         # Per n-tile, per lane: the last visible token row of this page for the lane's column.
-        limits = [seq_len - S + tok_of[j] - gp * PAGE_SIZE for j in range(NF)]
+        limits = [visible_limit(seq_len, S, tok_of[j], gp) for j in range(NF)]
         best = [fx.Float32(NEG_INF) for _ in range(NF)]
         # Issue order is pinned with scheduling barriers, so exactly nt_k tiles are in flight while
         # tile t is multiplied (LLVM would otherwise hoist or sink loads at will).
@@ -221,7 +264,7 @@ def build_decode_scorer(k_format: str, q_fp8: bool, S: int, H: int, waves: int =
             accs = tile_scores(inflight[t], scale, q_frags)
             for j in range(NF):
                 for i in range(4):
-                    row = t * TILE_TOKENS + grp * 4 + i
+                    row = acc_row(t, grp, i)
                     val = (row <= limits[j]).select(accs[j][i], fx.Float32(NEG_INF))
                     best[j] = fx.Float32(arith.maximumf(rocdl._to_ir(best[j]), rocdl._to_ir(val)))
         # Bounded by the size of out, so a store at OOB_OFFSET is dropped by the buffer unit.
@@ -231,7 +274,7 @@ def build_decode_scorer(k_format: str, q_fp8: bool, S: int, H: int, waves: int =
             m = fx.Float32(arith.maximumf(rocdl._to_ir(m), rocdl._to_ir(gpu.shuffle_xor(m, 16, WAVE))))
             m = fx.Float32(arith.maximumf(rocdl._to_ir(m), rocdl._to_ir(gpu.shuffle_xor(m, 32, WAVE))))
             col = n_col + j * TILE_FEATURES
-            off = head_of[j] * out_head + (b * S + tok_of[j]) * out_row + p
+            off = out_offset(head_of[j], tok_of[j], b, p, S, out_head, out_row)
             # Lanes of group 0 hold the page max of their column; the rest (and padding columns) store nothing.
             off = ((grp == 0) & (col < F)).select(off * 4, fx.Int32(OOB_OFFSET))
             rocdl.raw_ptr_buffer_store(rocdl._to_ir(m * sm_scale), o_rsrc, _i32(off), _i32(0), aux=_aux0())
@@ -266,7 +309,7 @@ def build_decode_scorer(k_format: str, q_fp8: bool, S: int, H: int, waves: int =
             head = feat % H
             tok_of.append(tok)
             head_of.append(head)
-            base = (b * S + tok) * q_row + head * q_head + grp * (MX_GROUP_SIZE * q_bytes)
+            base = q_lane_offset(b, tok, head, grp, S, q_row, q_head, q_bytes)
             if q_fp8:
                 w = [_load_x4(q_rsrc, base + 16 * i) for i in range_constexpr(2)]
                 words = [w[i // 4][i % 4] for i in range(8)]
@@ -278,9 +321,8 @@ def build_decode_scorer(k_format: str, q_fp8: bool, S: int, H: int, waves: int =
                 w = [_load_x4(q_rsrc, base + 16 * i) for i in range_constexpr(4)]
                 q_frags.append([_bf16x8([w[c][i] for i in range(4)]) for c in range(4)])
 
-        page0 = chunk * pages_per_cta
         for jp in range_constexpr(pages_per_wave):
-            p = page0 + jp * waves + wave  # adjacent waves take adjacent pages
+            p = local_page(chunk, jp, wave, waves, pages_per_wave)  # adjacent waves take adjacent pages
             if p < n_local:
                 score_page(p, k_data, k_scale, out, block_table, b, bt_row, k_page, s_page, seq_len, cp_rank,
                            cp_world, out_head, out_row, sm_scale, n_col, grp, q_frags, tok_of, head_of)
