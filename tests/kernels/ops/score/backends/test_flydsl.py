@@ -13,6 +13,7 @@ import importlib.util
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,6 +131,151 @@ def test_default_nt_k_is_six_for_mxfp4():
     launcher, *_ = prepare_decode(*args, **kwargs)
     launcher6, *_ = prepare_decode(*args, **kwargs, nt_k=6)
     assert launcher is launcher6
+
+
+# Lane-level CPU model of the kernel. It runs the kernel's own index functions (decode.py) lane by
+# lane over the real cache bytes, with the documented gfx950 MFMA operand layouts and nibble order,
+# and must reproduce the reference. It checks the kernel's address, lane and mask arithmetic; it
+# cannot check the hardware assumptions themselves.
+
+
+def _storage_bytes(t):
+    """(all bytes of t's storage as uint8, t's byte offset in it)."""
+    raw = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+    return raw, t.storage_offset() * t.element_size()
+
+
+def _lane_values(raw, offsets, nbytes, kind, scale_bytes=None):
+    """[64, n] float64 values each lane holds, read from byte ``offsets[lane]`` on."""
+    from m3_kernels.formats import e2m1_decode, e8m0_to_float
+
+    idx = torch.as_tensor(offsets, dtype=torch.long)[:, None] + torch.arange(nbytes)
+    b = raw[idx]
+    if kind == "e2m1":  # element 2i in the low nibble of byte i
+        codes = torch.stack([b & 0xF, b >> 4], dim=-1).flatten(1)
+        return e2m1_decode(codes, torch.float64) * e8m0_to_float(scale_bytes, torch.float64)[:, None]
+    dtype = {"e4m3": FP8_DTYPE, "bf16": torch.bfloat16}[kind]
+    return b.contiguous().view(dtype).double()
+
+
+def _mfma_model(a_lanes, b_lanes):
+    """16x16xK MFMA with A[i][k] in lane i + 16 (k // w), B[k][n] in lane n + 16 (k // w) (w values per
+    lane); returns [64, 4]: lane l holds D[4 (l // 16) + r][l % 16]."""
+    w = a_lanes.shape[1]
+    A = torch.stack([torch.cat([a_lanes[i + 16 * g] for g in range(4)]) for i in range(16)])  # [16, 4w]
+    B = torch.stack([torch.cat([b_lanes[n + 16 * g] for g in range(4)]) for n in range(16)]).T
+    D = A @ B
+    assert w * 4 == A.shape[1]
+    return torch.stack([D[4 * (lane // 16) : 4 * (lane // 16) + 4, lane % 16] for lane in range(64)])
+
+
+def model_decode(launcher, fmt, q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, out, cp_rank, cp_world):
+    """Run the kernel's lane arithmetic on the CPU, writing ``out`` like the kernel would."""
+    from m3_kernels.ops.score.backends.flydsl import decode as kd
+
+    H, F = q.shape[1], S * q.shape[1]
+    nf, waves, ppw = -(-F // 16), launcher.pages_per_cta // launcher.pages_per_wave, launcher.pages_per_wave
+    q_kind = "e4m3" if q.dtype == FP8_DTYPE else "bf16"
+    k_token_bytes = {"mxfp4": 64, "fp8": 128, "bf16": 256}[fmt]
+    lanes = torch.arange(64)
+    n_col, grp = lanes % 16, lanes // 16
+    q_raw, q_base = _storage_bytes(q)
+    k_raw, k_base = _storage_bytes(k_cache)
+    if fmt == "mxfp4":
+        s_raw, s_base = _storage_bytes(k_scale)
+    batch, max_block = block_table.shape[0], out.shape[2]
+    grid_y = -(-max_block // launcher.pages_per_cta)
+    for b in range(batch):
+        seq_len = int(seq_lens[b])
+        n_local = max(0, min(max_block, (-(-seq_len // PAGE_SIZE) - cp_rank + cp_world - 1) // cp_world))
+        feats = [torch.clamp(n_col + 16 * j, max=F - 1) for j in range(nf)]
+        toks, heads = [f // H for f in feats], [f % H for f in feats]
+        q_lanes = [
+            _lane_values(q_raw, [q_base + kd.q_lane_offset(b, int(toks[j][ln]), int(heads[j][ln]), int(grp[ln]), S,
+                                                           q.stride(0) * q.element_size(), q.stride(1) * q.element_size(),
+                                                           q.element_size()) for ln in range(64)], 32 * q.element_size(),
+                         q_kind)
+            for j in range(nf)
+        ]
+        for chunk in range(grid_y):
+            for wave in range(waves):
+                for jp in range(ppw):
+                    p = kd.local_page(chunk, jp, wave, waves, ppw)
+                    if p >= n_local:
+                        continue
+                    gp, page = p * cp_world + cp_rank, int(block_table[b, p])
+                    best = [torch.full((64,), -math.inf, dtype=torch.float64) for _ in range(nf)]
+                    for t in range(kd.TILES_PER_PAGE):
+                        offs = [k_base + page * k_cache.stride(0) * k_cache.element_size()
+                                + kd.k_lane_offset(t, int(n_col[ln]), int(grp[ln]), k_token_bytes) for ln in range(64)]
+                        if fmt == "mxfp4":
+                            s_page = s_base + page * k_scale.stride(0)
+                            words = [[int.from_bytes(bytes(s_raw[s_page + kd.scale_word_offset(h, ln) + np.arange(4)]
+                                                           .tolist()), "little") for ln in range(64)] for h in range(2)]
+                            scale = []
+                            for ln in range(64):
+                                half, src = kd.scale_source(t, int(n_col[ln]))
+                                scale.append((words[half][src] >> (8 * int(grp[ln]))) & 0xFF)
+                            k_lanes = _lane_values(k_raw, offs, 16, "e2m1", torch.tensor(scale, dtype=torch.uint8))
+                        else:
+                            k_lanes = _lane_values(k_raw, offs, k_token_bytes // 4, "e4m3" if fmt == "fp8" else "bf16")
+                        for j in range(nf):
+                            acc = _mfma_model(k_lanes, q_lanes[j])
+                            for i in range(4):
+                                row = kd.acc_row(t, grp, i)
+                                limit = kd.visible_limit(seq_len, S, toks[j], gp)
+                                best[j] = torch.maximum(best[j], torch.where(row <= limit, acc[:, i], -math.inf))
+                    for j in range(nf):
+                        m = best[j].view(4, 16).amax(0).repeat(4)  # the xor-16 and xor-32 shuffles
+                        for ln in range(16):  # lanes of group 0 store their column
+                            if ln + 16 * j < F:
+                                off = kd.out_offset(int(heads[j][ln]), int(toks[j][ln]), b, p, S, out.stride(0),
+                                                    out.stride(1))
+                                out.view(-1)[off] = m[ln] * sm_scale
+    return out
+
+
+MODEL_CASES = [  # (fmt, q, S, H, seq_lens, cp_rank, cp_world)
+    ("mxfp4", "bf16", 1, 4, [0, 1, 127, 128, 129, 300], 0, 1),
+    ("mxfp4", "e4m3", 4, 1, [4, 257], 0, 1),
+    ("mxfp4", "bf16", 8, 4, [130, 9], 0, 1),  # two n-tiles
+    ("mxfp4", "e4m3", 2, 4, [700, 260], 1, 2),  # context parallel
+    ("fp8", "bf16", 2, 1, [129, 2], 0, 1),
+    ("fp8", "e4m3", 4, 4, [1, 383], 0, 1),
+    ("bf16", "bf16", 1, 1, [128, 200], 0, 1),
+    ("bf16", "e4m3", 2, 4, [3, 130], 0, 1),
+]
+
+
+@needs_flydsl
+@pytest.mark.parametrize("fmt,q_name,S,H,seq,cp_rank,cp_world", MODEL_CASES)
+def test_lane_model_matches_reference(gen, fmt, q_name, S, H, seq, cp_rank, cp_world):
+    from m3_kernels.ops.score.backends.flydsl.host import prepare_decode
+    from m3_kernels.ops.score.naive import score_decode_ref
+    from m3_kernels.ops.write.naive import write_index_k_ref
+
+    batch = len(seq)
+    max_block = -(-(-(-max(seq) // PAGE_SIZE)) // cp_world)
+    num_pages = batch * max_block + 2
+    k_cache, k_scale = alloc_index_k_cache(num_pages, fmt, single_region=(cp_world == 1))
+    k = torch.randn(num_pages * PAGE_SIZE, 128, generator=gen) * torch.rand(1, 128, generator=gen).mul(8).exp2()
+    write_index_k_ref(k, torch.arange(k.shape[0]), k_cache, k_scale, fmt)
+    block_table = torch.randperm(num_pages, generator=gen)[: batch * max_block].view(batch, max_block).int()
+    seq_lens = torch.tensor(seq, dtype=torch.int32)
+    q_store = torch.randn(batch * S, H + 1, 128, generator=gen).to(Q_DTYPES[q_name])
+    q = q_store[:, 1:]  # strided heads: row stride != H * 128
+    sm = 0.0883
+    launcher, args, out = prepare_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm, max_block,
+                                         torch.full((H, batch * S, max_block), math.nan), cp_rank, cp_world)
+    got = model_decode(launcher, fmt, q, k_cache, k_scale, block_table, seq_lens, S, sm, out, cp_rank, cp_world)
+    want = score_decode_ref(q, k_cache, k_scale, block_table, seq_lens, S, sm, max_block, cp_rank, cp_world)
+    written = ~torch.isnan(got)
+    assert torch.equal(torch.isneginf(got[written]), torch.isneginf(want[written]))
+    assert torch.allclose(got[written].double(), want[written], rtol=2**-23, atol=0)  # out is fp32
+    # Unwritten slots are exactly the pages past each request's last visible page.
+    for b, n in enumerate(seq):
+        n_local = max(0, min(max_block, (-(-n // PAGE_SIZE) - cp_rank + cp_world - 1) // cp_world))
+        assert written[:, b * S : (b + 1) * S, :n_local].all() and not written[:, b * S : (b + 1) * S, n_local:].any()
 
 
 # Host-side rules and dispatch: no FlyDSL needed.
