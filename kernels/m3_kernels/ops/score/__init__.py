@@ -60,13 +60,50 @@ def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_bl
             raise NotImplementedError(f"score backend {name!r} cannot run here: {why}")
         return impl.score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank,
                                  cp_world)
+    if name == "triton":
+        from .triton import score_decode_triton
+
+        fmt, batch, _, max_block, sm_scale = check_decode_args(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale,
+                                                               max_block, out, cp_rank, cp_world)
+        return score_decode_triton(q, k_cache, k_scale, fmt, batch, max_block, block_table, seq_lens, S, sm_scale, out,
+                                   cp_rank, cp_world)
     raise NotImplementedError(f"score backend {name!r} is not available in this build")
+
+
+def score_and_select_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None,
+                            cp_rank=0, cp_world=1, topk=None, backend=None):
+    """Decode scores and the MSA top-k blocks of each row: ``(scores, int32 [H, batch*S, topk])``.
+
+    Scores as ``score_decode``; blocks as ``select.select_blocks`` on them with each row's visible
+    block count (``visible_blocks(seq_len - S + tok, 128)``). Without context parallelism only
+    (``cp_world == 1``): a CP shard holds a subset of the blocks, so selection needs every rank.
+    No host synchronisation on the GPU path.
+    """
+    from ...formats import PAGE_SIZE, TOPK_BLOCKS
+    from ..select import select_blocks
+
+    if cp_world != 1:
+        raise ValueError(f"score_and_select_decode needs cp_world == 1 (selection sees every block), got {cp_world}")
+    scores = score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank, cp_world,
+                          backend)
+    positions = (seq_lens.long()[:, None] - S + torch.arange(S, device=q.device)).flatten()
+    n_visible = torch.where(positions >= 0, positions // PAGE_SIZE + 1, 0).clamp(max=scores.shape[2])
+    return scores, select_blocks(scores, n_visible, TOPK_BLOCKS if topk is None else topk)
 
 
 def score_prefill(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None, out=None,
                   backend=None):
     """Prefill block scores ``fp32 [H, total_new_tokens, max_block]`` (contract: ``naive.score_prefill_ref``)."""
     name = resolve_backend(q.device, backend, op="prefill")
+    if name == "triton":
+        from .common import check_prefill_lengths
+        from .triton import score_prefill_triton
+
+        fmt, _, _, max_block, sm_scale = check_prefill_args(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q,
+                                                            sm_scale, max_block, out)
+        check_prefill_lengths(q, seq_lens, cu_seqlens_q)
+        return score_prefill_triton(q, k_cache, k_scale, fmt, max_block, block_table, seq_lens, cu_seqlens_q, sm_scale,
+                                    out)
     if name in ("torch", "flydsl", "aiter"):  # prefill has a torch and a Triton path only
         from .naive import score_prefill_ref
 

@@ -109,6 +109,18 @@ def check_prefill_args(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q,
     return fmt, batch, H, max_block, check_sm_scale(sm_scale)
 
 
+def check_prefill_lengths(q, seq_lens, cu_seqlens_q) -> None:
+    """Host check (one sync) that ``cu_seqlens_q`` rises from 0 to ``q.shape[0]`` and that no request
+    has more new tokens than its ``seq_lens`` entry."""
+    cu = cu_seqlens_q.tolist()
+    if cu[0] != 0 or cu[-1] != q.shape[0] or any(a > b for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens_q must rise from 0 to q.shape[0] = {q.shape[0]}, got {cu}")
+    lens = seq_lens.tolist()
+    for b, n in enumerate(b1 - b0 for b0, b1 in zip(cu, cu[1:])):
+        if n > lens[b]:
+            raise ValueError(f"request {b} has {n} new tokens but seq_lens[{b}] = {lens[b]}")
+
+
 def supported(check, *args, **kwargs):
     """``(True, "")`` if ``check(*args, **kwargs)`` accepts the call, else ``(False, reason)``."""
     try:
@@ -123,4 +135,4 @@ def decode_supported(*args, **kwargs):
     return supported(check_decode_args, *args, **kwargs)
 
 
-__all__ = ["IndexKFormat", "check_decode_args", "check_prefill_args", "check_sm_scale", "decode_supported", "supported"]
+__all__ = ["IndexKFormat", "check_decode_args", "check_prefill_args", "check_prefill_lengths", "check_sm_scale", "decode_supported", "supported"]

@@ -1,0 +1,317 @@
+"""Triton block scorers (decode and prefill) over the paged index-K cache: bf16, fp8 and MXFP4.
+
+Contract: ``naive.score_decode_ref`` / ``naive.score_prefill_ref`` (DESIGN section 3). Validation is
+``common.check_decode_args`` / ``check_prefill_args``; nothing here re-checks what they check.
+
+Work map: one program per (chunk of ``PP`` local pages, query tile). A decode query tile is one
+request's ``S`` rows; a prefill tile is up to ``64 // H`` consecutive new tokens of one request.
+Each program loads its tile's ``S*H`` query vectors once, then for every page: loads the page,
+forms K on the tensor-core operand, one ``tl.dot`` per page (fp8/bf16) or per 32-wide MX group
+(MXFP4), masks tokens past each row's position, takes the page max and stores
+``sm_scale * max``. Splitting pages over programs fills the GPU at small batch.
+
+Numerics:
+- MXFP4: each e2m1 code becomes the fp16 bit pattern ``sign << 15 | code << 9``, i.e. exactly
+  ``2^-14 * e2m1`` (code 1 is an fp16 subnormal); the group's e8m0 scale multiplies the group's
+  fp32 partial dot product, and ``2^14`` is folded into the final scale. Exact.
+- fp8: e4m3 widens to fp16 exactly.
+- Q: e4m3 widens to fp16 exactly. A bf16 Q row is multiplied by a power of two that puts its
+  largest magnitude in [2^14, 2^15) and then rounded to fp16 (11 significant bits, so exact for
+  every element within 2^28 of the row's largest; smaller ones round at 2^-39 of it), and the
+  power of two is undone after the max. A bf16 cache is scored in bf16 directly.
+- Products are exact in fp32 and accumulated in fp32 by the tensor cores.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ...formats import (
+    FP8_DTYPE,
+    INDEX_DIM,
+    MX_GROUP_SIZE,
+    MXFP4_DATA_BYTES,
+    MXFP4_SCALE_BYTES,
+    PAGE_SIZE,
+    IndexKFormat,
+)
+
+_FMT_CODE = {IndexKFormat.BF16: 0, IndexKFormat.FP8: 1, IndexKFormat.MXFP4: 2}
+_F16_K_EXP = 14  # MXFP4 K is formed as 2^-14 * e2m1 in fp16
+_Q_F16_TOP = 14  # a bf16 Q row's largest magnitude is moved to [2^14, 2^15)
+_PREFILL_ROWS_X_HEADS = 64  # query vectors per prefill tile
+ENV_NO_ASM = "M3_TRITON_NO_ASM"  # "1": decode e2m1 with plain Triton ops on the GPU too
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _use_asm() -> bool:
+    return not _interpret() and os.environ.get(ENV_NO_ASM, "0") != "1"
+
+
+@triton.jit
+def _e2m1_to_f16(b_d, USE_ASM: tl.constexpr):
+    """uint8 ``[T, C]`` packed e2m1 codes -> fp16 ``[T, 2C]`` = 2^-14 * e2m1, element order kept.
+
+    fp16 of nibble n is ``(n & 8) << 12 | (n & 7) << 9``: its low byte is zero and its high byte
+    is ``(n & 8) << 4 | (n & 7) << 1``, so the GPU path builds four high bytes per 32-bit word
+    with two masks and shifts and places them with byte permutes (about 1.6 instructions per
+    element).
+    """
+    if USE_ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 hl, hh, t, z;
+            mov.b32 z, 0;
+            and.b32 t, $4, 0x08080808;
+            shl.b32 t, t, 4;
+            and.b32 hl, $4, 0x07070707;
+            shl.b32 hl, hl, 1;
+            or.b32 hl, hl, t;
+            and.b32 t, $4, 0x80808080;
+            shr.u32 hh, $4, 3;
+            and.b32 hh, hh, 0x0E0E0E0E;
+            or.b32 hh, hh, t;
+            prmt.b32 $0, hl, z, 0x1404;
+            prmt.b32 $1, hl, z, 0x3424;
+            prmt.b32 $2, hh, z, 0x1404;
+            prmt.b32 $3, hh, z, 0x3424;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r",
+            args=[b_d],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        x = b_d.to(tl.int32)
+        lo = ((((x & 0x8) << 12) | ((x & 0x7) << 9)).to(tl.int16)).to(tl.float16, bitcast=True)
+        hi = ((((x & 0x80) << 8) | ((x & 0x70) << 5)).to(tl.int16)).to(tl.float16, bitcast=True)
+    return tl.interleave(lo, hi)
+
+
+@triton.jit
+def _pow2(e):
+    """fp32 2^(e - 127) for biased exponents e in [1, 254] (int32)."""
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_q(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, d0, DK: tl.constexpr):
+    """fp32 ``[DK, NQ]`` slice ``d0 : d0 + DK`` of the query vectors (zero where masked)."""
+    o_d = d0 + tl.arange(0, DK)
+    p_q = q_ptr + rows[None, :].to(tl.int64) * stride_q_r + heads[None, :] * stride_q_h + o_d[:, None]
+    return tl.load(p_q, mask=m_n[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _mx_group_dot(k_ptr, s_ptr, base_d, base_s, o_t, b_q, col_scale, g: tl.constexpr,
+                  DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, GB: tl.constexpr,
+                  USE_ASM: tl.constexpr):
+    """fp32 ``[T, NQ]``: the dot of MX group ``g`` of every token with ``b_q``, times the group's
+    e8m0 scale and the column's power of two (one product of powers of two: it leaves fp32's
+    range only where the exact score does)."""
+    o_c = tl.arange(0, GB)
+    b_d = tl.load(k_ptr + base_d + o_t[:, None] * DATA_BYTES + g * GB + o_c[None, :])
+    b_s = tl.load(s_ptr + base_s + o_t * SCALE_BYTES + g)
+    b_k = _e2m1_to_f16(b_d, USE_ASM)
+    part = tl.dot(b_k, b_q, out_dtype=tl.float32)
+    return part * (_pow2(b_s.to(tl.int32))[:, None] * col_scale[None, :])
+
+
+@triton.jit
+def _score_kernel(
+    q_ptr, k_ptr, s_ptr, bt_ptr, seq_ptr, cu_ptr, tile_ptr, out_ptr,
+    n_cols, S, cp_rank, cp_world, sm_scale,
+    stride_q_r, stride_q_h, stride_k_page, stride_s_page, stride_bt, stride_o_h, stride_o_r,
+    FMT: tl.constexpr,  # 0 bf16, 1 fp8, 2 mxfp4
+    Q_FP8: tl.constexpr,
+    H: tl.constexpr,
+    ROWS: tl.constexpr,  # query rows per tile (decode: S)
+    NQ: tl.constexpr,  # query vectors per tile, padded (>= 16, power of 2)
+    PP: tl.constexpr,  # pages per program
+    PREFILL: tl.constexpr,
+    FILL_TAIL: tl.constexpr,  # write -inf in columns past the tile's last visible page
+    NUM_STAGES: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    D: tl.constexpr,
+    T: tl.constexpr,
+    G: tl.constexpr,
+    DATA_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    KFAC: tl.constexpr,  # 2^14: MXFP4 K is formed as 2^-14 * e2m1
+    Q_TOP: tl.constexpr,
+):
+    i_c, i_tile = tl.program_id(0), tl.program_id(1)
+    if PREFILL:
+        b = tl.load(tile_ptr + 2 * i_tile)
+        row0 = tl.load(tile_ptr + 2 * i_tile + 1)
+        cu0 = tl.load(cu_ptr + b)
+        cu1 = tl.load(cu_ptr + b + 1)
+        n_rows = tl.minimum(cu1 - row0, ROWS)
+        pos0 = tl.load(seq_ptr + b) - (cu1 - cu0) + (row0 - cu0)
+    else:
+        b = i_tile
+        row0 = b * S
+        n_rows = S
+        pos0 = tl.load(seq_ptr + b) - S
+    # Local pages holding any token at or before the tile's last position.
+    last_pos = pos0 + n_rows - 1
+    n_global = tl.where(last_pos >= 0, last_pos // T + 1, 0)
+    n_local = tl.minimum(tl.maximum((n_global - cp_rank + cp_world - 1) // cp_world, 0), n_cols)
+    p_start = i_c * PP
+    p_stop = tl.minimum(p_start + PP, n_cols)
+    o_n = tl.arange(0, NQ)
+    j = o_n // H
+    m_n = j < n_rows
+    rows = row0 + j
+    heads = o_n % H
+    pos = pos0 + j
+    o_h = heads.to(tl.int64) * stride_o_h + rows.to(tl.int64) * stride_o_r
+    if FILL_TAIL:
+        for p in range(tl.maximum(p_start, n_local), p_stop):
+            tl.store(out_ptr + o_h + p, tl.full([NQ], float("-inf"), tl.float32), mask=m_n)
+    p_end = tl.minimum(p_stop, n_local)
+    if p_start >= p_end:
+        return
+
+    # Query vectors, widened onto the tensor-core operand type (module docstring).
+    post = tl.full([NQ], 1.0, tl.float32) * sm_scale
+    if FMT == 2:
+        q0 = _load_q(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, 0 * G, G)
+        q1 = _load_q(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, 1 * G, G)
+        q2 = _load_q(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, 2 * G, G)
+        q3 = _load_q(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, 3 * G, G)
+        # col_scale undoes the Q power of two and the 2^-14 of the fp16 e2m1 (module docstring).
+        if Q_FP8:
+            col_scale = tl.full([NQ], KFAC, tl.float32)
+        else:
+            amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0), axis=0), tl.max(tl.abs(q1), axis=0)),
+                              tl.maximum(tl.max(tl.abs(q2), axis=0), tl.max(tl.abs(q3), axis=0)))
+            e_q = tl.minimum(tl.maximum(amax.to(tl.int32, bitcast=True) >> 23, Q_TOP + 1), 254)
+            fac = _pow2(2 * 127 + Q_TOP - e_q)[None, :]
+            q0, q1, q2, q3 = q0 * fac, q1 * fac, q2 * fac, q3 * fac
+            col_scale = _pow2(e_q - Q_TOP) * KFAC
+        q0, q1, q2, q3 = q0.to(tl.float16), q1.to(tl.float16), q2.to(tl.float16), q3.to(tl.float16)
+    else:
+        b_q = _load_q(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, 0, D)
+        if FMT == 0:
+            if not INTERPRET:  # the CPU interpreter's bf16 dot is wrong: it scores in fp32 there
+                b_q = b_q.to(tl.bfloat16)
+        else:
+            if not Q_FP8:
+                amax = tl.max(tl.abs(b_q), axis=0)
+                e_q = tl.minimum(tl.maximum(amax.to(tl.int32, bitcast=True) >> 23, Q_TOP + 1), 254)
+                b_q = b_q * _pow2(2 * 127 + Q_TOP - e_q)[None, :]
+                post = post * _pow2(e_q - Q_TOP)
+            b_q = b_q.to(tl.float16)
+
+    o_t = tl.arange(0, T)
+    o_d = tl.arange(0, D)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    for p in tl.range(p_start, p_end, num_stages=NUM_STAGES):
+        page = tl.load(bt_row + p).to(tl.int64)
+        if FMT == 2:
+            base_d = page * stride_k_page
+            base_s = page * stride_s_page
+            acc = _mx_group_dot(k_ptr, s_ptr, base_d, base_s, o_t, q0, col_scale, 0, DATA_BYTES, SCALE_BYTES, G // 2, USE_ASM)
+            acc += _mx_group_dot(k_ptr, s_ptr, base_d, base_s, o_t, q1, col_scale, 1, DATA_BYTES, SCALE_BYTES, G // 2, USE_ASM)
+            acc += _mx_group_dot(k_ptr, s_ptr, base_d, base_s, o_t, q2, col_scale, 2, DATA_BYTES, SCALE_BYTES, G // 2, USE_ASM)
+            acc += _mx_group_dot(k_ptr, s_ptr, base_d, base_s, o_t, q3, col_scale, 3, DATA_BYTES, SCALE_BYTES, G // 2, USE_ASM)
+        else:
+            b_k = tl.load(k_ptr + page * stride_k_page + o_t[:, None] * D + o_d[None, :])
+            if FMT == 1:
+                b_k = b_k.to(tl.float16)
+            if INTERPRET and FMT == 0:
+                acc = tl.dot(b_k.to(tl.float32), b_q, input_precision="ieee", out_dtype=tl.float32)
+            else:
+                acc = tl.dot(b_k, b_q, out_dtype=tl.float32)
+        t_pos = (p * cp_world + cp_rank) * T + o_t
+        acc = tl.where(t_pos[:, None] <= pos[None, :], acc, float("-inf"))
+        tl.store(out_ptr + o_h + p, tl.max(acc, axis=0) * post, mask=m_n)
+
+
+def _pages_per_program(work_pages: int) -> int:
+    """Pages per program: about 2048 programs for the whole call, 1..16 pages each."""
+    pp = 1
+    while pp < 16 and work_pages // (2 * pp) >= 2048:
+        pp *= 2
+    return pp
+
+
+def _cache_args(k_cache, k_scale, fmt):
+    if fmt is IndexKFormat.MXFP4:
+        return k_cache, k_scale, k_cache.stride(0), k_scale.stride(0)
+    return k_cache, None, k_cache.stride(0), 0
+
+
+def _launch(q, k_cache, k_scale, fmt, block_table, seq_lens, cu, tiles, out, n_tiles, S, rows, max_block,
+            sm_scale, cp_rank, cp_world, prefill, fill_tail, pp=None, num_warps=4, num_stages=2):
+    H = q.shape[1]
+    nq = max(16, triton.next_power_of_2(rows * H))
+    if pp is None:
+        pp = _pages_per_program(n_tiles * max_block)
+    k_ptr, s_ptr, stride_k, stride_s = _cache_args(k_cache, k_scale, fmt)
+    grid = (triton.cdiv(max_block, pp), n_tiles)
+    if grid[0] == 0 or grid[1] == 0:
+        return out
+    _score_kernel[grid](
+        q, k_ptr, s_ptr, block_table, seq_lens, cu, tiles, out,
+        max_block, S, cp_rank, cp_world, sm_scale,
+        q.stride(0), q.stride(1), stride_k, stride_s, block_table.stride(0), out.stride(0), out.stride(1),
+        FMT=_FMT_CODE[fmt], Q_FP8=q.dtype == FP8_DTYPE, H=H, ROWS=rows, NQ=nq, PP=pp, PREFILL=prefill,
+        FILL_TAIL=fill_tail, NUM_STAGES=num_stages, USE_ASM=_use_asm(), INTERPRET=_interpret(), D=INDEX_DIM, T=PAGE_SIZE,
+        G=MX_GROUP_SIZE, DATA_BYTES=MXFP4_DATA_BYTES, SCALE_BYTES=MXFP4_SCALE_BYTES, KFAC=float(2**_F16_K_EXP),
+        Q_TOP=_Q_F16_TOP, num_warps=num_warps,
+    )
+    return out
+
+
+def score_decode_triton(q, k_cache, k_scale, fmt, batch, max_block, block_table, seq_lens, S, sm_scale,
+                        out=None, cp_rank=0, cp_world=1, pp=None, num_warps=4, num_stages=2):
+    """Decode scores ``fp32 [H, batch*S, max_block]``; arguments validated by ``check_decode_args``.
+
+    No host synchronisation and no data-dependent grid: safe to capture in a CUDA graph. With
+    ``out=None`` the buffer is allocated here and every column past a row's last visible page
+    reads -inf; a preallocated ``out`` is written up to each request's last page only.
+    """
+    H = q.shape[1]
+    fill_tail = out is None
+    if out is None:
+        out = torch.empty((H, batch * S, max_block), dtype=torch.float32, device=q.device)
+    return _launch(q, k_cache, k_scale, fmt, block_table, seq_lens, None, None, out, batch, S, S, max_block,
+                   sm_scale, cp_rank, cp_world, False, fill_tail, pp, num_warps, num_stages)
+
+
+def prefill_tiles(cu_seqlens_q: torch.Tensor, H: int):
+    """Host work map for prefill: ``(int32 [n_tiles, 2] of (request, first row), rows per tile)``."""
+    rows = max(1, _PREFILL_ROWS_X_HEADS // H)
+    cu = cu_seqlens_q.tolist()
+    tiles = [(b, r) for b in range(len(cu) - 1) for r in range(cu[b], cu[b + 1], rows)]
+    t = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 2)
+    return t.to(cu_seqlens_q.device), rows
+
+
+def score_prefill_triton(q, k_cache, k_scale, fmt, max_block, block_table, seq_lens, cu_seqlens_q, sm_scale,
+                         out=None, pp=None, num_warps=4, num_stages=2):
+    """Prefill scores ``fp32 [H, total_new_tokens, max_block]``; validated by ``check_prefill_args``.
+
+    Builds its work map on the host (one sync); every column is written (-inf past each row's
+    last visible page) whether ``out`` is given or not, as ``naive.score_prefill_ref``.
+    """
+    H = q.shape[1]
+    if out is None:
+        out = torch.empty((H, q.shape[0], max_block), dtype=torch.float32, device=q.device)
+    tiles, rows = prefill_tiles(cu_seqlens_q, H)
+    return _launch(q, k_cache, k_scale, fmt, block_table, seq_lens, cu_seqlens_q, tiles, out, tiles.shape[0], 0,
+                   rows, max_block, sm_scale, 0, 1, True, True, pp, num_warps, num_stages)
+
+
+__all__ = ["score_decode_triton", "score_prefill_triton", "prefill_tiles"]

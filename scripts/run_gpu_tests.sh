@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# On a CUDA GPU: the gpu-marked kernel tests, then the scorer/writer benchmark (correctness first).
+#   scripts/run_gpu_tests.sh [bench args...]     logs and tables go to $OUT (default ./out)
+# Wheels for packages the machine lacks (sglang for the peer baseline) are installed from
+# $WHEELS (a folder of .whl files) when it is set.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -n "${WHEELS:-}" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/m3_site "$WHEELS"/*.whl \
+        && export PYTHONPATH=/tmp/m3_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/ops/write/test_triton.py \
+    tests/kernels/ops/score/test_triton.py tests/kernels/ops/select/test_triton.py ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
+tests_rc=${PIPESTATUS[0]}
+echo "gpu tests exit code: $tests_rc" | tee -a "$OUT/pytest_gpu.log"
+if [ "$tests_rc" != 0 ]; then
+    echo "CORRECTNESS GATE FAILED: benchmark numbers below are not a claim" | tee "$OUT/GATE_FAILED"
+fi
+python3 tests/benchmarks/bench_score.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
+exit $(( tests_rc | PIPESTATUS[0] ))

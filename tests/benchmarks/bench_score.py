@@ -1,0 +1,356 @@
+"""Decode scorer + top-16 benchmark on one GPU: fp8 vs MXFP4 index caches (Triton) against SGLang
+0.5.16's own MiniMax-M3 decode scorer + top-k (bf16 index K), plus index-cache writer throughput.
+
+    python tests/benchmarks/bench_score.py [--out DIR] [--quick] [--no-peer] [--sweep]
+
+Method: every arm is captured once in a CUDA graph holding R calls over R disjoint regions of a
+page pool far larger than the L2 (R up to 8, fewer when a call's pages fill the pool); the graph
+is replayed at least 25 times and the median replay time divided by R is reported. fp8 and MXFP4
+run in the order A-B-B-A and the mean of the two rounds is reported. Bandwidth is the cache bytes
+one call must read (pages x 128 x bytes per token), and "% copy" compares it with a device-to-device
+copy measured in the same process (bytes read + written over time). Every arm's scores for one
+request are checked against the torch reference before any number is printed.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import types
+
+import torch
+
+from m3_kernels.formats import (
+    FP8_DTYPE,
+    INDEX_DIM,
+    MXFP4_PAGE_BYTES,
+    PAGE_SIZE,
+    TOPK_BLOCKS,
+    IndexKFormat,
+    mxfp4_page_views,
+)
+from m3_kernels.ops.score.naive import score_decode_ref
+from m3_kernels.ops.score.triton import score_decode_triton
+from m3_kernels.ops.select.triton import select_blocks_triton
+from m3_kernels.ops.write.triton import write_index_k_triton
+
+POOL_PAGES = 300_000  # 2.6 GB MXFP4, 4.9 GB fp8, 9.8 GB bf16: far past the 60 MB L2
+MAX_REGIONS = 8
+REPLAYS = 25
+SEED_CELLS = [(4, 1, b, c) for b in (8, 16, 32) for c in (32768, 100000, 131072)]
+EXTRA_CELLS = [(4, 1, b, c) for b in (64, 128) for c in (32768, 100000, 131072)] + [
+    (1, 4, b, c) for b in (8, 32, 128) for c in (32768, 131072)
+]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def graph_time_us(fns, replays=REPLAYS):
+    """Median over ``replays`` of one graph replay holding every call in ``fns``, per call (us)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            for f in fns:
+                f()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / len(fns))
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth():
+    """Device-to-device copy: (bytes read + written) / median time, GB/s."""
+    n = 2 * 1024**3
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    t = graph_time_us([lambda: dst.copy_(src)], replays=REPLAYS)
+    del src, dst
+    return 2 * n / (t * 1e-6) / 1e9
+
+
+def import_peer():
+    """SGLang's decode scorer module without running sglang/__init__ (which imports the server)."""
+    import importlib
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None:
+        raise ImportError("sglang is not installed")
+    root = list(spec.submodule_search_locations)[0]
+    for name in ("sglang", "sglang.kernels", "sglang.kernels.ops", "sglang.kernels.ops.attention"):
+        mod = types.ModuleType(name)
+        mod.__path__ = [os.path.join(root, *name.split(".")[1:])]
+        sys.modules[name] = mod
+    return importlib.import_module("sglang.kernels.ops.attention.minimax_sparse.decode.flash_with_topk_idx")
+
+
+class Pools:
+    def __init__(self, pages, peer):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        self.pages = pages
+        region = torch.empty(pages, MXFP4_PAGE_BYTES, dtype=torch.uint8, device="cuda")
+        region.random_(0, 256, generator=gen)
+        self.mx_data, self.mx_scale = mxfp4_page_views(region)
+        self.mx_scale.random_(122, 128, generator=gen)  # e8m0 in [122, 127], as the seed
+        fp8 = torch.empty(pages, PAGE_SIZE, INDEX_DIM, dtype=torch.uint8, device="cuda")
+        for i in range(0, pages, 16384):
+            chunk = fp8[i : i + 16384].random_(0, 256, generator=gen)
+            chunk.sub_(((chunk & 0x7F) == 0x7F).to(torch.uint8))  # no NaN code
+        self.fp8 = fp8.view(FP8_DTYPE)
+        self.bf16 = None
+        if peer:
+            self.bf16 = torch.empty(pages * PAGE_SIZE, 1, INDEX_DIM, dtype=torch.bfloat16, device="cuda")
+            for i in range(0, pages * PAGE_SIZE, 1 << 22):
+                self.bf16[i : i + (1 << 22)].normal_(generator=gen)
+        self.perm = torch.randperm(pages, device="cuda", generator=gen).to(torch.int32)
+
+    def cache(self, fmt):
+        if fmt is IndexKFormat.MXFP4:
+            return self.mx_data, self.mx_scale
+        return self.fp8, None
+
+
+def check_against_ref(scores, q, k_cache, k_scale, bt, seq_lens, S, sm_scale, name):
+    """Request 0's scores against the float64 torch reference (CPU copy of its pages)."""
+    npg = bt.shape[1]
+    pages = bt[0].long()
+    kc = k_cache[pages].cpu()
+    ks = k_scale[pages].cpu() if k_scale is not None else None
+    ref = score_decode_ref(q[:S].cpu(), kc, ks, torch.arange(npg, dtype=torch.int32)[None], seq_lens[:1].cpu(), S,
+                           sm_scale)
+    got = scores[:, :S].double().cpu()
+    fin = torch.isfinite(ref)
+    if not torch.equal(fin, torch.isfinite(got)):
+        raise AssertionError(f"{name}: -inf pattern differs from the reference")
+    err = ((got[fin] - ref[fin]).abs().max() / ref[fin].abs().max().clamp_min(1e-30)).item()
+    if not err < 1e-5:
+        raise AssertionError(f"{name}: relative error {err:.3g} against the reference")
+    return err
+
+
+def bench_cell(pools, peer, S, H, B, ctx, copy_gbs, sm_scale=0.088):
+    npg = math.ceil(ctx / PAGE_SIZE)
+    need = B * npg
+    regions = max(1, min(MAX_REGIONS, pools.pages // need))
+    gen = torch.Generator(device="cuda").manual_seed(B * 7 + ctx)
+    bts = [pools.perm[r * need : (r + 1) * need].reshape(B, npg).contiguous() for r in range(regions)]
+    seq = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(B * S, H, INDEX_DIM, device="cuda", generator=gen).to(torch.bfloat16)
+    q8 = q.float().clamp(-448, 448).to(FP8_DTYPE)
+    outs = [torch.empty(H, B * S, npg, dtype=torch.float32, device="cuda") for _ in range(regions)]
+    sel = [torch.empty(H, B * S, TOPK_BLOCKS, dtype=torch.int32, device="cuda") for _ in range(regions)]
+    pos = (seq.long()[:, None] - S + torch.arange(S, device="cuda")).flatten()
+    nvis = (pos // PAGE_SIZE + 1).to(torch.int32)
+
+    def scorer(fmt, qq, r, with_select=False):
+        kc, ks = pools.cache(fmt)
+
+        def f():
+            score_decode_triton(qq, kc, ks, fmt, B, npg, bts[r], seq, S, sm_scale, outs[r])
+            if with_select:
+                select_blocks_triton(outs[r], nvis, TOPK_BLOCKS, 1, 0, out=sel[r])
+
+        return f
+
+    res = {"S": S, "H": H, "B": B, "ctx": ctx, "regions": regions}
+    # Correctness gate on request 0 of region 0 for each of our arms.
+    for fmt, qq, name in ((IndexKFormat.FP8, q, "fp8"), (IndexKFormat.MXFP4, q, "mxfp4"),
+                          (IndexKFormat.MXFP4, q8, "mxfp4_e4m3q")):
+        scorer(fmt, qq, 0)()
+        kc, ks = pools.cache(fmt)
+        check_against_ref(outs[0], qq, kc, ks, bts[0], seq, S, sm_scale, name)
+    rounds = {"fp8": [], "mxfp4": []}
+    for name in ("fp8", "mxfp4", "mxfp4", "fp8"):  # A-B-B-A
+        fmt = IndexKFormat.FP8 if name == "fp8" else IndexKFormat.MXFP4
+        rounds[name].append(graph_time_us([scorer(fmt, q, r) for r in range(regions)]))
+    res["fp8_us"] = statistics.mean(rounds["fp8"])
+    res["mxfp4_us"] = statistics.mean(rounds["mxfp4"])
+    res["spread"] = max(abs(a - b) / min(a, b) for a, b in rounds.values())
+    res["mxfp4_e4m3q_us"] = graph_time_us([scorer(IndexKFormat.MXFP4, q8, r) for r in range(regions)])
+    res["fp8_sel_us"] = graph_time_us([scorer(IndexKFormat.FP8, q, r, True) for r in range(regions)])
+    res["mxfp4_sel_us"] = graph_time_us([scorer(IndexKFormat.MXFP4, q, r, True) for r in range(regions)])
+    res["select_us"] = graph_time_us(
+        [lambda r=r: select_blocks_triton(outs[r], nvis, TOPK_BLOCKS, 1, 0, out=sel[r]) for r in range(regions)])
+    tokens = B * npg * PAGE_SIZE
+    for name, tb in (("fp8", IndexKFormat.FP8.token_bytes), ("mxfp4", IndexKFormat.MXFP4.token_bytes)):
+        res[f"{name}_gbs"] = tokens * tb / (res[f"{name}_us"] * 1e-6) / 1e9
+        res[f"{name}_pct"] = 100 * res[f"{name}_gbs"] / copy_gbs
+        res[f"{name}_floor_us"] = tokens * tb / (copy_gbs * 1e9) * 1e6
+    res["ratio"] = res["mxfp4_us"] / res["fp8_us"]
+    if peer is not None:
+        res.update(bench_peer(peer, pools, bts, q, B, S, H, ctx, sm_scale))
+        res["peer_pct"] = 100 * tokens * IndexKFormat.BF16.token_bytes / (res["peer_us"] * 1e-6) / 1e9 / copy_gbs
+        res["speedup_mxfp4_sel"] = res["peer_us"] / res["mxfp4_sel_us"]
+    return res
+
+
+def bench_peer(peer, pools, bts, q, B, S, H, ctx, sm_scale):
+    """SGLang's flash_decode_with_topk_idx (score + top-16, bf16 K): the S*H query vectors of a
+    request are its index heads over one shared K head (gqa group S*H)."""
+    qp = q.reshape(B, S * H, INDEX_DIM).contiguous()
+    slot_ids = torch.arange(B, dtype=torch.int32, device="cuda")
+    seq = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+    o_t = torch.arange(PAGE_SIZE, dtype=torch.int32, device="cuda")
+    r2ts = [(bt[:, :, None] * PAGE_SIZE + o_t).reshape(B, -1)[:, :ctx].contiguous() for bt in bts]
+
+    def call(r):
+        return lambda: peer.flash_decode_with_topk_idx(
+            qp, None, pools.bf16, None, r2ts[r], seq, ctx, slot_ids, PAGE_SIZE, TOPK_BLOCKS, 0, 1,
+            sm_scale=sm_scale, disable_index_value=True)
+
+    t0 = time.time()
+    call(0)()  # autotune outside the graph
+    torch.cuda.synchronize()
+    return {"peer_us": graph_time_us([call(r) for r in range(len(bts))]), "peer_tune_s": time.time() - t0}
+
+
+def bench_writer(pools, copy_gbs, tokens=32768, sets=8):
+    """Index-cache writer: fp32 K [tokens, 128] to random slots; graph of ``sets`` disjoint inputs."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ks = [torch.randn(tokens, INDEX_DIM, device="cuda", generator=gen) for _ in range(sets)]
+    slots = pools.perm[: tokens * sets // PAGE_SIZE + 1].long()
+    locs = [(slots[i * tokens // PAGE_SIZE : (i + 1) * tokens // PAGE_SIZE, None] * PAGE_SIZE
+             + torch.arange(PAGE_SIZE, device="cuda")).flatten()[:tokens] for i in range(sets)]
+    rows = []
+    bf16_cache = pools.bf16.view(pools.pages, PAGE_SIZE, INDEX_DIM) if pools.bf16 is not None else None
+    for fmt in (IndexKFormat.BF16, IndexKFormat.FP8, IndexKFormat.MXFP4, IndexKFormat.MXFP4_ROT):
+        if fmt is IndexKFormat.BF16:
+            if bf16_cache is None:
+                continue
+            kc, kss = bf16_cache, None
+        else:
+            kc, kss = pools.cache(IndexKFormat.MXFP4 if fmt.is_mxfp4 else IndexKFormat.FP8)
+        t = graph_time_us([lambda i=i: write_index_k_triton(ks[i], locs[i], kc, kss, fmt) for i in range(sets)])
+        moved = tokens * (4 * INDEX_DIM + 8 + fmt.token_bytes)
+        rows.append({"fmt": fmt.value, "us": t, "mtok_s": tokens / t, "gbs": moved / (t * 1e-6) / 1e9,
+                     "pct": 100 * moved / (t * 1e-6) / 1e9 / copy_gbs})
+    return rows
+
+
+def sweep(pools, cells, sm_scale=0.088):
+    """Launch-parameter sweep (pages per program, warps, pipeline stages) on a few cells."""
+    rows = []
+    for S, H, B, ctx in cells:
+        npg = math.ceil(ctx / PAGE_SIZE)
+        need = B * npg
+        regions = max(1, min(MAX_REGIONS, pools.pages // need))
+        bts = [pools.perm[r * need : (r + 1) * need].reshape(B, npg).contiguous() for r in range(regions)]
+        seq = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn(B * S, H, INDEX_DIM, device="cuda").to(torch.bfloat16)
+        out = torch.empty(H, B * S, npg, dtype=torch.float32, device="cuda")
+        for fmt in (IndexKFormat.MXFP4, IndexKFormat.FP8):
+            kc, ks = pools.cache(fmt)
+            for pp in (None, 16):
+                for nw in (4, 8):
+                    for ns in (2, 3):
+                        fns = [lambda r=r: score_decode_triton(q, kc, ks, fmt, B, npg, bts[r], seq, S, sm_scale, out,
+                                                               pp=pp, num_warps=nw, num_stages=ns)
+                               for r in range(regions)]
+                        try:
+                            t = graph_time_us(fns)
+                        except Exception as e:  # a config that does not compile is reported, not fatal
+                            t = float("nan")
+                            log(f"sweep {fmt.value} pp={pp} nw={nw} ns={ns}: {type(e).__name__}: {e}"[:300])
+                        rows.append({"fmt": fmt.value, "S": S, "H": H, "B": B, "ctx": ctx, "pp": pp, "nw": nw,
+                                     "ns": ns, "us": t})
+                        log(f"sweep {fmt.value} S{S} H{H} B{B} ctx{ctx} pp={pp} nw={nw} ns={ns}: {t:.1f} us")
+    return rows
+
+
+def table(results, writer, copy_gbs, header):
+    lines = [header, "", f"Copy bandwidth measured in this run: {copy_gbs / 1000:.2f} TB/s (read + write).", ""]
+    lines.append("| shape | B | ctx | fp8 us | fp8 GB/s | fp8 % copy | MXFP4 us | MXFP4 GB/s | MXFP4 % copy | "
+                 "MXFP4 floor us | MXFP4/fp8 | MXFP4 e4m3-Q us | select us | fp8+sel us | MXFP4+sel us | "
+                 "SGLang us | SGLang % copy | SGLang / MXFP4+sel |")
+    lines.append("|" + "---|" * 18)
+    for r in results:
+        peer = (f"{r['peer_us']:.1f} | {r['peer_pct']:.0f}% | {r['speedup_mxfp4_sel']:.2f}x" if "peer_us" in r
+                else "- | - | -")
+        lines.append(
+            f"| S{r['S']} H{r['H']} | {r['B']} | {r['ctx']} | {r['fp8_us']:.1f} | {r['fp8_gbs']:.0f} | "
+            f"{r['fp8_pct']:.0f}% | {r['mxfp4_us']:.1f} | {r['mxfp4_gbs']:.0f} | {r['mxfp4_pct']:.0f}% | "
+            f"{r['mxfp4_floor_us']:.1f} | {r['ratio']:.2f} | {r['mxfp4_e4m3q_us']:.1f} | {r['select_us']:.1f} | "
+            f"{r['fp8_sel_us']:.1f} | {r['mxfp4_sel_us']:.1f} | {peer} |")
+    if writer:
+        lines += ["", "Index-cache writer, 32768 fp32 tokens to random slots (bytes: fp32 in + slot + cache row):", "",
+                  "| format | us | M tokens/s | GB/s | % copy |", "|---|---|---|---|---|"]
+        for w in writer:
+            lines.append(f"| {w['fmt']} | {w['us']:.1f} | {w['mtok_s']:.0f} | {w['gbs']:.0f} | {w['pct']:.0f}% |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--quick", action="store_true", help="the 9 seed cells only")
+    parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    header = (f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}; "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    log(header)
+    peer = None
+    if not args.no_peer:
+        try:
+            peer = import_peer()
+        except Exception as e:
+            log(f"SGLang scorer unavailable: {type(e).__name__}: {e}")
+    if peer is not None:
+        try:
+            import sglang.jit_kernel.minimax_decode_topk  # noqa: F401  # SGLang's default top-k path
+            log("SGLang top-k: JIT radix select (its default)")
+        except Exception as e:
+            os.environ["SGLANG_OPT_USE_MINIMAX_DECODE_TOPK_RADIX"] = "0"
+            log(f"SGLang top-k: Triton two-stage fallback (JIT radix select unavailable: {type(e).__name__}: {e})"[:400])
+    copy_gbs = copy_bandwidth()
+    log(f"copy bandwidth {copy_gbs:.0f} GB/s")
+    pools = Pools(POOL_PAGES, peer is not None)
+    if args.sweep:
+        rows = sweep(pools, [(4, 1, 8, 32768), (4, 1, 32, 131072)])
+        with open(os.path.join(args.out, "sweep.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    cells = SEED_CELLS + ([] if args.quick else EXTRA_CELLS)
+    results = []
+    for S, H, B, ctx in cells:
+        try:
+            r = bench_cell(pools, peer, S, H, B, ctx, copy_gbs)
+        except Exception as e:
+            log(f"cell S{S} H{H} B{B} ctx{ctx} failed: {type(e).__name__}: {e}"[:500])
+            raise
+        results.append(r)
+        log(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}))
+    writer = bench_writer(pools, copy_gbs)
+    text = table(results, writer, copy_gbs, header)
+    with open(os.path.join(args.out, "bench_score.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(args.out, "bench_score.json"), "w") as f:
+        json.dump({"copy_gbs": copy_gbs, "cells": results, "writer": writer, "header": header}, f, indent=1)
+    log(text)
+
+
+if __name__ == "__main__":
+    main()

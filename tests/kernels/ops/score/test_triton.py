@@ -1,0 +1,376 @@
+"""Triton block scorers against the float64 torch reference (``naive.py``).
+
+CPU: small cases under the Triton interpreter (``TRITON_INTERPRET=1``, set here when no GPU is
+present). GPU (``-m gpu``): the full matrix of cache formats, views, Q dtypes, geometries, lengths,
+context-parallel shards, buffers, scale ranges, CUDA-graph replay and every rejection.
+
+Tolerance: ``|got - ref| <= 1e-5 * bound`` with ``bound`` the same score computed on ``|q|`` and
+``|K|`` (fp32 accumulation of 128 exact products errs by at most ~128 ulp of that), the -inf
+pattern equal, and no NaN.
+"""
+
+import importlib
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton  # noqa: E402
+
+from m3_kernels.formats import (  # noqa: E402
+    FP8_DTYPE,
+    PAGE_SIZE,
+    alloc_index_k_cache,
+    check_index_k_cache,
+    mxfp4_page_views,
+)
+from m3_kernels.ops.score import decode_supported, score_decode, score_prefill  # noqa: E402
+from m3_kernels.ops.score.naive import score_decode_ref, score_prefill_ref  # noqa: E402
+
+CPU = pytest.param("cpu", id="cpu")
+GPU = pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)
+
+
+def _on(device):
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("interpreter cases run on CPU-only machines (CI)")
+    return device
+
+
+def _kernels():
+    import m3_kernels.ops.score.triton as mod
+
+    if os.environ.get("TRITON_INTERPRET") == "1" and not isinstance(mod._score_kernel, triton.runtime.interpreter.InterpretedFunction):
+        mod = importlib.reload(mod)
+    return mod
+
+
+def random_cache(gen, fmt, pages, device, single_region=True, scale_lo=122, scale_hi=127):
+    """Random cache contents: every e2m1 code, e8m0 bytes in [scale_lo, scale_hi]; random e4m3
+    bytes without the NaN code; bf16 normals."""
+    k_cache, k_scale = alloc_index_k_cache(pages, "mxfp4" if fmt.startswith("mxfp4") else fmt, single_region=single_region)
+    if k_scale is not None:
+        k_cache.copy_(torch.randint(0, 256, k_cache.shape, generator=gen, dtype=torch.uint8))
+        k_scale.copy_(torch.randint(scale_lo, scale_hi + 1, k_scale.shape, generator=gen, dtype=torch.uint8))
+    elif k_cache.dtype == FP8_DTYPE:
+        b = torch.randint(0, 256, k_cache.shape, generator=gen, dtype=torch.uint8)
+        b -= ((b & 0x7F) == 0x7F).to(torch.uint8)
+        k_cache.view(torch.uint8).copy_(b)
+    else:
+        k_cache.copy_(torch.randn(k_cache.shape, generator=gen))
+    if device != "cpu":
+        if k_scale is not None and single_region:
+            base = k_cache.as_strided((pages, k_cache.stride(0)), (k_cache.stride(0), 1))
+            region = base.to(device)
+            return mxfp4_page_views(region)
+        return k_cache.to(device), (k_scale.to(device) if k_scale is not None else None)
+    return k_cache, k_scale
+
+
+def abs_cache(k_cache, k_scale):
+    """The cache of |K| (sign bits cleared)."""
+    if k_scale is not None:
+        return k_cache & 0x77, k_scale
+    if k_cache.dtype == FP8_DTYPE:
+        return (k_cache.view(torch.uint8) & 0x7F).view(FP8_DTYPE), None
+    return k_cache.abs(), None
+
+
+def make_q(gen, rows, H, q_dtype, device, scale=1.0):
+    q = torch.randn(rows, H, 128, generator=gen) * scale
+    if q_dtype == FP8_DTYPE:
+        q = q.clamp(-448, 448)
+    return q.to(q_dtype).to(device)
+
+
+def q_abs(q):
+    return q.float().abs().to(q.dtype)
+
+
+def assert_scores_close(got, ref, bound):
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    got, ref, bound = got.double().cpu(), ref.double().cpu(), bound.double().cpu()
+    assert not torch.isnan(got).any(), "NaN in scores"
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref)), "-inf pattern differs from the reference"
+    fin = torch.isfinite(ref)
+    assert torch.isfinite(got[fin]).all()
+    err = (got[fin] - ref[fin]).abs()
+    tol = 1e-5 * bound[fin] + 1e-30
+    worst = (err / tol).max().item() if err.numel() else 0.0
+    assert worst <= 1.0, f"error {worst:.3g} x tolerance"
+
+
+def check_decode(gen, device, fmt, q_dtype, S, H, seq_lens, max_block, cp=(0, 1), prealloc=False, single=True,
+                 scale_range=(122, 127), q_scale=1.0, pages=None):
+    batch = len(seq_lens)
+    pages = pages or batch * max_block + 1
+    k_cache, k_scale = random_cache(gen, fmt, pages, device, single, *scale_range)
+    block_table = torch.randperm(pages, generator=gen)[: batch * max_block].reshape(batch, max_block).int().to(device)
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    q = make_q(gen, batch * S, H, q_dtype, device, q_scale)
+    sm_scale = 0.125
+    out = None
+    if prealloc:
+        out = torch.full((H, batch * S, max_block), float("nan"), device=device)
+    got = score_decode(q, k_cache, k_scale, block_table, seq, S, sm_scale, max_block, out, cp[0], cp[1], backend="triton")
+    if prealloc:
+        assert got.data_ptr() == out.data_ptr()
+    kc, ks = k_cache.cpu(), (k_scale.cpu() if k_scale is not None else None)
+    args = (block_table.cpu(), seq.cpu(), S, sm_scale, max_block, cp[0], cp[1])
+    ref = score_decode_ref(q.cpu(), kc, ks, *args)
+    bound = score_decode_ref(q_abs(q.cpu()), *abs_cache(kc, ks), *args)
+    if prealloc:
+        # Written up to each request's last visible page; the rest of the buffer is untouched.
+        mask = torch.zeros_like(ref, dtype=torch.bool)
+        for b, n in enumerate(seq_lens):
+            last = n - 1
+            n_global = last // PAGE_SIZE + 1 if last >= 0 else 0
+            n_local = min(max_block, max(0, (n_global - cp[0] + cp[1] - 1) // cp[1]))
+            mask[:, b * S : (b + 1) * S, :n_local] = True
+        assert torch.isnan(got.cpu()[~mask]).all(), "preallocated buffer written past a request's last page"
+        got = torch.where(mask.to(got.device), got, ref.to(got.device, torch.float32))
+    assert_scores_close(got, ref, bound)
+    return got
+
+
+# ---------------------------------------------------------------- CPU interpreter (CI) cases
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "bf16"])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8_DTYPE], ids=["q_bf16", "q_e4m3"])
+def test_decode_small(gen, fmt, q_dtype):
+    _on("cpu")
+    _kernels()
+    check_decode(gen, "cpu", fmt, q_dtype, S=2, H=3, seq_lens=[2, 129, 300], max_block=4)
+
+
+@pytest.mark.parametrize("case", ["split_views", "cp", "prealloc", "wide_scales"])
+def test_decode_small_variants(gen, case):
+    _on("cpu")
+    _kernels()
+    kw = dict(S=1, H=1, seq_lens=[1, 128, 257], max_block=3)
+    if case == "split_views":
+        kw["single"] = False
+    if case == "cp":
+        kw.update(cp=(1, 2), seq_lens=[300, 600])
+    if case == "prealloc":
+        kw["prealloc"] = True
+    if case == "wide_scales":
+        kw["scale_range"] = (107, 147)
+    check_decode(gen, "cpu", "mxfp4", torch.bfloat16, **kw)
+
+
+def test_prefill_small(gen):
+    _on("cpu")
+    _kernels()
+    check_prefill(gen, "cpu", "mxfp4", torch.bfloat16, H=2, new=[3, 130], prefix=[125, 0], max_block=3)
+
+
+# ---------------------------------------------------------------- GPU matrix
+
+GEOMETRIES = [(1, 1), (1, 4), (4, 1), (2, 3), (4, 4), (8, 4), (8, 1)]
+LENGTHS = [[1, 127, 128, 129, 4000], [8, 3000, 256, 1000]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "bf16"])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8_DTYPE], ids=["q_bf16", "q_e4m3"])
+@pytest.mark.parametrize("S,H", GEOMETRIES)
+@pytest.mark.parametrize("single", [True, False], ids=["single_region", "split_views"])
+def test_decode_matrix(gen, fmt, q_dtype, S, H, single):
+    if fmt != "mxfp4" and not single:
+        pytest.skip("split views exist for MXFP4 only")
+    for lens in LENGTHS:
+        lens = [max(n, S) for n in lens]
+        check_decode(gen, "cuda", fmt, q_dtype, S, H, lens, max_block=40)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+@pytest.mark.parametrize("cp", [(0, 2), (1, 2), (3, 4)])
+@pytest.mark.parametrize("prealloc", [False, True])
+def test_decode_cp_and_buffers(gen, fmt, cp, prealloc):
+    check_decode(gen, "cuda", fmt, torch.bfloat16, 4, 1, [1, 129, 2000, 5000], max_block=48, cp=cp,
+                 prealloc=prealloc)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8_DTYPE], ids=["q_bf16", "q_e4m3"])
+@pytest.mark.parametrize("scale_range,q_scale", [((107, 147), 1.0), ((1, 20), 1.0), ((230, 252), 2.0**-100),
+                                                  ((1, 252), 1.0)], ids=["2^-20..2^20", "e8m0_low", "e8m0_high",
+                                                                         "e8m0_all"])
+def test_decode_scale_ranges(gen, q_dtype, scale_range, q_scale):
+    if q_dtype == FP8_DTYPE and q_scale != 1.0:
+        pytest.skip("e4m3 Q cannot hold 2^-100")
+    got = check_decode(gen, "cuda", "mxfp4", q_dtype, 2, 2, [700, 3000], max_block=24, scale_range=scale_range,
+                       q_scale=q_scale)
+    assert got.isfinite().any()
+
+
+@pytest.mark.gpu
+def test_default_buffer_reads_minus_inf_past_the_end(gen):
+    got = check_decode(gen, "cuda", "mxfp4", torch.bfloat16, 1, 1, [1, 300], max_block=8)
+    assert torch.isneginf(got[:, 0, 1:]).all() and torch.isneginf(got[:, 1, 3:]).all()
+    assert torch.isfinite(got[:, 1, :3]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8_DTYPE], ids=["q_bf16", "q_e4m3"])
+def test_split_and_single_region_agree_bitwise(gen, q_dtype):
+    pages, batch, mb = 40, 3, 12
+    single = alloc_index_k_cache(pages, "mxfp4", "cuda", single_region=True)
+    single[0].copy_(torch.randint(0, 256, single[0].shape, generator=gen, dtype=torch.uint8))
+    single[1].copy_(torch.randint(100, 150, single[1].shape, generator=gen, dtype=torch.uint8))
+    split = (single[0].contiguous(), single[1].contiguous())
+    bt = torch.randperm(pages, generator=gen)[: batch * mb].reshape(batch, mb).int().cuda()
+    seq = torch.tensor([5, 700, 1536], dtype=torch.int32, device="cuda")
+    q = make_q(gen, batch * 2, 2, q_dtype, "cuda")
+    a = score_decode(q, *single, bt, seq, 2, 0.3, backend="triton")
+    b = score_decode(q, *split, bt, seq, 2, 0.3, backend="triton")
+    assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+def test_cuda_graph_capture_and_replay(gen, fmt):
+    """Captured once with preallocated buffers, replayed with other lengths and block tables."""
+    pages, batch, mb, S, H = 64, 4, 16, 4, 1
+    k_cache, k_scale = random_cache(gen, fmt, pages, "cuda")
+    bt = torch.zeros(batch, mb, dtype=torch.int32, device="cuda")
+    seq = torch.full((batch,), S, dtype=torch.int32, device="cuda")
+    q = torch.zeros(batch * S, H, 128, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(H, batch * S, mb, device="cuda")
+
+    def run():
+        score_decode(q, k_cache, k_scale, bt, seq, S, 0.5, mb, out, backend="triton")
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for lens in ([4, 129, 1000, 2048], [2048, 5, 300, 128], [17, 17, 17, 1900]):
+        bt.copy_(torch.randperm(pages, generator=gen)[: batch * mb].reshape(batch, mb))
+        seq.copy_(torch.tensor(lens))
+        q.copy_(make_q(gen, batch * S, H, torch.bfloat16, "cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        kc, ks = k_cache.cpu(), (k_scale.cpu() if k_scale is not None else None)
+        args = (bt.cpu(), seq.cpu(), S, 0.5, mb)
+        ref = score_decode_ref(q.cpu(), kc, ks, *args)
+        bound = score_decode_ref(q_abs(q.cpu()), *abs_cache(kc, ks), *args)
+        written = torch.isfinite(ref) | torch.isneginf(ref)
+        n_pages = [(n - 1) // PAGE_SIZE + 1 for n in lens]
+        for b, n in enumerate(n_pages):
+            written[:, b * S : (b + 1) * S, n:] = False
+        got = torch.where(written, out.cpu().double(), ref)
+        assert_scores_close(got, ref, bound)
+
+
+def check_prefill(gen, device, fmt, q_dtype, H, new, prefix, max_block, single=True):
+    batch = len(new)
+    pages = batch * max_block + 1
+    k_cache, k_scale = random_cache(gen, fmt, pages, device, single)
+    bt = torch.randperm(pages, generator=gen)[: batch * max_block].reshape(batch, max_block).int().to(device)
+    seq = torch.tensor([p + n for p, n in zip(prefix, new)], dtype=torch.int32, device=device)
+    cu = torch.tensor([0] + list(torch.tensor(new).cumsum(0)), dtype=torch.int32, device=device)
+    q = make_q(gen, sum(new), H, q_dtype, device)
+    got = score_prefill(q, k_cache, k_scale, bt, seq, cu, 0.25, max_block, backend="triton")
+    kc, ks = k_cache.cpu(), (k_scale.cpu() if k_scale is not None else None)
+    args = (bt.cpu(), seq.cpu(), cu.cpu(), 0.25, max_block)
+    ref = score_prefill_ref(q.cpu(), kc, ks, *args)
+    bound = score_prefill_ref(q_abs(q.cpu()), *abs_cache(kc, ks), *args)
+    assert_scores_close(got, ref, bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "bf16"])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8_DTYPE], ids=["q_bf16", "q_e4m3"])
+@pytest.mark.parametrize("H", [1, 3, 4])
+def test_prefill_matrix(gen, fmt, q_dtype, H):
+    # Radix prefixes of 0, 1, 127, 128, 129 and 1000 tokens before chunks of new tokens.
+    check_prefill(gen, "cuda", fmt, q_dtype, H, new=[1, 200, 129, 64, 1, 300], prefix=[0, 1, 127, 128, 129, 1000],
+                  max_block=12)
+
+
+# ---------------------------------------------------------------- rejections (both devices)
+
+
+def _valid(device):
+    k_cache, k_scale = alloc_index_k_cache(4, "mxfp4", device)
+    q = torch.zeros(2, 1, 128, dtype=torch.bfloat16, device=device)
+    bt = torch.zeros(2, 2, dtype=torch.int32, device=device)
+    seq = torch.full((2,), 5, dtype=torch.int32, device=device)
+    return dict(q=q, k_cache=k_cache, k_scale=k_scale, block_table=bt, seq_lens=seq, S=1, sm_scale=0.5)
+
+
+REJECTIONS = {
+    "sm_scale_zero": (dict(sm_scale=0.0), "sm_scale"),
+    "sm_scale_negative": (dict(sm_scale=-1.0), "sm_scale"),
+    "sm_scale_nan": (dict(sm_scale=float("nan")), "sm_scale"),
+    "sm_scale_inf": (dict(sm_scale=float("inf")), "sm_scale"),
+    "q_fp32": (dict(q="fp32"), "q must be"),
+    "q_rows": (dict(q="rows"), "q must have"),
+    "block_table_int64": (dict(block_table="int64"), "block_table"),
+    "seq_lens_length": (dict(seq_lens="short"), "seq_lens"),
+    "S_zero": (dict(S=0), "S "),
+    "k_scale_misaligned": (dict(k_scale="misaligned"), "aligned"),
+    "views_overlap": (dict(k_scale="overlap"), "overlap"),
+    "k_cache_bad_stride": (dict(k_cache="strided"), "k_data"),
+    "out_shape": (dict(out="shape"), "out must be"),
+    "max_block_too_big": (dict(max_block=3), "max_block"),
+    "cp_rank": (dict(cp_rank=2, cp_world=2), "cp_rank"),
+}
+
+
+def _apply(args, change, device):
+    args = dict(args)
+    for key, val in change.items():
+        if val == "fp32":
+            args["q"] = args["q"].float()
+        elif val == "rows":
+            args["q"] = args["q"][:1]
+        elif val == "int64":
+            args["block_table"] = args["block_table"].long()
+        elif val == "short":
+            args["seq_lens"] = args["seq_lens"][:1]
+        elif val == "misaligned":
+            buf = torch.zeros(4 * 128 * 4 + 1, dtype=torch.uint8, device=device)
+            args["k_scale"] = buf[1:].view(4, 128, 4)
+        elif val == "overlap":
+            args["k_scale"] = args["k_cache"].as_strided((4, 128, 4), (args["k_cache"].stride(0), 4, 1))
+        elif val == "strided":
+            args["k_cache"] = torch.zeros(4, 128, 128, dtype=torch.uint8, device=device)[:, :, :64]
+        elif val == "shape":
+            args["out"] = torch.zeros(2, 2, 2, device=device)
+        else:
+            args[key] = val
+    return args
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("name", list(REJECTIONS))
+def test_rejections_raise_and_supported_says_no(device, name):
+    device = _on(device)
+    change, match = REJECTIONS[name]
+    args = _apply(_valid(device), change, device)
+    ok, reason = decode_supported(**args)
+    assert not ok and match in reason
+    with pytest.raises(ValueError, match=match):
+        score_decode(**args, backend="triton")
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+def test_supported_accepts_valid_inputs(device):
+    device = _on(device)
+    args = _valid(device)
+    assert decode_supported(**args) == (True, "")
+    assert check_index_k_cache(args["k_cache"], args["k_scale"]).value == "mxfp4"

@@ -1,0 +1,99 @@
+"""Triton MSA block selector against ``naive.select_blocks_ref``: exact equality of the ids.
+
+Scores are drawn from a few integers so ties are frequent (ties go to the lower id), with NaN and
+-inf sprinkled in; visible counts cover 0, 1, topk-1, topk, topk+1 and nb. CPU cases run under the
+Triton interpreter; the GPU cases (``-m gpu``) add large block counts and CUDA-graph replay.
+"""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton  # noqa: E402
+
+from m3_kernels.ops.select import check_select_args, select_blocks  # noqa: E402
+from m3_kernels.ops.select.naive import select_blocks_ref  # noqa: E402
+
+
+def _select():
+    import m3_kernels.ops.select.triton as mod
+
+    if os.environ.get("TRITON_INTERPRET") == "1" and not isinstance(mod._select_kernel, triton.runtime.interpreter.InterpretedFunction):
+        mod = importlib.reload(mod)
+    return mod.select_blocks_triton
+
+
+def random_scores(gen, H, rows, nb):
+    s = torch.randint(-4, 4, (H, rows, nb), generator=gen).float()
+    s[torch.rand(s.shape, generator=gen) < 0.05] = float("nan")
+    s[torch.rand(s.shape, generator=gen) < 0.05] = float("-inf")
+    return s
+
+
+def check(gen, device, H, nb, topk=16, local=1, init=0):
+    rows = 8
+    scores = random_scores(gen, H, rows, nb)
+    n_vis = torch.tensor([0, 1, topk - 1, topk, topk + 1, nb, nb - 1, max(0, nb // 2)], dtype=torch.int32).clamp(max=nb)
+    want = select_blocks_ref(scores, n_vis, topk, local, init)
+    if device == "cpu":
+        got = _select()(scores, n_vis, topk, local, init)
+    else:
+        got = select_blocks(scores.to(device), n_vis.to(device), topk, local, init).cpu()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("nb,topk,local,init", [(40, 16, 1, 0), (17, 16, 1, 0), (50, 8, 2, 1)])
+def test_select_small(gen, nb, topk, local, init):
+    if torch.cuda.is_available():
+        pytest.skip("interpreter cases run on CPU-only machines (CI)")
+    check(gen, "cpu", 2, nb, topk, local, init)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [1, 4])
+@pytest.mark.parametrize("nb", [16, 17, 100, 1024, 5000])
+@pytest.mark.parametrize("topk,local,init", [(16, 1, 0), (16, 2, 1), (8, 1, 0)])
+def test_select_matrix(gen, H, nb, topk, local, init):
+    for _ in range(3):
+        check(gen, "cuda", H, nb, topk, local, init)
+
+
+@pytest.mark.gpu
+def test_select_graph_replay(gen):
+    H, rows, nb = 2, 8, 300
+    scores = torch.zeros(H, rows, nb, device="cuda")
+    n_vis = torch.zeros(rows, dtype=torch.int32, device="cuda")
+    out = {}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        select_blocks(scores, n_vis)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out["ids"] = select_blocks(scores, n_vis)
+    for _ in range(3):
+        s = random_scores(gen, H, rows, nb)
+        nv = torch.randint(0, nb + 1, (rows,), generator=gen, dtype=torch.int32)
+        scores.copy_(s)
+        n_vis.copy_(nv)
+        graph.replay()
+        assert torch.equal(out["ids"].cpu(), select_blocks_ref(s, nv))
+
+
+def test_select_rejects_bad_parameters():
+    scores = torch.zeros(1, 2, 20)
+    n_vis = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="local_blocks >= 1"):
+        check_select_args(scores, n_vis, 16, 0, 0)
+    with pytest.raises(ValueError, match="init_blocks"):
+        check_select_args(scores, n_vis, 16, 1, 16)
+    with pytest.raises(ValueError, match="n_visible"):
+        check_select_args(scores, n_vis[:1], 16, 1, 0)
+    with pytest.raises(ValueError, match="n_visible"):
+        check_select_args(scores, n_vis.float(), 16, 1, 0)
