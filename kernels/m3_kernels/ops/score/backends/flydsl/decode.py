@@ -3,7 +3,7 @@
 Contract: ``ops/score/naive.py`` ``score_decode_ref`` (fp32 out, written for each request's
 visible pages ``[0, n_local)``; the host wrapper pre-fills -inf when it allocates ``out``).
 
-Geometry. A CTA of ``WAVES`` waves handles ``WAVES * PAGES_PER_WAVE`` consecutive local pages of
+Geometry. A CTA of ``waves`` waves handles ``waves * pages_per_wave`` consecutive local pages of
 one request (grid ``(batch, ceil(max_block / pages per CTA))``). Q is the MFMA B operand: column
 ``n`` of n-tile ``j`` is feature ``f = 16 j + n = tok * H + h``. K is the A operand: a 16-token
 tile (rows) against 128 dims. The dot product does not care which dims share a K slot as long as
@@ -23,14 +23,16 @@ out byte ``g`` (one VMEM load per lane per tile would double the load instructio
 
 Output tile lane ``l`` holds column ``l % 16`` and rows ``4 (l // 16) + i``: each lane keeps a
 running masked max over its rows of the page's 8 tiles, two xor-shuffles finish the page.
-``NT_K`` is the number of K tiles whose loads are issued ahead of the tile being multiplied.
+``nt_k`` is the number of K tiles whose loads are issued ahead of the tile being multiplied.
 
 Hardware assumptions, not checked on a GPU (none was available): the 16x16xK MFMA operand layout
 puts A[i][k] in lane ``i + 16 (k // (K/4))`` (8 bf16 per lane for K=32, 32 e2m1 or e4m3 for the
 scaled K=128, whose per-lane scale covers those 32), D[i][j] in lane ``j + 16 (i // 4)``, element
 ``i % 4``; ``v_cvt_scalef32_pk_bf16_fp4`` turns byte ``sel`` into (low nibble, high nibble) in
 (low, high) half. The seed PR (aiter#7060) describes the same per-lane scaled-MFMA operand (16 B of
-e2m1 plus its e8m0 byte) and the same nibble order, and passed its tests on gfx950.
+e2m1 plus its e8m0 byte), widens the same format (element 2i in the low nibble) with the same
+conversion instruction, and passed its tests on gfx950. ``tests/.../test_flydsl.py`` runs the
+index functions below in a lane-level CPU model built on these assumptions.
 """
 
 import flydsl.compiler as flyc
@@ -53,7 +55,6 @@ TILE_TOKENS = 16  # MFMA M: tokens per K tile
 TILE_FEATURES = 16  # MFMA N: q features (tok * H + h) per n-tile
 TILES_PER_PAGE = PAGE_SIZE // TILE_TOKENS  # 8
 LANE_GROUPS = WAVE // TILE_TOKENS  # 4 == MX groups per token (one per lane group)
-BF16_CHUNK = 8  # bf16 elements per lane per 16x16x32 MFMA
 FP32_MANTISSA_BITS = 23
 UNIT_E8M0_X4 = E8M0_EXPONENT_BIAS * 0x01010101  # four e8m0 bytes of 2^0 (the scaled MFMA's unit scale)
 NEG_INF = float("-inf")
