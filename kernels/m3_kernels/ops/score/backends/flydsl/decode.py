@@ -280,6 +280,30 @@ def build_decode_scorer(k_format: str, q_fp8: bool, S: int, H: int, waves: int =
             off = ((grp == 0) & (col < F)).select(off * 4, fx.Int32(OOB_OFFSET))
             rocdl.raw_ptr_buffer_store(rocdl._to_ir(m * sm_scale), o_rsrc, _i32(off), _i32(0), aux=_aux0())
 
+    def load_q(q, b, n_col, grp, q_row, q_head):
+        """Q fragments (B operand) of request ``b``, one list per n-tile: one ``vector<8xi32>`` of e4m3
+        (scaled MFMA) or four ``vector<8xbf16>``; and each lane's (tok, head) per n-tile."""
+        q_rsrc = rocdl.get_buffer_rsrc(fx.get_iter(rocdl.make_buffer_tensor(q)))
+        q_frags, tok_of, head_of = [], [], []
+        for j in range(NF):
+            feat = fx.min(n_col + j * TILE_FEATURES, fx.Int32(F - 1))  # padding columns repeat the last feature
+            tok = feat // H
+            head = feat % H
+            tok_of.append(tok)
+            head_of.append(head)
+            base = q_lane_offset(b, tok, head, grp, S, q_row, q_head, q_bytes)
+            if q_fp8:
+                w = [_load_x4(q_rsrc, base + 16 * i) for i in range(2)]
+                words = [w[i // 4][i % 4] for i in range(8)]
+                if scaled:
+                    q_frags.append([fx.Vector.from_elements(words, fx.Int32)])
+                else:
+                    q_frags.append([_widen_fp8(words[2 * c], words[2 * c + 1]) for c in range(4)])
+            else:
+                w = [_load_x4(q_rsrc, base + 16 * i) for i in range(4)]
+                q_frags.append([_bf16x8([w[c][i] for i in range(4)]) for c in range(4)])
+        return q_frags, tok_of, head_of
+
     @flyc.kernel
     def m3_score_decode(
         q: fx.Tensor, k_data: fx.Tensor, k_scale: fx.Tensor, block_table: fx.Tensor, seq_lens: fx.Tensor,
@@ -295,38 +319,18 @@ def build_decode_scorer(k_format: str, q_fp8: bool, S: int, H: int, waves: int =
         n_col = lane % TILE_FEATURES  # output column / A row within a tile
         grp = lane // TILE_FEATURES  # MX group (dims 32 grp .. 32 grp + 31) / output row block
 
-        meta_bt = rocdl.make_buffer_tensor(block_table)
         seq_len = fx.Int32(rocdl.s_buffer_load(fx.get_iter(rocdl.make_buffer_tensor(seq_lens)), b))
         # Local pages holding a visible token: global blocks p * cp_world + cp_rank < ceil(seq_len / 128).
         n_global = (seq_len + (PAGE_SIZE - 1)) // PAGE_SIZE
         n_local = fx.max(fx.min((n_global - cp_rank + cp_world - 1) // cp_world, max_block), fx.Int32(0))
 
-        # Q fragments (B operand), loaded once: one per n-tile (scaled) or four per n-tile (bf16).
-        q_rsrc = rocdl.get_buffer_rsrc(fx.get_iter(rocdl.make_buffer_tensor(q)))
-        q_frags, tok_of, head_of = [], [], []
-        for j in range_constexpr(NF):
-            feat = fx.min(n_col + j * TILE_FEATURES, fx.Int32(F - 1))  # padding columns repeat the last feature
-            tok = feat // H
-            head = feat % H
-            tok_of.append(tok)
-            head_of.append(head)
-            base = q_lane_offset(b, tok, head, grp, S, q_row, q_head, q_bytes)
-            if q_fp8:
-                w = [_load_x4(q_rsrc, base + 16 * i) for i in range_constexpr(2)]
-                words = [w[i // 4][i % 4] for i in range(8)]
-                if scaled:
-                    q_frags.append([fx.Vector.from_elements(words, fx.Int32)])
-                else:
-                    q_frags.append([_widen_fp8(words[2 * c], words[2 * c + 1]) for c in range(4)])
-            else:
-                w = [_load_x4(q_rsrc, base + 16 * i) for i in range_constexpr(4)]
-                q_frags.append([_bf16x8([w[c][i] for i in range(4)]) for c in range(4)])
-
-        for jp in range_constexpr(pages_per_wave):
-            p = local_page(chunk, jp, wave, waves, pages_per_wave)  # adjacent waves take adjacent pages
-            if p < n_local:
-                score_page(p, k_data, k_scale, out, block_table, b, bt_row, k_page, s_page, seq_len, cp_rank,
-                           cp_world, out_head, out_row, sm_scale, n_col, grp, q_frags, tok_of, head_of)
+        if local_page(chunk, 0, 0, waves, pages_per_wave) < n_local:  # a CTA past the request's end does nothing
+            q_frags, tok_of, head_of = load_q(q, b, n_col, grp, q_row, q_head)
+            for jp in range_constexpr(pages_per_wave):
+                p = local_page(chunk, jp, wave, waves, pages_per_wave)  # adjacent waves take adjacent pages
+                if p < n_local:
+                    score_page(p, k_data, k_scale, out, block_table, b, bt_row, k_page, s_page, seq_len, cp_rank,
+                               cp_world, out_head, out_row, sm_scale, n_col, grp, q_frags, tok_of, head_of)
 
     @flyc.jit
     def launch(
