@@ -100,3 +100,44 @@ def test_unavailable_without_aiter_on_rocm():
     assert not ok and reason
     with pytest.raises(NotImplementedError, match="aiter"):
         score_decode(*mxfp4_call(), backend="aiter")
+
+
+def test_dispatch_calls_the_scorer_with_our_call(monkeypatch):
+    """score_decode(backend="aiter") end to end on the CPU, with a stand-in module in place of aiter
+    (same documented signature; it records the call and scores with the torch reference)."""
+    import importlib.machinery
+    import sys
+    import types
+
+    from m3_kernels.ops.score.naive import score_decode_ref
+
+    calls = []
+
+    def score_flydsl_fp4(idx_q, k_data, k_scale, block_table, seq_lens, S, H, sm_scale, max_block, out=None, cfg=None,
+                         work_map=None, **cfg_kwargs):
+        calls.append((idx_q, k_data, k_scale, S, H, sm_scale, max_block, out))
+        ref = score_decode_ref(idx_q, k_data, k_scale, block_table, seq_lens, S, sm_scale * math.log2(math.e),
+                               max_block)
+        out.copy_(ref)
+        return out
+
+    names = ["aiter", "aiter.ops", "aiter.ops.flydsl", "aiter.ops.flydsl.kernels",
+             "aiter.ops.flydsl.kernels.minimax_m3_index_score"]
+    for name in names:
+        mod = types.ModuleType(name)
+        mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        monkeypatch.setitem(sys.modules, name, mod)
+    sys.modules[names[-1]].score_flydsl_fp4 = score_flydsl_fp4
+    assert aiter_backend.find_scorer() is score_flydsl_fp4
+    assert aiter_backend.availability(torch.device("cpu")) == (False, "aiter's scorer runs on ROCm GPUs; cpu is not one")
+    monkeypatch.setattr(aiter_backend, "availability", lambda device=None: (True, ""))
+
+    call = mxfp4_call(S=2, H=4)
+    got = score_decode(*call, backend="aiter")
+    (q, k_data, k_scale, S, H, sm, max_block, out), = calls
+    assert q is call[0] and k_data is call[1] and k_scale is call[2] and (S, H, max_block) == (2, 4, 4)
+    assert got is out
+    want = score_decode_ref(*call)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    finite = torch.isfinite(want)
+    assert torch.allclose(got[finite].double(), want[finite], rtol=1e-6)
