@@ -190,13 +190,12 @@ def model_decode(launcher, fmt, q, k_cache, k_scale, block_table, seq_lens, S, s
         n_local = max(0, min(max_block, (-(-seq_len // PAGE_SIZE) - cp_rank + cp_world - 1) // cp_world))
         feats = [torch.clamp(n_col + 16 * j, max=F - 1) for j in range(nf)]
         toks, heads = [f // H for f in feats], [f % H for f in feats]
-        q_lanes = [
-            _lane_values(q_raw, [q_base + kd.q_lane_offset(b, int(toks[j][ln]), int(heads[j][ln]), int(grp[ln]), S,
-                                                           q.stride(0) * q.element_size(), q.stride(1) * q.element_size(),
-                                                           q.element_size()) for ln in range(64)], 32 * q.element_size(),
-                         q_kind)
-            for j in range(nf)
-        ]
+        es = q.element_size()
+        q_lanes = []
+        for j in range(nf):
+            offs = [q_base + kd.q_lane_offset(b, int(toks[j][ln]), int(heads[j][ln]), int(grp[ln]), S,
+                                              q.stride(0) * es, q.stride(1) * es, es) for ln in range(64)]
+            q_lanes.append(_lane_values(q_raw, offs, 32 * es, q_kind))
         for chunk in range(grid_y):
             for wave in range(waves):
                 for jp in range(ppw):
