@@ -5,6 +5,7 @@ first use, so a machine without FlyDSL (every NVIDIA or CPU box) imports ``sglan
 The kernel has been compile-checked to gfx950 assembly on a CPU machine; it has not run on a GPU.
 """
 
+import functools
 import importlib.util
 
 import torch
@@ -34,8 +35,14 @@ def device_arch(device) -> str | None:
 
 def availability(device=None) -> tuple[bool, str]:
     """``(True, "")`` if this backend can run on ``device`` (default: the current GPU), else
-    ``(False, reason)``."""
-    device = default_device() if device is None else device
+    ``(False, reason)``. Cached per device: the dispatcher asks on every decode call."""
+    device = torch.device(default_device() if device is None else device)
+    return _availability(device.type, device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _availability(device_type: str, index: int | None) -> tuple[bool, str]:
+    device = torch.device(device_type, index) if index is not None else torch.device(device_type)
     if not is_installed():
         return False, "flydsl is not installed (pip install 'sglang-m3[amd]')"
     arch = device_arch(device)
