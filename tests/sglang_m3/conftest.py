@@ -1,0 +1,128 @@
+"""Real SGLang servers for the plugin tests: the tiny MiniMax-M3.1 config with dummy weights on
+the CPU, on loopback ports, started as subprocesses and torn down with their process group."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_MODEL = REPO / "configs" / "minimax-m3.1-tiny"
+STARTUP_TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(port: int, *extra: str, max_total_tokens: int = 16384) -> list[str]:
+    return [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", str(TINY_MODEL), "--load-format", "dummy",
+        "--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", str(max_total_tokens),
+        "--host", "127.0.0.1", "--port", str(port), "--skip-server-warmup", "--log-level", "warning", *extra,
+    ]
+
+
+class Server:
+    """One ``sglang.launch_server`` subprocess (own process group) with its log file."""
+
+    def __init__(self, log_path: Path, *extra: str, max_total_tokens: int = 16384, record: Path | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.record = record
+        if record is not None:
+            extra = (*extra, "--json-model-override-args", json.dumps({"index_k_debug_record": str(record)}))
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(server_command(self.port, *extra, max_total_tokens=max_total_tokens),
+                                     stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> "Server":
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/model_info", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"server not ready after {timeout_s} s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def post(self, path: str, payload: dict, timeout: float = 600):
+        """``(status, json body)`` of a POST; HTTP errors are returned, not raised."""
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def generate(self, input_ids, max_new_tokens: int = 4, **kw):
+        status, body = self.post("/generate", {"input_ids": input_ids,
+                                               "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
+                                               **kw})
+        assert status == 200, body
+        return body
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=30) as r:
+                return r.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def records(self) -> list[dict]:
+        if self.record is None or not self.record.exists():
+            return []
+        return [json.loads(line) for line in self.record.read_text().splitlines()]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def launch_command():
+    """``launch_command(port, *extra_args)``: the tiny-model server command line."""
+    return server_command
+
+
+@pytest.fixture(scope="module")
+def server_factory(tmp_path_factory):
+    """Start servers (``factory(name, *args, record=True)``); all are stopped at module end."""
+    started: list[Server] = []
+    root = tmp_path_factory.mktemp("servers")
+
+    def factory(name: str, *extra: str, record: bool = False, max_total_tokens: int = 16384) -> Server:
+        server = Server(root / f"{name}.log", *extra, max_total_tokens=max_total_tokens,
+                        record=root / f"{name}.jsonl" if record else None)
+        started.append(server)
+        return server
+
+    yield factory
+    for server in started:
+        server.stop()

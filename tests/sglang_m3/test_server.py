@@ -1,0 +1,184 @@
+"""End-to-end: the installed plugin serves the tiny MiniMax-M3.1 (dummy weights) on the CPU.
+
+One MXFP4 server is shared by most tests (module scope); the format comparison starts bf16, fp8
+(through ``--index-k-format``) and mxfp4_rot servers one after another. Prompts run past 16
+blocks of 128 tokens, so top-16 selection drops blocks.
+"""
+
+import concurrent.futures
+import random
+import subprocess
+
+import pytest
+
+from m3_kernels.formats import PAGE_SIZE as BLOCK
+from m3_kernels.formats import TOPK_BLOCKS as TOPK
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 2048  # configs/minimax-m3.1-tiny
+FIRST_SPARSE_LAYER = 1
+POOL_TOKENS = 6144  # small enough that the exhaustion test overfills it
+
+
+@pytest.fixture(scope="module")
+def mxfp4(server_factory):
+    return server_factory("mxfp4", record=True, max_total_tokens=POOL_TOKENS).wait_ready()
+
+
+def long_prompt(seed: int, length: int = 20 * BLOCK - 37) -> list[int]:
+    """Random in-vocabulary token ids; the default length runs past TOPK blocks."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(length)]
+
+
+def _rows(records, mode=None, layer=None):
+    """{(mode, layer, position): record row} over all records (later ones win)."""
+    rows = {}
+    for rec in records:
+        if (mode and rec["mode"] != mode) or (layer is not None and rec["layer"] != layer):
+            continue
+        for r, pos in enumerate(rec["positions"]):
+            rows[(rec["mode"], rec["layer"], pos)] = {
+                "selected": [head[r] for head in rec["selected"]],
+                "n_visible": rec["n_visible"][r],
+                "scores": [head[r] for head in rec["scores"]] if "scores" in rec else None,
+            }
+    return rows
+
+
+def _new_records(server, fn):
+    before = len(server.records())
+    result = fn()
+    return result, server.records()[before:]
+
+
+def test_generate_and_completions(mxfp4):
+    body = mxfp4.post("/generate", {"text": "The quick brown fox", "sampling_params": {"max_new_tokens": 6}})
+    assert body[0] == 200 and body[1]["meta_info"]["completion_tokens"] == 6, body
+    status, body = mxfp4.post("/v1/completions", {"model": "default", "prompt": "Hello", "max_tokens": 5,
+                                                  "temperature": 0})
+    assert status == 200 and body["usage"]["completion_tokens"] == 5, body
+    assert isinstance(body["choices"][0]["text"], str)
+
+
+def test_long_prompt_selection_drops_blocks(mxfp4):
+    prompt = long_prompt(seed=11)
+    body, recs = _new_records(mxfp4, lambda: mxfp4.generate(prompt, max_new_tokens=3))
+    rows = _rows(recs)
+    sparse_rows = [v for v in rows.values() if v["n_visible"] > TOPK]
+    assert sparse_rows, "no row saw more than topk blocks"
+    for v in sparse_rows:
+        for sel in v["selected"]:
+            assert len(sel) == TOPK and -1 not in sel
+            assert sel[-1] == v["n_visible"] - 1  # own block last
+            assert len(set(sel)) == TOPK and max(sel) < v["n_visible"]
+    # Decode rows too: the generated tokens scored the whole context.
+    assert any(k[0] == "decode" and v["n_visible"] == (len(prompt) // BLOCK) + 1 for k, v in rows.items())
+
+
+def test_prefix_cache_hit_matches_cold_run(mxfp4):
+    prompt = long_prompt(seed=12)
+    cold, cold_recs = _new_records(mxfp4, lambda: mxfp4.generate(prompt, max_new_tokens=4))
+    warm, warm_recs = _new_records(mxfp4, lambda: mxfp4.generate(prompt, max_new_tokens=4))
+    assert cold["meta_info"]["cached_tokens"] == 0
+    assert warm["meta_info"]["cached_tokens"] >= (len(prompt) // BLOCK) * BLOCK - BLOCK
+    assert warm["output_ids"] == cold["output_ids"]
+    cold_rows, warm_rows = _rows(cold_recs), _rows(warm_recs)
+    warm_extend = [k for k in warm_rows if k[0] == "extend"]
+    assert warm_extend and min(k[2] for k in warm_extend) >= warm["meta_info"]["cached_tokens"]
+    compared = 0
+    for key, row in warm_rows.items():
+        if key in cold_rows:
+            assert row["selected"] == cold_rows[key]["selected"], key
+            compared += 1
+    assert compared >= len(warm_extend)
+
+
+def test_concurrent_requests_complete(mxfp4):
+    def one(i):
+        if i % 2:
+            return mxfp4.post("/v1/completions", {"model": "default", "prompt": f"request {i}", "max_tokens": 8})
+        return mxfp4.post("/generate", {"input_ids": long_prompt(seed=100 + i, length=300),
+                                        "sampling_params": {"max_new_tokens": 8}})
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(one, range(8)))
+    assert all(status == 200 for status, _ in results), results
+
+
+def test_pool_exhaustion_queues_and_keeps_serving(mxfp4):
+    # Four requests need more slots than the pool holds: SGLang queues (or retracts) and finishes all.
+    prompts = [long_prompt(seed=200 + i, length=1500) for i in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda p: mxfp4.post("/generate", {"input_ids": p, "sampling_params": {
+            "max_new_tokens": 100, "ignore_eos": True}}), prompts))
+    assert sum(len(p) + 100 for p in prompts) > POOL_TOKENS
+    for status, body in results:
+        assert status == 200 and body["meta_info"]["completion_tokens"] == 100, body
+    # One request larger than the whole pool is refused, not fatal.
+    status, body = mxfp4.post("/generate", {"input_ids": long_prompt(seed=300, length=POOL_TOKENS + 500),
+                                            "sampling_params": {"max_new_tokens": 4}})
+    assert status != 200 or body["meta_info"]["finish_reason"]["type"] == "abort", body
+    assert mxfp4.healthy()
+    assert mxfp4.generate(long_prompt(seed=301, length=200), max_new_tokens=2)["meta_info"]["completion_tokens"] == 2
+
+
+def test_out_of_vocabulary_ids_get_400(mxfp4):
+    status, body = mxfp4.post("/generate", {"input_ids": [1000000000, -1], "sampling_params": {"max_new_tokens": 2}})
+    assert status == 400, body
+    message = body["error"]["message"]
+    assert "1000000000" in message and "-1" in message
+    status, body = mxfp4.post("/v1/completions", {"model": "default", "prompt": [5, 2048], "max_tokens": 2})
+    assert status == 400 and "2048" in str(body), body
+    assert mxfp4.generate([5, 6, 7], max_new_tokens=2)["meta_info"]["completion_tokens"] == 2
+
+
+def _format_rows(server, prompt):
+    _, recs = _new_records(server, lambda: server.generate(prompt, max_new_tokens=1))
+    return _rows(recs, mode="extend", layer=FIRST_SPARSE_LAYER)
+
+
+def test_formats_pick_the_same_blocks_outside_their_error(server_factory, mxfp4):
+    """Layer 1 sees identical index keys before quantization under every format (layer 0 is
+    dense), so its block choices may differ from bf16's only between blocks whose bf16 scores
+    lie within twice the format's score error on that row."""
+    prompt = long_prompt(seed=13)
+    rows = {"mxfp4": _format_rows(mxfp4, prompt)}
+    for fmt, args in (("bf16", ("--index-k-format", "bf16")), ("fp8", ("--index-k-format", "fp8")),
+                      ("mxfp4_rot", ("--index-k-format", "mxfp4_rot"))):
+        server = server_factory(fmt, *args, record=True).wait_ready()
+        try:
+            rows[fmt] = _format_rows(server, prompt)
+        finally:
+            server.stop()
+    ref = rows["bf16"]
+    for fmt in ("fp8", "mxfp4", "mxfp4_rot"):
+        assert rows[fmt].keys() == ref.keys()
+        worst = 0.0
+        for key, row in rows[fmt].items():
+            if row["n_visible"] <= TOPK:
+                assert row["selected"] == ref[key]["selected"]
+                continue
+            for h, (sel, sel_ref) in enumerate(zip(row["selected"], ref[key]["selected"])):
+                s, s_ref = row["scores"][h], ref[key]["scores"][h]
+                err = max(abs(a - b) for a, b in zip(s, s_ref))
+                worst = max(worst, err)
+                for a in set(sel) - set(sel_ref):
+                    for b in set(sel_ref) - set(sel):
+                        assert abs(s_ref[a] - s_ref[b]) <= 2 * err * (1 + 1e-6), (fmt, key, h, a, b)
+        assert worst > 0, f"{fmt} scores equal bf16's exactly: is the format engaged?"
+
+
+def test_unknown_format_fails_at_startup(launch_command):
+    port_args = launch_command(0, "--json-model-override-args", '{"index_k_format": "mxfp3"}')
+    run = subprocess.run(port_args, capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0
+    out = run.stdout + run.stderr
+    assert "mxfp3" in out and "bf16, fp8, mxfp4, mxfp4_rot" in out, out[-3000:]
+
+
+def test_unknown_format_flag_names_the_choices(launch_command):
+    run = subprocess.run(launch_command(0, "--index-k-format", "int4"), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2
+    assert "bf16" in run.stderr and "mxfp4_rot" in run.stderr and "int4" in run.stderr, run.stderr[-2000:]
