@@ -42,11 +42,16 @@ _FMT_CODE = {IndexKFormat.BF16: 0, IndexKFormat.FP8: 1, IndexKFormat.MXFP4: 2}
 _F16_K_EXP = 14  # MXFP4 K is formed as 2^-14 * e2m1 in fp16
 _Q_F16_TOP = 14  # a bf16 Q row's largest magnitude is moved to [2^14, 2^15)
 _PREFILL_ROWS_X_HEADS = 64  # query vectors per prefill tile
-ENV_NO_ASM = "M3_TRITON_NO_ASM"  # "1": decode e2m1 with plain Triton ops on the GPU too
+ENV_NO_ASM = "M3_TRITON_NO_ASM"
+ENV_MX_MODE = "M3_TRITON_MX_MODE"  # "groups" (default) or "stacked": how MXFP4 pages meet the tensor cores  # "1": decode e2m1 with plain Triton ops on the GPU too
 
 
 def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _mx_stacked() -> bool:
+    return os.environ.get(ENV_MX_MODE, "groups") == "stacked"
 
 
 def _use_asm() -> bool:
@@ -140,6 +145,7 @@ def _score_kernel(
     FILL_TAIL: tl.constexpr,  # write -inf in columns past the tile's last visible page
     NUM_STAGES: tl.constexpr,
     USE_ASM: tl.constexpr,
+    MX_STACKED: tl.constexpr,  # MXFP4: one dot per page against a block-diagonal Q (else one per group)
     INTERPRET: tl.constexpr,
     D: tl.constexpr,
     T: tl.constexpr,
@@ -184,7 +190,24 @@ def _score_kernel(
 
     # Query vectors, widened onto the tensor-core operand type (module docstring).
     post = tl.full([NQ], 1.0, tl.float32) * sm_scale
-    if FMT == 2:
+    if FMT == 2 and MX_STACKED:
+        # One dot per page against a block-diagonal Q: column g*NQ + n holds query n's group g
+        # (zero elsewhere), so the product holds every group's partial dot for every query.
+        o_c = tl.arange(0, 4 * NQ)
+        n_c = o_c % NQ
+        m_c = (n_c // H) < n_rows
+        q_all = _load_q(q_ptr, row0 + n_c // H, n_c % H, m_c, stride_q_r, stride_q_h, 0, D)  # [D, 4NQ]
+        q_own = _load_q(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, 0, D)  # [D, NQ]
+        if Q_FP8:
+            col_scale = tl.full([NQ], KFAC, tl.float32)
+        else:
+            e_all = tl.minimum(tl.maximum(tl.max(tl.abs(q_all), axis=0).to(tl.int32, bitcast=True) >> 23, Q_TOP + 1), 254)
+            q_all = q_all * _pow2(2 * 127 + Q_TOP - e_all)[None, :]
+            e_own = tl.minimum(tl.maximum(tl.max(tl.abs(q_own), axis=0).to(tl.int32, bitcast=True) >> 23, Q_TOP + 1), 254)
+            col_scale = _pow2(e_own - Q_TOP) * KFAC
+        o_dd = tl.arange(0, D)
+        q_bd = tl.where((o_dd // G)[:, None] == (o_c // NQ)[None, :], q_all, 0.0).to(tl.float16)
+    elif FMT == 2:
         q0 = _load_q(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, 0 * G, G)
         q1 = _load_q(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, 1 * G, G)
         q2 = _load_q(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, 2 * G, G)
@@ -218,7 +241,15 @@ def _score_kernel(
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     for p in tl.range(p_start, p_end, num_stages=NUM_STAGES):
         page = tl.load(bt_row + p).to(tl.int64)
-        if FMT == 2:
+        if FMT == 2 and MX_STACKED:
+            o_b = tl.arange(0, DATA_BYTES)
+            o_g = tl.arange(0, D // G)
+            b_d = tl.load(k_ptr + page * stride_k_page + o_t[:, None] * DATA_BYTES + o_b[None, :])
+            b_s = tl.load(s_ptr + page * stride_s_page + o_t[:, None] * SCALE_BYTES + o_g[None, :])
+            b_k = _e2m1_to_f16(b_d, USE_ASM)  # [T, D]
+            part = tl.reshape(tl.dot(b_k, q_bd, out_dtype=tl.float32), (T, D // G, NQ))
+            acc = tl.sum(part * _pow2(b_s.to(tl.int32))[:, :, None], axis=1) * col_scale[None, :]
+        elif FMT == 2:
             base_d = page * stride_k_page
             base_s = page * stride_s_page
             acc = _mx_group_dot(k_ptr, s_ptr, base_d, base_s, o_t, q0, col_scale, 0, DATA_BYTES, SCALE_BYTES, G // 2, USE_ASM)
@@ -267,7 +298,7 @@ def _launch(q, k_cache, k_scale, fmt, block_table, seq_lens, cu, tiles, out, n_t
         max_block, S, cp_rank, cp_world, sm_scale,
         q.stride(0), q.stride(1), stride_k, stride_s, block_table.stride(0), out.stride(0), out.stride(1),
         FMT=_FMT_CODE[fmt], Q_FP8=q.dtype == FP8_DTYPE, H=H, ROWS=rows, NQ=nq, PP=pp, PREFILL=prefill,
-        FILL_TAIL=fill_tail, NUM_STAGES=num_stages, USE_ASM=_use_asm(), INTERPRET=_interpret(), D=INDEX_DIM, T=PAGE_SIZE,
+        FILL_TAIL=fill_tail, NUM_STAGES=num_stages, USE_ASM=_use_asm(), MX_STACKED=_mx_stacked(), INTERPRET=_interpret(), D=INDEX_DIM, T=PAGE_SIZE,
         G=MX_GROUP_SIZE, DATA_BYTES=MXFP4_DATA_BYTES, SCALE_BYTES=MXFP4_SCALE_BYTES, KFAC=float(2**_F16_K_EXP),
         Q_TOP=_Q_F16_TOP, num_warps=num_warps,
     )

@@ -148,10 +148,12 @@ def test_decode_small(gen, fmt, q_dtype):
     check_decode(gen, "cpu", fmt, q_dtype, S=2, H=3, seq_lens=[2, 129, 300], max_block=4)
 
 
-@pytest.mark.parametrize("case", ["split_views", "cp", "prealloc", "wide_scales"])
-def test_decode_small_variants(gen, case):
+@pytest.mark.parametrize("case", ["split_views", "cp", "prealloc", "wide_scales", "stacked_mode"])
+def test_decode_small_variants(gen, case, monkeypatch):
     _on("cpu")
     _kernels()
+    if case == "stacked_mode":
+        monkeypatch.setenv("M3_TRITON_MX_MODE", "stacked")
     kw = dict(S=1, H=1, seq_lens=[1, 128, 257], max_block=3)
     if case == "split_views":
         kw["single"] = False
@@ -174,6 +176,15 @@ def test_prefill_small(gen):
 
 GEOMETRIES = [(1, 1), (1, 4), (4, 1), (2, 3), (4, 4), (8, 4), (8, 1)]
 LENGTHS = [[1, 127, 128, 129, 4000], [8, 3000, 256, 1000]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["groups", "stacked"])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8_DTYPE], ids=["q_bf16", "q_e4m3"])
+@pytest.mark.parametrize("S,H", [(1, 1), (4, 1), (2, 3), (8, 4)])
+def test_decode_mxfp4_modes(gen, mode, q_dtype, S, H, monkeypatch):
+    monkeypatch.setenv("M3_TRITON_MX_MODE", mode)
+    check_decode(gen, "cuda", "mxfp4", q_dtype, S, H, [max(S, 1), 129, 3000], max_block=32, scale_range=(100, 150))
 
 
 @pytest.mark.gpu
@@ -201,7 +212,7 @@ def test_decode_cp_and_buffers(gen, fmt, cp, prealloc):
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8_DTYPE], ids=["q_bf16", "q_e4m3"])
 @pytest.mark.parametrize("scale_range,q_scale", [((107, 147), 1.0), ((1, 20), 1.0), ((230, 252), 2.0**-100),
-                                                  ((1, 252), 1.0)], ids=["2^-20..2^20", "e8m0_low", "e8m0_high",
+                                                  ((1, 240), 1.0)], ids=["2^-20..2^20", "e8m0_low", "e8m0_high",
                                                                          "e8m0_all"])
 def test_decode_scale_ranges(gen, q_dtype, scale_range, q_scale):
     if q_dtype == FP8_DTYPE and q_scale != 1.0:
