@@ -44,9 +44,9 @@ def test_base_urls():
 
 def test_cli_validates_before_starting_anything(tmp_path):
     with pytest.raises(ValueError, match="repeat"):
-        run.main(["--model", "m", "--formats", "fp8", "fp8", "--out", str(tmp_path)])
+        run.compare_formats(["--model", "m", "--formats", "fp8", "fp8", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="--tasks"):
-        run.main(["--model", "m", "--tasks", "gsm8k", "--out", str(tmp_path)])
+        run.compare_formats(["--model", "m", "--tasks", "gsm8k", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="--base-url names"):
-        run.main(["--model", "m", "--formats", "fp8", "mxfp4", "--base-url", "fp8=http://a", "bf16=http://b",
+        run.compare_formats(["--model", "m", "--formats", "fp8", "mxfp4", "--base-url", "fp8=http://a", "bf16=http://b",
                   "--out", str(tmp_path)])
