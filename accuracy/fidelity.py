@@ -60,18 +60,25 @@ from m3_kernels.ops.write.naive import write_index_k_ref
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_KV_HEADS_USED = 2  # two 64-dim KV heads make one 128-dim index key
 REFERENCE = ("bf16", None)
-# (format, scale rule) pairs compared against bf16; the rule applies to the MXFP4 formats only.
+# (format, scale rule, sign seed) compared against bf16; the rule applies to the MXFP4 formats only,
+# the sign seed to mxfp4_rot only (None: plain Hadamard, the served format).
 VARIANTS = (
-    ("fp8", None),
-    ("mxfp4", "rceil"),
-    ("mxfp4", "floor"),
-    ("mxfp4_rot", "rceil"),
-    ("mxfp4_rot", "floor"),
+    ("fp8", None, None),
+    ("mxfp4", "rceil", None),
+    ("mxfp4", "floor", None),
+    ("mxfp4_rot", "rceil", None),
+    ("mxfp4_rot", "floor", None),
 )
 
 
-def variant_name(fmt: str, rule: str | None) -> str:
-    return fmt if rule is None else f"{fmt}/{rule}"
+def variant_name(fmt: str, rule: str | None, sign_seed: int | None = None) -> str:
+    name = fmt if rule is None else f"{fmt}/{rule}"
+    return name if sign_seed is None else f"{name}/signs{sign_seed}"
+
+
+def variants(sign_seeds=()) -> tuple:
+    """``VARIANTS`` plus ``mxfp4_rot/rceil`` with each extra random-sign seed."""
+    return VARIANTS + tuple(("mxfp4_rot", "rceil", seed) for seed in sign_seeds)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,14 +183,15 @@ def synthetic_index_vectors(tokens: int, heads: int, outliers: int, gain: float,
 # Scoring and selection through the reference ops
 
 
-def scores_for(k: torch.Tensor, q: torch.Tensor, fmt: str, rule: str | None) -> torch.Tensor:
+def scores_for(k: torch.Tensor, q: torch.Tensor, fmt: str, rule: str | None, sign_seed: int | None = None) -> torch.Tensor:
     """Float64 block scores ``[H, R, pages]`` of the last ``R = q.shape[0]`` tokens of ``k`` (each
-    over its causal prefix) with the keys stored in ``fmt`` (scale ``rule``) and q in bf16."""
+    over its causal prefix) with the keys stored in ``fmt`` (scale ``rule``, rotation ``sign_seed``)
+    and q in bf16."""
     T = k.shape[0]
     pages = (T + PAGE_SIZE - 1) // PAGE_SIZE
     k_cache, k_scale = alloc_index_k_cache(pages, fmt)
-    write_index_k_ref(k, torch.arange(T), k_cache, k_scale, fmt, rule or ScaleRule.RCEIL)
-    q_rows = prepare_index_q(q.bfloat16(), fmt)
+    write_index_k_ref(k, torch.arange(T), k_cache, k_scale, fmt, rule or ScaleRule.RCEIL, sign_seed)
+    q_rows = prepare_index_q(q.bfloat16(), fmt, sign_seed)
     block_table = torch.arange(pages, dtype=torch.int32)[None]
     return score_prefill_ref(q_rows, k_cache, k_scale, block_table, torch.tensor([T], dtype=torch.int32),
                              torch.tensor([0, q.shape[0]], dtype=torch.int32), 1.0)
@@ -219,16 +227,18 @@ def compare(ref_scores, scores, n_visible) -> Fidelity:
     )
 
 
-def study_source(name: str, k: torch.Tensor, q: torch.Tensor, lengths: list[int], queries: int, progress=None):
+def study_source(name: str, k: torch.Tensor, q: torch.Tensor, lengths: list[int], queries: int, progress=None,
+                 sign_seeds=()):
     """Rows ``{source, length, format, recall16, ...}`` of one key/query source over ``lengths``."""
     rows = []
     for length in lengths:
         kk, qq = k[:length], q[length - queries : length]
         n_visible = visible_blocks(torch.arange(length - queries, length), PAGE_SIZE)
         ref = scores_for(kk, qq, *REFERENCE)
-        for fmt, rule in VARIANTS:
-            fid = compare(ref, scores_for(kk, qq, fmt, rule), n_visible)
-            rows.append({"source": name, "length": length, "format": variant_name(fmt, rule), **dataclasses.asdict(fid)})
+        for fmt, rule, seed in variants(sign_seeds):
+            fid = compare(ref, scores_for(kk, qq, fmt, rule, seed), n_visible)
+            rows.append({"source": name, "length": length, "format": variant_name(fmt, rule, seed),
+                         **dataclasses.asdict(fid)})
             if progress is not None:
                 progress.update(1)
     return rows
@@ -247,7 +257,7 @@ def summarize(rows: list[dict], lengths: list[int]) -> dict:
     return out
 
 
-def markdown(rows: list[dict], lengths: list[int]) -> str:
+def markdown(rows: list[dict], lengths: list[int], sign_seeds=()) -> str:
     """One table per source kind: recall@16 (%) and score error per format and length."""
     summary = summarize(rows, lengths)
     lines = []
@@ -255,8 +265,8 @@ def markdown(rows: list[dict], lengths: list[int]) -> str:
         lines += [f"**{kind}** keys: top-16 recall vs bf16 % (ranked-15 recall %, score err)", ""]
         lines.append("| format | " + " | ".join(f"{n // 1024}k" for n in lengths) + " |")
         lines.append("|---|" + "---|" * len(lengths))
-        for fmt, rule in VARIANTS:
-            name = variant_name(fmt, rule)
+        for fmt, rule, seed in variants(sign_seeds):
+            name = variant_name(fmt, rule, seed)
             cells = []
             for n in lengths:
                 s = summary.get((kind, name, n))
@@ -276,6 +286,8 @@ def main(argv=None):
     parser.add_argument("--outliers", type=int, default=4)
     parser.add_argument("--outlier-gain", type=float, default=8.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sign-seeds", type=int, nargs="*", default=[],
+                        help="also mxfp4_rot/rceil with H diag(random signs) for each seed (the served format has none)")
     parser.add_argument("--no-real", action="store_true", help="synthetic keys only (no SmolLM2)")
     parser.add_argument("--out", type=Path, default=None, help="folder for fidelity.json and fidelity.md")
     args = parser.parse_args(argv)
@@ -293,10 +305,10 @@ def main(argv=None):
             sources[f"real:L{layer}"] = (k, q)
     sources["synthetic"] = synthetic_index_vectors(lengths[-1], 4, args.outliers, args.outlier_gain, args.seed)
     rows = []
-    with tqdm(total=len(sources) * len(lengths) * len(VARIANTS), desc="fidelity") as bar:
+    with tqdm(total=len(sources) * len(lengths) * len(variants(args.sign_seeds)), desc="fidelity") as bar:
         for name, (k, q) in sources.items():
-            rows += study_source(name, k, q, lengths, args.queries, bar)
-    table = markdown(rows, lengths)
+            rows += study_source(name, k, q, lengths, args.queries, bar, args.sign_seeds)
+    table = markdown(rows, lengths, args.sign_seeds)
     print(table)
     print(f"({time.time() - t0:.0f} s)")
     if args.out is not None:
