@@ -129,14 +129,12 @@ def _index_k_cell_size(original, configurator, kvc, num_layers: int) -> int:
 
     from sglang.srt.runtime_context import get_parallel
 
-    from .pool import index_k_cell_bytes
+    from .pool import cell_bytes
 
     dense, sparse = _local_sparse_layers(kvc.model_config, kvc.layer_info.start_layer, kvc.layer_info.end_layer)
     kv_heads = kvc.model_config.get_num_kv_heads(get_parallel().attn_tp_size)
-    main_bytes = (len(dense) + len(sparse)) * 2 * kv_heads * kvc.model_config.head_dim * torch._utils._element_size(
-        kvc.kv_cache_dtype
-    )
-    return main_bytes + index_k_cell_bytes(len(sparse), settings)
+    return cell_bytes(len(dense), len(sparse), kv_heads, kvc.model_config.head_dim,
+                      torch._utils._element_size(kvc.kv_cache_dtype), settings)
 
 
 # ---- attention backend -----------------------------------------------------------------------

@@ -177,6 +177,8 @@ class MiniMaxM31SparseKVPool(MiniMaxSparseKVPool):
         return ptrs, lens, items
 
 
-def index_k_cell_bytes(num_local_sparse_layers: int, settings: IndexKSettings) -> int:
-    """Index-cache bytes one token slot costs across the local sparse layers."""
-    return num_local_sparse_layers * settings.fmt.token_bytes
+def cell_bytes(num_dense: int, num_sparse: int, kv_heads: int, head_dim: int, kv_element_bytes: int,
+               settings: IndexKSettings) -> int:
+    """Bytes one token slot costs in ``MiniMaxM31SparseKVPool`` (local layers): main K and V of
+    every layer plus one index key per sparse layer in the settings' format."""
+    return (num_dense + num_sparse) * 2 * kv_heads * head_dim * kv_element_bytes + num_sparse * settings.fmt.token_bytes

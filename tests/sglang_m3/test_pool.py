@@ -1,0 +1,105 @@
+"""Index-K pools: buffers from ``alloc_index_k_cache``, writes through ``write_index_k``, sizes
+from ``IndexKFormat.token_bytes``."""
+
+import pytest
+import torch
+
+from m3_kernels.formats import (
+    MXFP4_PAGE_BYTES,
+    PAGE_SIZE,
+    IndexKFormat,
+    ScaleRule,
+    quantize_index_k,
+)
+from sglang_m3.config import IndexKSettings
+from sglang_m3.pool import MiniMaxM31SparseKVPool, cell_bytes, num_index_pages
+
+FORMATS = list(IndexKFormat)
+SIZE = 3 * PAGE_SIZE  # token slots; the pool adds one padding page
+
+
+def _pool(fmt, page_size=PAGE_SIZE, sparse=(1, 2, 3), k_only=(1, 2, 3), sign_seed=None):
+    return MiniMaxM31SparseKVPool(
+        size=SIZE, page_size=page_size, dtype=torch.bfloat16, head_num=4, head_dim=128, idx_head_dim=128,
+        dense_layer_ids=[0], sparse_layer_ids=list(sparse), device="cpu",
+        settings=IndexKSettings(IndexKFormat(fmt), ScaleRule.RCEIL, sign_seed),
+        disable_value_sparse_layer_ids=list(k_only), start_layer=0, end_layer=4,
+    )
+
+
+class _Layer:
+    def __init__(self, layer_id):
+        self.layer_id = layer_id
+
+
+def _poison(t):
+    if t is None:
+        return
+    if t.dtype == torch.uint8:
+        t.fill_(0xA5)
+    else:
+        t.view(torch.uint8).fill_(0x5A)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_set_index_k_stores_the_format_rows_at_loc_only(fmt, gen):
+    pool = _pool(fmt, sign_seed=7 if fmt == "mxfp4_rot" else None)
+    for layer in (1, 2, 3):
+        for t in pool.get_index_k_buffer(layer):
+            _poison(t)
+    before = [[None if t is None else t.clone() for t in pool.get_index_k_buffer(layer)] for layer in (1, 2, 3)]
+    # Slots around page edges and in the last partial page, in a shuffled order.
+    loc = torch.tensor([1, 127, 128, 129, 255, 256, 3 * PAGE_SIZE + 5, 300, 2 * PAGE_SIZE + 1])
+    loc = loc[torch.randperm(loc.numel(), generator=gen)]
+    k = torch.randn(loc.numel(), 1, 128, generator=gen).to(torch.bfloat16) * 3
+    pool.set_fused_kv_index_buffer(_Layer(2), loc, torch.randn(loc.numel(), 4, 128).to(torch.bfloat16),
+                                   torch.randn(loc.numel(), 4, 128).to(torch.bfloat16), k, None)
+    rows, scale_rows = quantize_index_k(k.reshape(-1, 128), fmt, ScaleRule.RCEIL, pool.settings.sign_seed)
+    k_cache, k_scale = pool.get_index_k_buffer(2)
+    page, row = loc // PAGE_SIZE, loc % PAGE_SIZE
+    assert torch.equal(k_cache[page, row].view(torch.uint8), rows.view(torch.uint8))
+    if scale_rows is not None:
+        assert torch.equal(k_scale[page, row], scale_rows)
+    # Nothing else moved: other slots of layer 2, and layers 1 and 3 entirely.
+    written = torch.zeros(k_cache.shape[0] * PAGE_SIZE, dtype=torch.bool)
+    written[loc] = True
+    flat = k_cache.reshape(-1, *k_cache.shape[2:]).view(torch.uint8)
+    assert torch.equal(flat[~written], before[1][0].reshape(flat.shape[0], -1).view(torch.uint8)[~written])
+    for i in (0, 2):
+        for now, was in zip(pool.get_index_k_buffer((1, 2, 3)[i]), before[i]):
+            assert now is None or torch.equal(now.view(torch.uint8), was.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_index_bytes_follow_token_bytes(fmt):
+    pool = _pool(fmt)
+    pages = num_index_pages(SIZE, PAGE_SIZE)
+    k_bytes, v_bytes = pool.index_k_pool.get_kv_size_bytes()
+    assert v_bytes == 0 and k_bytes == 3 * pages * PAGE_SIZE * IndexKFormat(fmt).token_bytes
+    if IndexKFormat(fmt).is_mxfp4:
+        assert pool.get_index_k_state_buf_infos()[2] == [MXFP4_PAGE_BYTES] * 3
+
+
+def test_cell_bytes_raise_capacity_by_the_byte_ratio():
+    """Full-size M3.1 (60 layers, 3 dense, 4 KV heads x 128, bf16 K/V): slots per GiB per format."""
+    per_format = {f: cell_bytes(3, 57, 4, 128, 2, IndexKSettings(f, ScaleRule.RCEIL, None)) for f in FORMATS}
+    assert per_format[IndexKFormat.BF16] - per_format[IndexKFormat.MXFP4] == 57 * (256 - 68)
+    assert per_format[IndexKFormat.FP8] - per_format[IndexKFormat.MXFP4] == 57 * (128 - 68)
+    budget = 1 << 30
+    tokens = {f: budget // c for f, c in per_format.items()}
+    assert tokens[IndexKFormat.MXFP4] > tokens[IndexKFormat.FP8] > tokens[IndexKFormat.BF16]
+
+
+def test_page_size_must_be_one_block():
+    with pytest.raises(ValueError, match="--page-size 128"):
+        _pool("mxfp4", page_size=1)
+
+
+def test_index_value_layers_are_rejected():
+    with pytest.raises(NotImplementedError, match="index value"):
+        _pool("fp8", k_only=(1, 2))
+
+
+def test_dense_layer_has_no_index_cache():
+    with pytest.raises(ValueError, match="not a sparse layer"):
+        _pool("bf16").get_index_k_buffer(0)
