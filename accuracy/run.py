@@ -264,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launch-timeout", type=float, default=1800.0)
     p.add_argument("--bootstrap", type=int, default=10000, help="paired-bootstrap resamples")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("results/accuracy"))
+    p.add_argument("--out", type=Path, default=Path("out/accuracy"))
     return p
 
 
