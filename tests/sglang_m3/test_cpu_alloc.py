@@ -1,0 +1,52 @@
+"""Torch paths of SGLang's page-aligned allocator (CPU) against a slot-by-slot oracle."""
+
+import torch
+
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang_m3 import cpu_alloc
+
+PAGE = 4
+
+
+def _allocator(pages=8):
+    alloc = PagedTokenToKVPoolAllocator.__new__(PagedTokenToKVPoolAllocator)
+    alloc.page_size, alloc.device, alloc.need_sort = PAGE, "cpu", False
+    alloc.free_pages = torch.arange(1, pages + 1, dtype=torch.int64)
+    return alloc
+
+
+def _unreachable(*args, **kwargs):
+    raise AssertionError("the CUDA (Triton) path must not run on the CPU")
+
+
+def test_decode_continues_pages_and_opens_new_ones():
+    alloc = _allocator()
+    alloc.free_pages = torch.tensor([5, 3, 7], dtype=torch.int64)
+    # Request 0 continues its page (seq_len 6: token 5 sits at row 1 of the page holding slot 20..23);
+    # requests 1 and 2 open pages (seq_len 5 and 9 start a new page).
+    seq_lens = torch.tensor([6, 5, 9])
+    last_loc = torch.tensor([20, 15, 43])
+    out = cpu_alloc.alloc_decode(_unreachable, alloc, seq_lens, seq_lens, last_loc)
+    assert out.tolist() == [21, 5 * PAGE, 3 * PAGE]
+    assert alloc.free_pages.tolist() == [7]
+
+
+def test_decode_without_new_pages_and_when_full():
+    alloc = _allocator()
+    alloc.free_pages = torch.empty(0, dtype=torch.int64)
+    assert cpu_alloc.alloc_decode(_unreachable, alloc, torch.tensor([2]), torch.tensor([2]), torch.tensor([8])).tolist() == [9]
+    assert cpu_alloc.alloc_decode(_unreachable, alloc, torch.tensor([5]), torch.tensor([5]), torch.tensor([11])) is None
+
+
+def test_extend_fills_the_last_page_then_new_pages():
+    alloc = _allocator()
+    alloc.free_pages = torch.arange(3, 11, dtype=torch.int64)
+    prefix = torch.tensor([2, 0])
+    seq = torch.tensor([11, 3])
+    last_loc = torch.tensor([9, -1])  # request 0's prefix holds slots 8, 9 of page 2
+    out = cpu_alloc.alloc_extend(_unreachable, alloc, prefix, prefix, seq, seq, last_loc, int((seq - prefix).sum()))
+    # Request 0: rest of page 2 (10, 11), one full new page (3), 3 tokens of page 4; request 1: page 5.
+    expected = [10, 11] + [3 * PAGE + i for i in range(PAGE)] + [4 * PAGE + i for i in range(3)]
+    expected += [5 * PAGE + i for i in range(3)]
+    assert out.tolist() == expected
+    assert alloc.free_pages.tolist() == [6, 7, 8, 9, 10]
