@@ -12,8 +12,9 @@ forms K on the tensor-core operand, one ``tl.dot`` per page (fp8/bf16) or per 32
 
 Numerics:
 - MXFP4: each e2m1 code becomes the fp16 bit pattern ``sign << 15 | code << 9``, i.e. exactly
-  ``2^-14 * e2m1`` (code 1 is an fp16 subnormal); the group's e8m0 scale multiplies the group's
-  fp32 partial dot product, and ``2^14`` is folded into the final scale. Exact.
+  ``2^-14 * e2m1`` (code 1 is an fp16 subnormal); each group's fp32 partial dot product is
+  multiplied by one power of two, the product of the group's e8m0 scale, ``2^14`` and the Q
+  row's power of two below, so it leaves fp32's range only where the exact score does. Exact.
 - fp8: e4m3 widens to fp16 exactly.
 - Q: e4m3 widens to fp16 exactly. A bf16 Q row is multiplied by a power of two that puts its
   largest magnitude in [2^14, 2^15) and then rounded to fp16 (11 significant bits, so exact for
@@ -42,8 +43,8 @@ _FMT_CODE = {IndexKFormat.BF16: 0, IndexKFormat.FP8: 1, IndexKFormat.MXFP4: 2}
 _F16_K_EXP = 14  # MXFP4 K is formed as 2^-14 * e2m1 in fp16
 _Q_F16_TOP = 14  # a bf16 Q row's largest magnitude is moved to [2^14, 2^15)
 _PREFILL_ROWS_X_HEADS = 64  # query vectors per prefill tile
-ENV_NO_ASM = "M3_TRITON_NO_ASM"
-ENV_MX_MODE = "M3_TRITON_MX_MODE"  # "groups" (default) or "stacked": how MXFP4 pages meet the tensor cores  # "1": decode e2m1 with plain Triton ops on the GPU too
+ENV_NO_ASM = "M3_TRITON_NO_ASM"  # "1": decode e2m1 with plain Triton ops on the GPU too (no inline PTX)
+ENV_MX_MODE = "M3_TRITON_MX_MODE"  # "groups" (default, faster on H200) or "stacked": see _score_kernel
 
 
 def _interpret() -> bool:
@@ -105,6 +106,13 @@ def _e2m1_to_f16(b_d, USE_ASM: tl.constexpr):
 def _pow2(e):
     """fp32 2^(e - 127) for biased exponents e in [1, 254] (int32)."""
     return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _q_exponent(amax, Q_TOP: tl.constexpr):
+    """Biased fp32 exponent of each column's largest |q| (int32), clamped to [Q_TOP + 1, 254] so
+    that 2^(Q_TOP - e) and 2^e stay normal."""
+    return tl.minimum(tl.maximum(amax.to(tl.int32, bitcast=True) >> 23, Q_TOP + 1), 254)
 
 
 @triton.jit
@@ -201,9 +209,9 @@ def _score_kernel(
         if Q_FP8:
             col_scale = tl.full([NQ], KFAC, tl.float32)
         else:
-            e_all = tl.minimum(tl.maximum(tl.max(tl.abs(q_all), axis=0).to(tl.int32, bitcast=True) >> 23, Q_TOP + 1), 254)
+            e_all = _q_exponent(tl.max(tl.abs(q_all), axis=0), Q_TOP)
             q_all = q_all * _pow2(2 * 127 + Q_TOP - e_all)[None, :]
-            e_own = tl.minimum(tl.maximum(tl.max(tl.abs(q_own), axis=0).to(tl.int32, bitcast=True) >> 23, Q_TOP + 1), 254)
+            e_own = _q_exponent(tl.max(tl.abs(q_own), axis=0), Q_TOP)
             col_scale = _pow2(e_own - Q_TOP) * KFAC
         o_dd = tl.arange(0, D)
         q_bd = tl.where((o_dd // G)[:, None] == (o_c // NQ)[None, :], q_all, 0.0).to(tl.float16)
@@ -218,7 +226,7 @@ def _score_kernel(
         else:
             amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0), axis=0), tl.max(tl.abs(q1), axis=0)),
                               tl.maximum(tl.max(tl.abs(q2), axis=0), tl.max(tl.abs(q3), axis=0)))
-            e_q = tl.minimum(tl.maximum(amax.to(tl.int32, bitcast=True) >> 23, Q_TOP + 1), 254)
+            e_q = _q_exponent(amax, Q_TOP)
             fac = _pow2(2 * 127 + Q_TOP - e_q)[None, :]
             q0, q1, q2, q3 = q0 * fac, q1 * fac, q2 * fac, q3 * fac
             col_scale = _pow2(e_q - Q_TOP) * KFAC
@@ -231,7 +239,7 @@ def _score_kernel(
         else:
             if not Q_FP8:
                 amax = tl.max(tl.abs(b_q), axis=0)
-                e_q = tl.minimum(tl.maximum(amax.to(tl.int32, bitcast=True) >> 23, Q_TOP + 1), 254)
+                e_q = _q_exponent(amax, Q_TOP)
                 b_q = b_q * _pow2(2 * 127 + Q_TOP - e_q)[None, :]
                 post = post * _pow2(e_q - Q_TOP)
             b_q = b_q.to(tl.float16)
