@@ -119,6 +119,17 @@ class Server:
             time.sleep(0.5)
         raise TimeoutError(f"{self.name}: not ready after {timeout_s:.0f} s:\n{self.tail()}")
 
+    def wait_log(self, pattern: str, timeout_s: float) -> float:
+        """Seconds until ``pattern`` appears in the log (the server need not be ready)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if re.search(pattern, self.tail(10**7)):
+                return time.monotonic() - self.t0
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name}: server exited with {self.proc.returncode}:\n{self.tail()}")
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name}: no {pattern!r} in the log after {timeout_s:.0f} s:\n{self.tail()}")
+
     def tail(self, chars: int = 6000) -> str:
         self._log.flush()
         return self.log_path.read_text(errors="replace")[-chars:]
@@ -148,6 +159,10 @@ class Server:
 
 
 def capacity_from(server: Server) -> int:
+    """``max_total_num_tokens`` from the scheduler's log line (or /server_info)."""
+    m = re.findall(r"max_total_num_tokens=(\d+)", server.tail(10**7))
+    if m:
+        return int(m[-1])
     info = server.get("/server_info")
     if "max_total_num_tokens" in info:
         return int(info["max_total_num_tokens"])
@@ -256,14 +271,17 @@ def main():
     ap.add_argument("--small-dense", type=int, default=1, help="dense layers of the throughput config")
     ap.add_argument("--small-sparse", type=int, default=19, help="sparse layers of the throughput config")
     ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--q-heads", type=int, default=64)
+    ap.add_argument("--q-heads", type=int, default=16,
+                    help="query heads of the throughput config (decode reads KV per KV head; 16 keeps prefill short)")
+    ap.add_argument("--cap-q-heads", type=int, default=64, help="query heads of the capacity config (M3: 64)")
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--mem-fraction", type=float, default=0.88)
-    ap.add_argument("--chunked-prefill", type=int, default=16384)
+    ap.add_argument("--chunked-prefill", type=int, default=32768)
     ap.add_argument("--check-lengths", default="2300,3100,4200,5000",
                     help="prompt lengths of the batched eager-vs-graph check (one more prompt runs alone)")
     ap.add_argument("--check-tokens", type=int, default=24)
-    ap.add_argument("--budget-s", type=float, default=540, help="skip steps that would end past this")
+    ap.add_argument("--check-pool-tokens", type=int, default=65536, help="--max-total-tokens of the eager servers")
+    ap.add_argument("--budget-s", type=float, default=500, help="skip steps that would end past this")
     ap.add_argument("--cpu", action="store_true", help="smoke test of this driver on a CPU (tiny sizes, no graphs)")
     ap.add_argument("--skip-capacity", action="store_true")
     args = ap.parse_args()
@@ -280,138 +298,154 @@ def main():
     batches = [int(x) for x in args.batches.split(",")]
     max_ctx, max_bs = max(contexts), max(batches)
     context_len = max_ctx + 8 * PAGE
+    nd, ns = args.small_dense, args.small_sparse
 
-    common = ["--page-size", str(PAGE), "--log-level", "info", "--skip-server-warmup", "--random-seed", "0"]
+    base = ["--page-size", str(PAGE), "--log-level", "info", "--skip-server-warmup", "--random-seed", "0",
+            "--context-length", str(context_len), "--max-running-requests", str(max(64, 2 * max_bs)),
+            "--chunked-prefill-size", str(args.chunked_prefill)]
     if args.cpu:
-        common += ["--device", "cpu", "--attention-backend", "torch_native", "--mem-fraction-static", "0.3",
-                   "--max-total-tokens", str(max_bs * (max_ctx + 4 * PAGE) + 4096)]
+        base += ["--device", "cpu", "--attention-backend", "torch_native"]
     else:
-        common += ["--kv-cache-dtype", "fp8_e4m3", "--attention-backend", "triton", "--sampling-backend", "pytorch",
-                   "--grammar-backend", "none", "--mem-fraction-static", str(args.mem_fraction)]
-    serve = common + ["--context-length", str(context_len), "--max-running-requests", str(max(64, 2 * max_bs)),
-                      "--chunked-prefill-size", str(args.chunked_prefill)]
+        base += ["--kv-cache-dtype", "fp8_e4m3", "--attention-backend", "triton", "--sampling-backend", "pytorch",
+                 "--grammar-backend", "none"]
     eager_flags = ["--disable-cuda-graph"]
     graph_flags = [] if args.cpu else ["--disable-piecewise-cuda-graph", "--cuda-graph-bs", "1", "2", "4", "8",
                                        "16", "32"]
+    full_pool = ["--mem-fraction-static", str(args.mem_fraction)]
+    if args.cpu:
+        full_pool = ["--mem-fraction-static", "0.3", "--max-total-tokens", str(max_bs * (max_ctx + 4 * PAGE) + 4096)]
+    # Eager servers run side by side with a small pool of their own.
+    check_pool = ["--mem-fraction-static", "0.3" if args.cpu else "0.2",
+                  "--max-total-tokens", str(args.check_pool_tokens)]
 
     check_lengths = [int(x) for x in args.check_lengths.split(",")]
     check_sets = [prompts(check_lengths, args.vocab, 1), prompts([max(check_lengths) + 700], args.vocab, 2)]
-
-    results = {"formats": {}, "args": vars(args) | {"out": str(out)}, "notes": [], "env": env_report()}
-    nd, ns = args.small_dense, args.small_sparse
-
-    def save():
-        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-
     import numpy as np
 
     long_prompts = np.random.default_rng(3).integers(3, args.vocab, size=(max_bs, max_ctx)).tolist()
 
-    startup_timeout = 900 if args.cpu else 420
-    for fmt in formats:
-        r = results["formats"].setdefault(fmt, {})
-        save()
-        # 1. capacity at M3's full attention geometry
-        if not args.skip_capacity and not args.cpu:
-            if left() < 60:
-                results["notes"].append(f"{fmt}: capacity not measured (time budget)")
-            else:
-                cfg = make_config(work / f"cap60-{fmt}", M3_DENSE_LAYERS, M3_SPARSE_LAYERS, fmt, args.vocab,
-                                  args.hidden, args.q_heads, context_len)
-                s = Server(f"capacity-{fmt}", cfg, common + eager_flags + ["--context-length", str(context_len),
-                                                                          "--max-running-requests", "64"], log_dir)
-                try:
-                    r["capacity_ready_s"] = s.wait_ready(startup_timeout)
-                    r["capacity_tokens"] = capacity_from(s)
-                    r["capacity_bytes_per_token"] = bytes_per_token(M3_DENSE_LAYERS, M3_SPARSE_LAYERS, fmt)
-                    log(f"{fmt}: 60-layer capacity {r['capacity_tokens']} tokens (ready in {r['capacity_ready_s']:.0f} s)")
-                except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-                    r["capacity_error"] = repr(e)[-3000:]
-                    log(f"{fmt}: capacity FAILED: {e!r}"[-3000:])
-                finally:
-                    s.stop()
-                    startup_timeout = 300
-                save()
+    results = {"formats": {f: {} for f in formats}, "args": vars(args) | {"out": str(out)}, "notes": [],
+               "env": env_report()}
 
-        cfg = make_config(work / f"small-{fmt}", nd, ns, fmt, args.vocab, args.hidden, args.q_heads, context_len)
-        # 2. eager: reference outputs + recorded decode inputs
-        probe_dir = work / f"probe-{fmt}"
-        eager_out = None
-        if left() < 60:
-            results["notes"].append(f"{fmt}: eager run skipped (time budget)")
-        else:
-            s = Server(f"eager-{fmt}", cfg, serve + eager_flags, log_dir,
-                       {"M3_PROBE_DIR": str(probe_dir), "M3_PROBE_CALLS": "3"})
+    def save():
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+
+    def fail(r, key, e):
+        r[key] = repr(e)[-3000:]
+        log(f"{key}: {e!r}"[-3000:])
+
+    save()
+    # Phase A: pool capacity at M3's full attention geometry, one server at a time (alone on the GPU).
+    startup_timeout = 900 if args.cpu else 420
+    for fmt in ([] if args.skip_capacity or args.cpu else formats):
+        r = results["formats"][fmt]
+        if left() < 40:
+            results["notes"].append(f"{fmt}: capacity not measured (time budget)")
+            continue
+        cfg = make_config(work / f"cap60-{fmt}", M3_DENSE_LAYERS, M3_SPARSE_LAYERS, fmt, args.vocab, args.hidden,
+                          args.cap_q_heads, context_len)
+        s = Server(f"capacity-{fmt}", cfg, base + eager_flags + full_pool, log_dir)
+        try:
+            r["capacity_ready_s"] = s.wait_log(r"max_total_num_tokens=(\d+)", startup_timeout)
+            r["capacity_tokens"] = capacity_from(s)
+            r["capacity_bytes_per_token"] = bytes_per_token(M3_DENSE_LAYERS, M3_SPARSE_LAYERS, fmt)
+            log(f"{fmt}: 60-layer capacity {r['capacity_tokens']} tokens (ready in {r['capacity_ready_s']:.0f} s)")
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            fail(r, "capacity_error", e)
+        finally:
+            s.stop()
+        startup_timeout = 300
+        save()
+
+    # Phase B: eager servers (all formats side by side): reference outputs + recorded decode inputs.
+    eager_out = {}
+    if left() < 60:
+        results["notes"].append("eager runs skipped (time budget)")
+    else:
+        servers = {}
+        for fmt in formats:
+            cfg = make_config(work / f"small-{fmt}", nd, ns, fmt, args.vocab, args.hidden, args.q_heads, context_len)
+            servers[fmt] = Server(f"eager-{fmt}", cfg, base + eager_flags + check_pool, log_dir,
+                                  {"M3_PROBE_DIR": str(work / f"probe-{fmt}"), "M3_PROBE_CALLS": "3"})
+        for fmt, s in servers.items():
+            r = results["formats"][fmt]
             try:
                 r["eager_ready_s"] = s.wait_ready(startup_timeout)
                 t = time.perf_counter()
-                eager_out = run_prompt_sets(s, check_sets, args.check_tokens)
+                eager_out[fmt] = run_prompt_sets(s, check_sets, args.check_tokens)
                 r["eager_check_s"] = time.perf_counter() - t
-                r["small_capacity_tokens_eager"] = capacity_from(s)
                 log(f"{fmt}: eager outputs done ({r['eager_check_s']:.1f} s)")
             except Exception as e:  # noqa: BLE001
-                r["eager_error"] = repr(e)[-3000:]
-                log(f"{fmt}: eager FAILED: {e!r}"[-3000:])
-            finally:
-                s.stop()
-                startup_timeout = 300
+                fail(r, "eager_error", e)
+        for s in servers.values():
+            s.stop()
+        for fmt in formats:
+            r = results["formats"][fmt]
             try:
-                r["selection"] = check_probe(probe_dir)
+                r["selection"] = check_probe(work / f"probe-{fmt}")
                 log(f"{fmt}: selection vs torch reference: {r['selection']}")
             except Exception as e:  # noqa: BLE001
-                r["selection_error"] = repr(e)[-3000:]
-                log(f"{fmt}: selection check FAILED: {e!r}")
-            save()
+                fail(r, "selection_error", e)
+        startup_timeout = 300
+        save()
 
-        # 3. graph: same outputs, then decode timing
-        if left() < 60:
+    # Phase C: one CUDA-graph server per format (alone): same outputs, then decode timing. Each format
+    # gets an equal share of the time left; rows run by batch size (largest last), so a short budget
+    # drops the same rows for every format.
+    phase_c_start, phase_c_time = time.monotonic(), max(0.0, left())
+    plan = sorted(((ctx, bs) for ctx in contexts for bs in batches), key=lambda cb: (cb[1], -cb[0]))
+    for i_fmt, fmt in enumerate(formats):
+        r = results["formats"][fmt]
+        fmt_deadline = phase_c_start + (i_fmt + 1) * phase_c_time / len(formats)
+        fmt_left = lambda: fmt_deadline - time.monotonic()  # noqa: E731
+        if fmt_left() < 45:
             results["notes"].append(f"{fmt}: graph run skipped (time budget)")
             continue
-        s = Server(f"graph-{fmt}", cfg, serve + graph_flags, log_dir)
+        cfg = make_config(work / f"small-{fmt}", nd, ns, fmt, args.vocab, args.hidden, args.q_heads, context_len)
+        s = Server(f"graph-{fmt}", cfg, base + graph_flags + full_pool, log_dir)
         try:
             r["graph_ready_s"] = s.wait_ready(startup_timeout)
+            startup_timeout = 300
             cap = r["small_capacity_tokens"] = capacity_from(s)
             graph_out = run_prompt_sets(s, check_sets, args.check_tokens)
-            if eager_out is not None:
-                r["graph_equals_eager"] = graph_out == eager_out
+            if fmt in eager_out:
+                r["graph_equals_eager"] = graph_out == eager_out[fmt]
                 r["divergence"] = [[first_divergence(a, b) for a, b in zip(es, gs)]
-                                   for es, gs in zip(eager_out, graph_out)]
+                                   for es, gs in zip(eager_out[fmt], graph_out)]
                 log(f"{fmt}: graph == eager: {r['graph_equals_eager']} (first divergence {r['divergence']})")
             r["decode"] = {}
             prefilled = 0
-            for ctx in sorted(contexts, reverse=True):
-                for bs in batches:
-                    key = f"{ctx}x{bs}"
-                    need = bs * (max_ctx + 4 * PAGE)
-                    if need > cap:
-                        r["decode"][key] = {"skipped": f"pool holds {cap} tokens, {need} needed"}
+            for ctx, bs in plan:
+                key = f"{ctx}x{bs}"
+                need = bs * (max_ctx + 4 * PAGE)
+                if need > cap:
+                    r["decode"][key] = {"skipped": f"pool holds {cap} tokens, {need} needed"}
+                    continue
+                if bs > prefilled:
+                    # New contexts are prefilled once at full length; estimate from the last rate.
+                    est = (bs - prefilled) * r.get("prefill_s_per_ctx", 2.0)
+                    if est + 8 > fmt_left():
+                        r["decode"][key] = {"skipped": f"time budget (prefill est. {est:.0f} s)"}
                         continue
-                    if bs > prefilled:
-                        # prefill the new contexts (full length) once; est. from the last prefill rate
-                        est = (bs - prefilled) * r.get("prefill_s_per_ctx", 30.0)
-                        if est + 30 > left():
-                            r["decode"][key] = {"skipped": f"time budget (prefill est. {est:.0f} s)"}
-                            continue
-                        t = time.perf_counter()
-                        for i in range(prefilled, bs, 4):
-                            s.generate(long_prompts[i:min(bs, i + 4)], 1)
-                        r["prefill_s_per_ctx"] = (time.perf_counter() - t) / (bs - prefilled)
-                        log(f"{fmt}: prefilled contexts {prefilled}..{bs - 1} of {max_ctx} tokens "
-                            f"({r['prefill_s_per_ctx']:.1f} s each)")
-                        prefilled = bs
-                    if left() < 20:
-                        r["decode"][key] = {"skipped": "time budget"}
-                        continue
-                    m = measure_decode(s, [p[:ctx] for p in long_prompts[:bs]], args.decode_tokens, args.repeats)
-                    r["decode"][key] = m
-                    log(f"{fmt}: ctx {ctx} bs {bs}: {m['tok_s']:.0f} tok/s, TPOT {m['tpot_ms']:.3f} ms")
-                    save()
+                    t = time.perf_counter()
+                    for i in range(prefilled, bs, 4):
+                        s.generate(long_prompts[i:min(bs, i + 4)], 1)
+                    r["prefill_s_per_ctx"] = (time.perf_counter() - t) / (bs - prefilled)
+                    log(f"{fmt}: prefilled contexts {prefilled}..{bs - 1} of {max_ctx} tokens "
+                        f"({r['prefill_s_per_ctx']:.2f} s each)")
+                    prefilled = bs
+                if fmt_left() < 5:
+                    r["decode"][key] = {"skipped": "time budget"}
+                    continue
+                m = measure_decode(s, [p[:ctx] for p in long_prompts[:bs]], args.decode_tokens, args.repeats)
+                r["decode"][key] = m
+                log(f"{fmt}: ctx {ctx} bs {bs}: {m['tok_s']:.0f} tok/s, TPOT {m['tpot_ms']:.3f} ms")
+                save()
             logtext = s.tail(10**8)
             r["decode_graph_batches"] = len(re.findall(r"Decode batch.*cuda graph: True", logtext))
             r["decode_eager_batches"] = len(re.findall(r"Decode batch.*cuda graph: False", logtext))
         except Exception as e:  # noqa: BLE001
-            r["graph_error"] = repr(e)[-3000:]
-            log(f"{fmt}: graph run FAILED: {e!r}"[-3000:])
+            fail(r, "graph_error", e)
         finally:
             s.stop()
         save()
