@@ -273,12 +273,12 @@ def sweep(pools, cells, sm_scale=0.088):
         out = torch.empty(H, B * S, npg, dtype=torch.float32, device="cuda")
         for fmt in (IndexKFormat.MXFP4, IndexKFormat.FP8):
             kc, ks = pools.cache(fmt)
-            variants = [(None, nw, 2, "groups") for nw in (4, 8)]
+            variants = [(None, 4, 2, "split")]
             if fmt is IndexKFormat.MXFP4:
-                variants += [(None, 4, 2, "stacked"), (None, 8, 2, "stacked"), (None, 4, 2, "no_asm")]
+                variants += [(None, 4, 2, "groups"), (16, 4, 2, "split"), (None, 4, 3, "split")]
             for pp, nw, ns, dec in variants:
                 os.environ["M3_TRITON_NO_ASM"] = "1" if dec == "no_asm" else "0"
-                os.environ["M3_TRITON_MX_MODE"] = "stacked" if dec == "stacked" else "groups"
+                os.environ["M3_TRITON_MX_MODE"] = dec if dec in ("split", "groups", "stacked") else "split"
                 fns = [lambda r=r: score_decode_triton(q, kc, ks, fmt, B, npg, bts[r], seq, S, sm_scale, out,
                                                        pp=pp, num_warps=nw, num_stages=ns)
                        for r in range(regions)]
@@ -291,7 +291,7 @@ def sweep(pools, cells, sm_scale=0.088):
                              "decode": dec, "us": t})
                 log(f"sweep {fmt.value} S{S} H{H} B{B} ctx{ctx} pp={pp} nw={nw} ns={ns} {dec}: {t:.1f} us")
     os.environ["M3_TRITON_NO_ASM"] = "0"
-    os.environ["M3_TRITON_MX_MODE"] = "groups"
+    os.environ["M3_TRITON_MX_MODE"] = "split"
     return rows
 
 

@@ -44,15 +44,21 @@ _F16_K_EXP = 14  # MXFP4 K is formed as 2^-14 * e2m1 in fp16
 _Q_F16_TOP = 14  # a bf16 Q row's largest magnitude is moved to [2^14, 2^15)
 _PREFILL_ROWS_X_HEADS = 64  # query vectors per prefill tile
 ENV_NO_ASM = "M3_TRITON_NO_ASM"  # "1": decode e2m1 with plain Triton ops on the GPU too (no inline PTX)
-ENV_MX_MODE = "M3_TRITON_MX_MODE"  # "groups" (default, faster on H200) or "stacked": see _score_kernel
+ENV_MX_MODE = "M3_TRITON_MX_MODE"  # "split" (default), "groups" or "stacked": see _score_kernel
 
 
 def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _mx_stacked() -> bool:
-    return os.environ.get(ENV_MX_MODE, "groups") == "stacked"
+MX_MODES = ("split", "groups", "stacked")
+
+
+def _mx_mode() -> str:
+    mode = os.environ.get(ENV_MX_MODE, "split")
+    if mode not in MX_MODES:
+        raise ValueError(f"{ENV_MX_MODE} must be one of {list(MX_MODES)}, got {mode!r}")
+    return mode
 
 
 def _use_asm() -> bool:
@@ -116,11 +122,84 @@ def _q_exponent(amax, Q_TOP: tl.constexpr):
 
 
 @triton.jit
+def _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, o_d):
+    """fp32 ``[len(o_d), NQ]``: dims ``o_d`` of the query vectors (zero where masked)."""
+    p_q = q_ptr + rows[None, :].to(tl.int64) * stride_q_r + heads[None, :] * stride_q_h + o_d[:, None]
+    return tl.load(p_q, mask=m_n[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _split_dims(g: tl.constexpr, odd: tl.constexpr, GB: tl.constexpr):
+    """Dims of MX group ``g`` in the order of ``_mx_group_dot_split``'s operand: logical column
+    j = 8h + 2c + i holds byte b = 4c + 2h + i, i.e. element 2b (even) or 2b + 1 (odd)."""
+    j = tl.arange(0, GB)
+    b = 4 * ((j % 8) // 2) + 2 * (j // 8) + (j % 2)
+    return g * 2 * GB + 2 * b + odd
+
+
+@triton.jit
 def _load_q(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, d0, DK: tl.constexpr):
     """fp32 ``[DK, NQ]`` slice ``d0 : d0 + DK`` of the query vectors (zero where masked)."""
     o_d = d0 + tl.arange(0, DK)
     p_q = q_ptr + rows[None, :].to(tl.int64) * stride_q_r + heads[None, :] * stride_q_h + o_d[:, None]
     return tl.load(p_q, mask=m_n[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _e2m1_split_f16(b_d, USE_ASM: tl.constexpr):
+    """uint8 ``[T, C]`` packed e2m1 -> (low-nibble fp16 ``[T, C]``, high-nibble fp16 ``[T, C]``), each
+    ``2^-14 * e2m1`` (see ``_e2m1_to_f16``), without interleaving."""
+    if USE_ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 hl, hh, t, z;
+            mov.b32 z, 0;
+            and.b32 t, $4, 0x08080808;
+            shl.b32 t, t, 4;
+            and.b32 hl, $4, 0x07070707;
+            shl.b32 hl, hl, 1;
+            or.b32 hl, hl, t;
+            and.b32 t, $4, 0x80808080;
+            shr.u32 hh, $4, 3;
+            and.b32 hh, hh, 0x0E0E0E0E;
+            or.b32 hh, hh, t;
+            prmt.b32 $0, hl, z, 0x1404;
+            prmt.b32 $1, hl, z, 0x3424;
+            prmt.b32 $2, hh, z, 0x1404;
+            prmt.b32 $3, hh, z, 0x3424;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r",
+            args=[b_d],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        x = b_d.to(tl.int32)
+        lo = ((((x & 0x8) << 12) | ((x & 0x7) << 9)).to(tl.int16)).to(tl.float16, bitcast=True)
+        hi = ((((x & 0x80) << 8) | ((x & 0x70) << 5)).to(tl.int16)).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _mx_group_dot_split(k_ptr, s_ptr, base_d, base_s, o_t, b_qe, b_qo, col_scale, g: tl.constexpr,
+                        DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, GB: tl.constexpr,
+                        USE_ASM: tl.constexpr):
+    """As ``_mx_group_dot`` with the group's even elements (low nibbles) and odd elements (high
+    nibbles) as two K=16 operands, in the byte order of ``split_order`` (``b_qe``/``b_qo`` are the
+    query's even/odd elements of the group in that order): each thread's tensor-core fragment then
+    comes from 4 consecutive bytes and needs no shuffling."""
+    o_c = tl.arange(0, GB)
+    b_d = tl.load(k_ptr + base_d + o_t[:, None] * DATA_BYTES + g * GB + o_c[None, :])
+    b_s = tl.load(s_ptr + base_s + o_t * SCALE_BYTES + g)
+    T: tl.constexpr = b_d.shape[0]
+    # physical byte 4c + 2h + i -> logical column 8h + 2c + i
+    b_d = tl.reshape(tl.permute(tl.reshape(b_d, (T, GB // 4, 2, 2)), (0, 2, 1, 3)), (T, GB))
+    lo, hi = _e2m1_split_f16(b_d, USE_ASM)
+    part = tl.dot(hi, b_qo, tl.dot(lo, b_qe, out_dtype=tl.float32), out_dtype=tl.float32)
+    return part * (_pow2(b_s.to(tl.int32))[:, None] * col_scale[None, :])
 
 
 @triton.jit
@@ -153,7 +232,8 @@ def _score_kernel(
     FILL_TAIL: tl.constexpr,  # write -inf in columns past the tile's last visible page
     NUM_STAGES: tl.constexpr,
     USE_ASM: tl.constexpr,
-    MX_STACKED: tl.constexpr,  # MXFP4: one dot per page against a block-diagonal Q (else one per group)
+    MX_STACKED: tl.constexpr,  # MXFP4: one dot per page against a block-diagonal Q
+    MX_SPLIT: tl.constexpr,  # MXFP4: two K=16 dots per group on unshuffled fragments (else one K=32 dot)
     INTERPRET: tl.constexpr,
     D: tl.constexpr,
     T: tl.constexpr,
@@ -215,6 +295,30 @@ def _score_kernel(
             col_scale = _pow2(e_own - Q_TOP) * KFAC
         o_dd = tl.arange(0, D)
         q_bd = tl.where((o_dd // G)[:, None] == (o_c // NQ)[None, :], q_all, 0.0).to(tl.float16)
+    elif FMT == 2 and MX_SPLIT:
+        GB: tl.constexpr = G // 2
+        e0 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _split_dims(0, 0, GB))
+        o0 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _split_dims(0, 1, GB))
+        e1 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _split_dims(1, 0, GB))
+        o1 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _split_dims(1, 1, GB))
+        e2 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _split_dims(2, 0, GB))
+        o2 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _split_dims(2, 1, GB))
+        e3 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _split_dims(3, 0, GB))
+        o3 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _split_dims(3, 1, GB))
+        if Q_FP8:
+            col_scale = tl.full([NQ], KFAC, tl.float32)
+        else:
+            amax = tl.maximum(tl.maximum(tl.maximum(tl.max(tl.abs(e0), axis=0), tl.max(tl.abs(o0), axis=0)),
+                                         tl.maximum(tl.max(tl.abs(e1), axis=0), tl.max(tl.abs(o1), axis=0))),
+                              tl.maximum(tl.maximum(tl.max(tl.abs(e2), axis=0), tl.max(tl.abs(o2), axis=0)),
+                                         tl.maximum(tl.max(tl.abs(e3), axis=0), tl.max(tl.abs(o3), axis=0))))
+            e_q = _q_exponent(amax, Q_TOP)
+            fac = _pow2(2 * 127 + Q_TOP - e_q)[None, :]
+            e0, o0, e1, o1 = e0 * fac, o0 * fac, e1 * fac, o1 * fac
+            e2, o2, e3, o3 = e2 * fac, o2 * fac, e3 * fac, o3 * fac
+            col_scale = _pow2(e_q - Q_TOP) * KFAC
+        e0, o0, e1, o1 = e0.to(tl.float16), o0.to(tl.float16), e1.to(tl.float16), o1.to(tl.float16)
+        e2, o2, e3, o3 = e2.to(tl.float16), o2.to(tl.float16), e3.to(tl.float16), o3.to(tl.float16)
     elif FMT == 2:
         q0 = _load_q(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, 0 * G, G)
         q1 = _load_q(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, 1 * G, G)
@@ -257,6 +361,17 @@ def _score_kernel(
             b_k = _e2m1_to_f16(b_d, USE_ASM)  # [T, D]
             part = tl.reshape(tl.dot(b_k, q_bd, out_dtype=tl.float32), (T, D // G, NQ))
             acc = tl.sum(part * _pow2(b_s.to(tl.int32))[:, :, None], axis=1) * col_scale[None, :]
+        elif FMT == 2 and MX_SPLIT:
+            base_d = page * stride_k_page
+            base_s = page * stride_s_page
+            acc = _mx_group_dot_split(k_ptr, s_ptr, base_d, base_s, o_t, e0, o0, col_scale, 0, DATA_BYTES,
+                                      SCALE_BYTES, G // 2, USE_ASM)
+            acc += _mx_group_dot_split(k_ptr, s_ptr, base_d, base_s, o_t, e1, o1, col_scale, 1, DATA_BYTES,
+                                       SCALE_BYTES, G // 2, USE_ASM)
+            acc += _mx_group_dot_split(k_ptr, s_ptr, base_d, base_s, o_t, e2, o2, col_scale, 2, DATA_BYTES,
+                                       SCALE_BYTES, G // 2, USE_ASM)
+            acc += _mx_group_dot_split(k_ptr, s_ptr, base_d, base_s, o_t, e3, o3, col_scale, 3, DATA_BYTES,
+                                       SCALE_BYTES, G // 2, USE_ASM)
         elif FMT == 2:
             base_d = page * stride_k_page
             base_s = page * stride_s_page
@@ -306,7 +421,7 @@ def _launch(q, k_cache, k_scale, fmt, block_table, seq_lens, cu, tiles, out, n_t
         max_block, S, cp_rank, cp_world, sm_scale,
         q.stride(0), q.stride(1), stride_k, stride_s, block_table.stride(0), out.stride(0), out.stride(1),
         FMT=_FMT_CODE[fmt], Q_FP8=q.dtype == FP8_DTYPE, H=H, ROWS=rows, NQ=nq, PP=pp, PREFILL=prefill,
-        FILL_TAIL=fill_tail, NUM_STAGES=num_stages, USE_ASM=_use_asm(), MX_STACKED=_mx_stacked(), INTERPRET=_interpret(), D=INDEX_DIM, T=PAGE_SIZE,
+        FILL_TAIL=fill_tail, NUM_STAGES=num_stages, USE_ASM=_use_asm(), MX_STACKED=_mx_mode() == "stacked", MX_SPLIT=_mx_mode() == "split", INTERPRET=_interpret(), D=INDEX_DIM, T=PAGE_SIZE,
         G=MX_GROUP_SIZE, DATA_BYTES=MXFP4_DATA_BYTES, SCALE_BYTES=MXFP4_SCALE_BYTES, KFAC=float(2**_F16_K_EXP),
         Q_TOP=_Q_F16_TOP, num_warps=num_warps,
     )

@@ -148,12 +148,12 @@ def test_decode_small(gen, fmt, q_dtype):
     check_decode(gen, "cpu", fmt, q_dtype, S=2, H=3, seq_lens=[2, 129, 300], max_block=4)
 
 
-@pytest.mark.parametrize("case", ["split_views", "cp", "prealloc", "wide_scales", "stacked_mode"])
+@pytest.mark.parametrize("case", ["split_views", "cp", "prealloc", "wide_scales", "groups_mode", "stacked_mode"])
 def test_decode_small_variants(gen, case, monkeypatch):
     _on("cpu")
     _kernels()
-    if case == "stacked_mode":
-        monkeypatch.setenv("M3_TRITON_MX_MODE", "stacked")
+    if case.endswith("_mode"):
+        monkeypatch.setenv("M3_TRITON_MX_MODE", case[: -len("_mode")])
     kw = dict(S=1, H=1, seq_lens=[1, 128, 257], max_block=3)
     if case == "split_views":
         kw["single"] = False
@@ -179,7 +179,7 @@ LENGTHS = [[1, 127, 128, 129, 4000], [8, 3000, 256, 1000]]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["groups", "stacked"])
+@pytest.mark.parametrize("mode", ["split", "groups", "stacked"])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8_DTYPE], ids=["q_bf16", "q_e4m3"])
 @pytest.mark.parametrize("S,H", [(1, 1), (4, 1), (2, 3), (8, 4)])
 def test_decode_mxfp4_modes(gen, mode, q_dtype, S, H, monkeypatch):
@@ -214,7 +214,7 @@ def test_decode_cp_and_buffers(gen, fmt, cp, prealloc):
 @pytest.mark.parametrize("scale_range,q_scale", [((107, 147), 1.0), ((1, 20), 1.0), ((230, 252), 2.0**-100),
                                                   ((1, 240), 1.0)], ids=["2^-20..2^20", "e8m0_low", "e8m0_high",
                                                                          "e8m0_all"])
-def test_decode_scale_ranges(gen, q_dtype, scale_range, q_scale):
+def test_decode_mxfp4_scale_ranges(gen, q_dtype, scale_range, q_scale):
     if q_dtype == FP8_DTYPE and q_scale != 1.0:
         pytest.skip("e4m3 Q cannot hold 2^-100")
     got = check_decode(gen, "cuda", "mxfp4", q_dtype, 2, 2, [700, 3000], max_block=24, scale_range=scale_range,
@@ -223,7 +223,7 @@ def test_decode_scale_ranges(gen, q_dtype, scale_range, q_scale):
 
 
 @pytest.mark.gpu
-def test_default_buffer_reads_minus_inf_past_the_end(gen):
+def test_mxfp4_default_buffer_reads_minus_inf_past_the_end(gen):
     got = check_decode(gen, "cuda", "mxfp4", torch.bfloat16, 1, 1, [1, 300], max_block=8)
     assert torch.isneginf(got[:, 0, 1:]).all() and torch.isneginf(got[:, 1, 3:]).all()
     assert torch.isfinite(got[:, 1, :3]).all()
@@ -231,7 +231,7 @@ def test_default_buffer_reads_minus_inf_past_the_end(gen):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8_DTYPE], ids=["q_bf16", "q_e4m3"])
-def test_split_and_single_region_agree_bitwise(gen, q_dtype):
+def test_mxfp4_split_and_single_region_agree_bitwise(gen, q_dtype):
     pages, batch, mb = 40, 3, 12
     single = alloc_index_k_cache(pages, "mxfp4", "cuda", single_region=True)
     single[0].copy_(torch.randint(0, 256, single[0].shape, generator=gen, dtype=torch.uint8))
