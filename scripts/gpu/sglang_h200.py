@@ -267,7 +267,7 @@ def main():
     ap.add_argument("--contexts", default="65536,131072", help="decode context lengths (tokens)")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--decode-tokens", type=int, default=64, help="D: timed decode steps per measurement")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--small-dense", type=int, default=1, help="dense layers of the throughput config")
     ap.add_argument("--small-sparse", type=int, default=19, help="sparse layers of the throughput config")
     ap.add_argument("--hidden", type=int, default=512)
@@ -335,6 +335,7 @@ def main():
         log(f"{key}: {e!r}"[-3000:])
 
     save()
+    abort = False
     # Phase A: pool capacity at M3's full attention geometry, one server at a time (alone on the GPU).
     startup_timeout = 900 if args.cpu else 420
     for fmt in ([] if args.skip_capacity or args.cpu else formats):
@@ -356,10 +357,16 @@ def main():
             s.stop()
         startup_timeout = 300
         save()
+        if "capacity_error" in r and "exited" in r["capacity_error"] and fmt == formats[0]:
+            results["notes"].append("stopped after the first server failed to start (see capacity_error)")
+            abort = True
+            break
 
     # Phase B: eager servers (all formats side by side): reference outputs + recorded decode inputs.
     eager_out = {}
-    if left() < 60:
+    if abort:
+        pass
+    elif left() < 60:
         results["notes"].append("eager runs skipped (time budget)")
     else:
         servers = {}
@@ -388,13 +395,16 @@ def main():
                 fail(r, "selection_error", e)
         startup_timeout = 300
         save()
+        if not eager_out:
+            results["notes"].append("no eager server produced outputs: graph runs skipped")
+            abort = True
 
     # Phase C: one CUDA-graph server per format (alone): same outputs, then decode timing. Each format
     # gets an equal share of the time left; rows run by batch size (largest last), so a short budget
     # drops the same rows for every format.
     phase_c_start, phase_c_time = time.monotonic(), max(0.0, left())
     plan = sorted(((ctx, bs) for ctx in contexts for bs in batches), key=lambda cb: (cb[1], -cb[0]))
-    for i_fmt, fmt in enumerate(formats):
+    for i_fmt, fmt in enumerate([] if abort else formats):
         r = results["formats"][fmt]
         fmt_deadline = phase_c_start + (i_fmt + 1) * phase_c_time / len(formats)
         fmt_left = lambda: fmt_deadline - time.monotonic()  # noqa: E731
