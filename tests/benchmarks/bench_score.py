@@ -329,7 +329,8 @@ def main(argv=None):
     import triton
 
     props = torch.cuda.get_device_properties(0)
-    header = (f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}; "
+    header = (f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "
+              f"triton {triton.__version__}; "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     log(header)
     peer = None
@@ -344,7 +345,8 @@ def main(argv=None):
             log("SGLang top-k: JIT radix select (its default)")
         except Exception as e:
             os.environ["SGLANG_OPT_USE_MINIMAX_DECODE_TOPK_RADIX"] = "0"
-            log(f"SGLang top-k: Triton two-stage fallback (JIT radix select unavailable: {type(e).__name__}: {e})"[:400])
+            log(f"SGLang top-k: Triton two-stage fallback (JIT radix select unavailable: "
+                f"{type(e).__name__}: {e})"[:400])
     copy_gbs = copy_bandwidth()
     log(f"copy bandwidth {copy_gbs:.0f} GB/s")
     pools = Pools(POOL_PAGES, peer is not None)

@@ -10,6 +10,12 @@ forms K on the tensor-core operand, one ``tl.dot`` per page (fp8/bf16) or per 32
 (MXFP4), masks tokens past each row's position, takes the page max and stores
 ``sm_scale * max``. Splitting pages over programs fills the GPU at small batch.
 
+MXFP4 modes (``M3_TRITON_MX_MODE``; all exact, same results): ``split`` (default; fastest measured
+on an H200) feeds each group's even and odd elements as two K=16 operands, with bytes and Q
+permuted so that a thread's tensor-core fragment is 4 consecutive bytes; ``groups`` decodes each
+group to a K=32 fp16 tile in element order; ``stacked`` does one dot per page against a
+block-diagonal Q (every group's partial dot in one product).
+
 Numerics:
 - MXFP4: each e2m1 code becomes the fp16 bit pattern ``sign << 15 | code << 9``, i.e. exactly
   ``2^-14 * e2m1`` (code 1 is an fp16 subnormal); each group's fp32 partial dot product is
@@ -375,10 +381,14 @@ def _score_kernel(
         elif FMT == 2:
             base_d = page * stride_k_page
             base_s = page * stride_s_page
-            acc = _mx_group_dot(k_ptr, s_ptr, base_d, base_s, o_t, q0, col_scale, 0, DATA_BYTES, SCALE_BYTES, G // 2, USE_ASM)
-            acc += _mx_group_dot(k_ptr, s_ptr, base_d, base_s, o_t, q1, col_scale, 1, DATA_BYTES, SCALE_BYTES, G // 2, USE_ASM)
-            acc += _mx_group_dot(k_ptr, s_ptr, base_d, base_s, o_t, q2, col_scale, 2, DATA_BYTES, SCALE_BYTES, G // 2, USE_ASM)
-            acc += _mx_group_dot(k_ptr, s_ptr, base_d, base_s, o_t, q3, col_scale, 3, DATA_BYTES, SCALE_BYTES, G // 2, USE_ASM)
+            acc = _mx_group_dot(k_ptr, s_ptr, base_d, base_s, o_t, q0, col_scale, 0, DATA_BYTES, SCALE_BYTES,
+                      G // 2, USE_ASM)
+            acc += _mx_group_dot(k_ptr, s_ptr, base_d, base_s, o_t, q1, col_scale, 1, DATA_BYTES, SCALE_BYTES,
+                       G // 2, USE_ASM)
+            acc += _mx_group_dot(k_ptr, s_ptr, base_d, base_s, o_t, q2, col_scale, 2, DATA_BYTES, SCALE_BYTES,
+                       G // 2, USE_ASM)
+            acc += _mx_group_dot(k_ptr, s_ptr, base_d, base_s, o_t, q3, col_scale, 3, DATA_BYTES, SCALE_BYTES,
+                       G // 2, USE_ASM)
         else:
             b_k = tl.load(k_ptr + page * stride_k_page + o_t[:, None] * D + o_d[None, :])
             if FMT == 1:
@@ -421,7 +431,8 @@ def _launch(q, k_cache, k_scale, fmt, block_table, seq_lens, cu, tiles, out, n_t
         max_block, S, cp_rank, cp_world, sm_scale,
         q.stride(0), q.stride(1), stride_k, stride_s, block_table.stride(0), out.stride(0), out.stride(1),
         FMT=_FMT_CODE[fmt], Q_FP8=q.dtype == FP8_DTYPE, H=H, ROWS=rows, NQ=nq, PP=pp, PREFILL=prefill,
-        FILL_TAIL=fill_tail, NUM_STAGES=num_stages, USE_ASM=_use_asm(), MX_STACKED=_mx_mode() == "stacked", MX_SPLIT=_mx_mode() == "split", INTERPRET=_interpret(), D=INDEX_DIM, T=PAGE_SIZE,
+        FILL_TAIL=fill_tail, NUM_STAGES=num_stages, USE_ASM=_use_asm(), MX_STACKED=_mx_mode() == "stacked",
+        MX_SPLIT=_mx_mode() == "split", INTERPRET=_interpret(), D=INDEX_DIM, T=PAGE_SIZE,
         G=MX_GROUP_SIZE, DATA_BYTES=MXFP4_DATA_BYTES, SCALE_BYTES=MXFP4_SCALE_BYTES, KFAC=float(2**_F16_K_EXP),
         Q_TOP=_Q_F16_TOP, num_warps=num_warps,
     )

@@ -207,9 +207,11 @@ def write_index_k_triton(k, loc, k_cache, k_scale, fmt: IndexKFormat, scale_rule
     _write_index_k_kernel[grid](
         k.view(torch.int16) if k.dtype == torch.bfloat16 else k, loc, rot, cache, k_scale,
         n, capacity, k.stride(0), cache.stride(0), k_scale.stride(0) if k_scale is not None else 0, rot_scale,
-        FMT=code, ROTATE=rot is not None, IN_BF16=k.dtype == torch.bfloat16, RCEIL=rule is ScaleRule.RCEIL, BT=_BT, D=INDEX_DIM,
+        FMT=code, ROTATE=rot is not None, IN_BF16=k.dtype == torch.bfloat16, RCEIL=rule is ScaleRule.RCEIL,
+        BT=_BT, D=INDEX_DIM,
         G=MX_GROUP_SIZE, PAGE=PAGE_SIZE, CLAMP=clamp,
-        PRE_CLAMP=_FP32_MAX if rot is not None else clamp, S_MIN=E8M0_MIN_WRITTEN, S_MAX=E8M0_MAX_WRITTEN, SIGN=F4_E2M1_SIGN_BIT,
+        PRE_CLAMP=_FP32_MAX if rot is not None else clamp, S_MIN=E8M0_MIN_WRITTEN, S_MAX=E8M0_MAX_WRITTEN,
+        SIGN=F4_E2M1_SIGN_BIT,
     )
 
 

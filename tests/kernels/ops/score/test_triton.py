@@ -44,7 +44,8 @@ def _on(device):
 def _kernels():
     import m3_kernels.ops.score.triton as mod
 
-    if os.environ.get("TRITON_INTERPRET") == "1" and not isinstance(mod._score_kernel, triton.runtime.interpreter.InterpretedFunction):
+    interpreted = isinstance(mod._score_kernel, triton.runtime.interpreter.InterpretedFunction)
+    if os.environ.get("TRITON_INTERPRET") == "1" and not interpreted:
         mod = importlib.reload(mod)
     return mod
 
@@ -52,7 +53,8 @@ def _kernels():
 def random_cache(gen, fmt, pages, device, single_region=True, scale_lo=122, scale_hi=127):
     """Random cache contents: every e2m1 code, e8m0 bytes in [scale_lo, scale_hi]; random e4m3
     bytes without the NaN code; bf16 normals."""
-    k_cache, k_scale = alloc_index_k_cache(pages, "mxfp4" if fmt.startswith("mxfp4") else fmt, single_region=single_region)
+    storage = "mxfp4" if fmt.startswith("mxfp4") else fmt
+    k_cache, k_scale = alloc_index_k_cache(pages, storage, single_region=single_region)
     if k_scale is not None:
         k_cache.copy_(torch.randint(0, 256, k_cache.shape, generator=gen, dtype=torch.uint8))
         k_scale.copy_(torch.randint(scale_lo, scale_hi + 1, k_scale.shape, generator=gen, dtype=torch.uint8))
@@ -116,7 +118,8 @@ def check_decode(gen, device, fmt, q_dtype, S, H, seq_lens, max_block, cp=(0, 1)
     out = None
     if prealloc:
         out = torch.full((H, batch * S, max_block), float("nan"), device=device)
-    got = score_decode(q, k_cache, k_scale, block_table, seq, S, sm_scale, max_block, out, cp[0], cp[1], backend="triton")
+    got = score_decode(q, k_cache, k_scale, block_table, seq, S, sm_scale, max_block, out, cp[0], cp[1],
+                       backend="triton")
     if prealloc:
         assert got.data_ptr() == out.data_ptr()
     kc, ks = k_cache.cpu(), (k_scale.cpu() if k_scale is not None else None)

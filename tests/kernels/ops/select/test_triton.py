@@ -23,7 +23,8 @@ from m3_kernels.ops.select.naive import select_blocks_ref  # noqa: E402
 def _select():
     import m3_kernels.ops.select.triton as mod
 
-    if os.environ.get("TRITON_INTERPRET") == "1" and not isinstance(mod._select_kernel, triton.runtime.interpreter.InterpretedFunction):
+    interpreted = isinstance(mod._select_kernel, triton.runtime.interpreter.InterpretedFunction)
+    if os.environ.get("TRITON_INTERPRET") == "1" and not interpreted:
         mod = importlib.reload(mod)
     return mod.select_blocks_triton
 

@@ -46,7 +46,8 @@ def _on(device):
 def _writer():
     import m3_kernels.ops.write.triton as mod
 
-    if os.environ.get("TRITON_INTERPRET") == "1" and not isinstance(mod._write_index_k_kernel, triton.runtime.interpreter.InterpretedFunction):
+    interpreted = isinstance(mod._write_index_k_kernel, triton.runtime.interpreter.InterpretedFunction)
+    if os.environ.get("TRITON_INTERPRET") == "1" and not interpreted:
         mod = importlib.reload(mod)
     return mod.write_index_k_triton
 
