@@ -388,3 +388,24 @@ def test_supported_accepts_valid_inputs(device):
     args = _valid(device)
     assert decode_supported(**args) == (True, "")
     assert check_index_k_cache(args["k_cache"], args["k_scale"]).value == "mxfp4"
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+def test_score_and_select_decode_matches_the_two_references(gen, device):
+    device = _on(device)
+    _kernels()
+    from m3_kernels.ops.score import score_and_select_decode
+    from m3_kernels.ops.select.naive import select_blocks_ref, visible_blocks
+
+    S, H, batch, mb = 2, 2, 3, 24
+    pages = batch * mb + 1
+    k_cache, k_scale = random_cache(gen, "mxfp4", pages, device)
+    bt = torch.randperm(pages, generator=gen)[: batch * mb].reshape(batch, mb).int().to(device)
+    seq = torch.tensor([3, 2100, 3000], dtype=torch.int32, device=device)
+    q = make_q(gen, batch * S, H, torch.bfloat16, device)
+    scores, blocks = score_and_select_decode(q, k_cache, k_scale, bt, seq, S, 0.5, backend="triton")
+    pos = (seq.cpu().long()[:, None] - S + torch.arange(S)).flatten()
+    want = select_blocks_ref(scores.cpu(), visible_blocks(pos, PAGE_SIZE))
+    assert torch.equal(blocks.cpu(), want)
+    with pytest.raises(ValueError, match="cp_world"):
+        score_and_select_decode(q, k_cache, k_scale, bt, seq, S, 0.5, cp_rank=0, cp_world=2, backend="triton")
