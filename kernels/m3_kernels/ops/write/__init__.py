@@ -12,8 +12,9 @@ def write_index_k(k, loc, k_cache, k_scale, fmt, scale_rule=ScaleRule.RCEIL, sig
     """Store ``k [tokens, 128]`` (fp32/bf16) at slots ``loc [tokens]`` (contract: ``naive.write_index_k_ref``).
 
     ``check_loc`` (GPU path): verify every slot lies in the cache before writing (one device
-    sync; a bad slot raises ValueError and nothing is written). Pass False inside CUDA-graph
-    capture: the kernel then skips out-of-range slots instead of raising.
+    sync; a bad slot raises ValueError and nothing is written). Skipped automatically while the
+    current stream is capturing a CUDA graph, and when False: the kernel then skips out-of-range
+    slots instead of raising.
     """
     if k.device.type != "cuda":
         from .naive import write_index_k_ref
@@ -26,7 +27,9 @@ def write_index_k(k, loc, k_cache, k_scale, fmt, scale_rule=ScaleRule.RCEIL, sig
     fmt = check_write_args(k, loc, k_cache, k_scale, fmt)
     if k.stride(1) != 1:
         raise ValueError(f"k must be contiguous in its last dim, got strides {k.stride()}")
-    if check_loc and loc.numel():
+    import torch
+
+    if check_loc and loc.numel() and not torch.cuda.is_current_stream_capturing():
         capacity = k_cache.shape[0] * PAGE_SIZE
         lo, hi = int(loc.min()), int(loc.max())
         if lo < 0 or hi >= capacity:
