@@ -37,7 +37,8 @@ def launch(index_k_format: str, port: int, log_file, max_total_tokens: int = 163
     """Start ``sglang.launch_server`` for the tiny model on the CPU in its own process group."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(TINY_MODEL), "--load-format", "dummy",
            "--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", str(max_total_tokens),
-           "--index-k-format", index_k_format, "--host", "127.0.0.1", "--port", str(port), "--skip-server-warmup"]
+           "--index-k-format", index_k_format, "--host", "127.0.0.1", "--port", str(port), "--skip-server-warmup",
+           "--sleep-on-idle"]
     print("$", " ".join(cmd), flush=True)
     return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
 

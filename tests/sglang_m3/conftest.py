@@ -29,7 +29,8 @@ def server_command(port: int, *extra: str, max_total_tokens: int = 16384) -> lis
     return [
         sys.executable, "-m", "sglang.launch_server", "--model-path", str(TINY_MODEL), "--load-format", "dummy",
         "--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", str(max_total_tokens),
-        "--host", "127.0.0.1", "--port", str(port), "--skip-server-warmup", "--log-level", "warning", *extra,
+        "--host", "127.0.0.1", "--port", str(port), "--skip-server-warmup", "--sleep-on-idle", "--log-level", "warning",
+        *extra,
     ]
 
 
