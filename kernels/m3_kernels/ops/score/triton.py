@@ -14,13 +14,22 @@ MXFP4 modes (``M3_TRITON_MX_MODE``; all exact, same results): ``split`` (default
 on an H200) feeds each group's even and odd elements as two K=16 operands, with bytes and Q
 permuted so that a thread's tensor-core fragment is 4 consecutive bytes; ``groups`` decodes each
 group to a K=32 fp16 tile in element order; ``stacked`` does one dot per page against a
-block-diagonal Q (every group's partial dot in one product).
+block-diagonal Q (every group's partial dot in one product); ``e4m3`` (experimental, not the
+default: not yet timed on a GPU) decodes K to e4m3 and runs fp8 x fp8 dots, one K=32 dot per group
+and Q part, with each group's even elements first so that a thread's 4 consecutive bytes give two
+whole fragments (no byte permutes).
 
 Numerics:
 - MXFP4: each e2m1 code becomes the fp16 bit pattern ``sign << 15 | code << 9``, i.e. exactly
   ``2^-14 * e2m1`` (code 1 is an fp16 subnormal); each group's fp32 partial dot product is
   multiplied by one power of two, the product of the group's e8m0 scale, ``2^14`` and the Q
   row's power of two below, so it leaves fp32's range only where the exact score does. Exact.
+- MXFP4 mode ``e4m3``: code c becomes the e4m3 byte ``(c & 8) << 4 | (c & 7) << 2`` = ``2^-6 * e2m1``
+  exactly (code 1 an e4m3 subnormal); an e4m3 Q is used as stored; a bf16 Q row is moved to a
+  largest magnitude in [2^7, 2^8) and split into 2 or 4 e4m3 parts (``_e4m3_levels``: exact for
+  elements within 2^9 or 2^18 of the row's largest). A tile with any inexact part is scored by the
+  ``split`` path instead (one in-kernel branch per program), so the result is always the exact
+  products, accumulated in fp32.
 - fp8: e4m3 widens to fp16 exactly.
 - Q: e4m3 widens to fp16 exactly. A bf16 Q row is multiplied by a power of two that puts its
   largest magnitude in [2^14, 2^15) and then rounded to fp16 (11 significant bits, so exact for
@@ -49,15 +58,19 @@ _FMT_CODE = {IndexKFormat.BF16: 0, IndexKFormat.FP8: 1, IndexKFormat.MXFP4: 2}
 _F16_K_EXP = 14  # MXFP4 K is formed as 2^-14 * e2m1 in fp16
 _Q_F16_TOP = 14  # a bf16 Q row's largest magnitude is moved to [2^14, 2^15)
 _PREFILL_ROWS_X_HEADS = 64  # query vectors per prefill tile
+_E4M3_K_EXP = 6  # MXFP4 K is formed as 2^-6 * e2m1 in e4m3 (mode "e4m3")
+_Q_E4M3_TOP = 7  # mode "e4m3": a bf16 Q row's largest magnitude is moved to [2^7, 2^8)
+_Q_E4M3_SHIFT = 9  # mode "e4m3": the second e4m3 level of a bf16 Q row is scaled by 2^9
+_Q_E4M3_TERMS = 4  # mode "e4m3": e4m3 parts per bf16 Q element (2: one level, exact within 2^9 of the row max)
 ENV_NO_ASM = "M3_TRITON_NO_ASM"  # "1": decode e2m1 with plain Triton ops on the GPU too (no inline PTX)
-ENV_MX_MODE = "M3_TRITON_MX_MODE"  # "split" (default), "groups" or "stacked": see _score_kernel
+ENV_MX_MODE = "M3_TRITON_MX_MODE"  # "split" (default), "groups", "stacked" or "e4m3": module docstring
 
 
 def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-MX_MODES = ("split", "groups", "stacked")
+MX_MODES = ("split", "groups", "stacked", "e4m3")
 
 
 def _mx_mode() -> str:
@@ -65,6 +78,11 @@ def _mx_mode() -> str:
     if mode not in MX_MODES:
         raise ValueError(f"{ENV_MX_MODE} must be one of {list(MX_MODES)}, got {mode!r}")
     return mode
+
+
+def _mode_flags(mode: str) -> dict:
+    """Constexpr switches of ``_score_kernel`` for an MXFP4 mode (``e4m3`` falls back to ``split``)."""
+    return dict(MX_STACKED=mode == "stacked", MX_SPLIT=mode in ("split", "e4m3"), MX_E4M3=mode == "e4m3")
 
 
 def _use_asm() -> bool:
@@ -224,6 +242,146 @@ def _mx_group_dot(k_ptr, s_ptr, base_d, base_s, o_t, b_q, col_scale, g: tl.const
 
 
 @triton.jit
+def _e2m1_split_e4m3(b_d, USE_ASM: tl.constexpr):
+    """uint8 ``[T, C]`` packed e2m1 -> (low-nibble, high-nibble) as e4m3 ``[T, C]`` each, ``2^-6 * e2m1``.
+
+    The e4m3 byte of code c is ``(c & 8) << 4 | (c & 7) << 2``: the e2m1 exponent field lands in the
+    two low e4m3 exponent bits, so a normal code keeps its mantissa and gains 2^-6, and code 1 (0.5)
+    becomes the e4m3 subnormal 4 * 2^-9 = 2^-7. On the GPU: shifts and masks on 32-bit words, four
+    codes at a time (about 0.9 instructions per element), no byte permutes.
+    """
+    if USE_ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t;
+            shl.b32 $0, $2, 2;
+            and.b32 $0, $0, 0x1C1C1C1C;
+            shl.b32 t, $2, 4;
+            and.b32 t, t, 0x80808080;
+            or.b32 $0, $0, t;
+            shr.b32 $1, $2, 2;
+            and.b32 $1, $1, 0x1C1C1C1C;
+            and.b32 t, $2, 0x80808080;
+            or.b32 $1, $1, t;
+            }
+            """,
+            constraints="=r,=r,r",
+            args=[b_d],
+            dtype=(tl.uint8, tl.uint8),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        x = b_d.to(tl.int32)
+        lo = (((x & 0x8) << 4) | ((x & 0x7) << 2)).to(tl.uint8)
+        hi = ((x & 0x80) | ((x >> 2) & 0x1C)).to(tl.uint8)
+    return lo.to(tl.float8e4nv, bitcast=True), hi.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _e4m3_dims(g: tl.constexpr, G: tl.constexpr):
+    """Dims of MX group ``g`` in the order of ``_mx_group_dot_e4m3``'s operand: position p < G/2 holds
+    the even element of the group's byte p (element 2p), position G/2 + p its odd element."""
+    j = tl.arange(0, G)
+    return g * G + 2 * (j % (G // 2)) + j // (G // 2)
+
+
+@triton.jit
+def _e4m3_levels(x, SHIFT: tl.constexpr, TERMS: tl.constexpr):
+    """fp32 ``x`` (a bf16 row times a power of two, largest magnitude in [2^7, 2^8)) ->
+    ``(h0, l0, h1, l1, residual)`` e4m3 parts with ``x = h0 + l0 + residual`` (TERMS 2; h1, l1 unused)
+    or ``x = h0 + l0 + 2^-SHIFT (h1 + l1) + 2^-SHIFT residual`` (TERMS 4). Each step is exact in fp32
+    (a difference of a value and its rounding), so ``residual == 0`` means the parts are exact.
+
+    When it is exact (the range condition): a bf16 element y = 1.b1..b7 * 2^E has 8 significant bits;
+    h = e4m3(y) keeps 4 of them and y - h is a multiple of 2^(E-7) of magnitude <= 2^(E-3), i.e. at
+    most 4 significant bits, so it is an e4m3 value whenever 2^(E-7) >= 2^-9 (e4m3's smallest step),
+    i.e. E >= -2; h <= 2^8 < 448 never overflows. With the row's largest magnitude in [2^7, 2^8),
+    TERMS 2 is exact for every element within 2^9 of the largest (zeros included); TERMS 4 repeats the
+    split on the residual times 2^SHIFT (SHIFT 9), exact within 2^18 of the largest. Anything
+    smaller leaves a residual, and the kernel scores that tile on the fp16 path instead.
+    """
+    h0 = x.to(tl.float8e4nv)
+    r = x - h0.to(tl.float32)
+    l0 = r.to(tl.float8e4nv)
+    r = r - l0.to(tl.float32)
+    if TERMS == 4:
+        r = r * (2.0**SHIFT)
+        h1 = r.to(tl.float8e4nv)
+        r = r - h1.to(tl.float32)
+        l1 = r.to(tl.float8e4nv)
+        r = r - l1.to(tl.float32)
+    else:
+        h1 = h0
+        l1 = l0
+    return h0, l0, h1, l1, r
+
+
+@triton.jit
+def _dot_e4m3(a, b, acc, INTERPRET: tl.constexpr):
+    """``tl.dot`` of e4m3 operands with fp32 accumulation (the CPU interpreter's fp8 dot is wrong:
+    it widens both operands to fp32 there, exactly)."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee", out_dtype=tl.float32)
+    else:
+        return tl.dot(a, b, acc, out_dtype=tl.float32)
+
+
+@triton.jit
+def _mx_group_dot_e4m3(k_ptr, s_ptr, base_d, base_s, o_t, qh0, ql0, qh1, ql1, col_scale, g: tl.constexpr,
+                       Q_TERMS: tl.constexpr, SHIFT: tl.constexpr, DATA_BYTES: tl.constexpr,
+                       SCALE_BYTES: tl.constexpr, GB: tl.constexpr, USE_ASM: tl.constexpr,
+                       INTERPRET: tl.constexpr):
+    """As ``_mx_group_dot`` on e4m3 operands: K is ``2^-6 * e2m1`` with the group's even elements
+    first (``_e4m3_dims`` order), so a thread's 4 consecutive bytes give two 4-element fragments.
+    ``Q_TERMS`` 1: ``qh0`` is Q itself (e4m3 Q); 2: ``qh0 + ql0``; 4: ``qh0 + ql0 + 2^-SHIFT (qh1 + ql1)``
+    (``_e4m3_levels``)."""
+    o_c = tl.arange(0, GB)
+    b_d = tl.load(k_ptr + base_d + o_t[:, None] * DATA_BYTES + g * GB + o_c[None, :])
+    b_s = tl.load(s_ptr + base_s + o_t * SCALE_BYTES + g)
+    T: tl.constexpr = b_d.shape[0]
+    lo, hi = _e2m1_split_e4m3(b_d, USE_ASM)
+    b_k = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (T, 2 * GB))
+    if Q_TERMS == 1:
+        part = _dot_e4m3(b_k, qh0, None, INTERPRET)
+    else:
+        part = _dot_e4m3(b_k, qh0, _dot_e4m3(b_k, ql0, None, INTERPRET), INTERPRET)
+        if Q_TERMS == 4:
+            part2 = _dot_e4m3(b_k, qh1, _dot_e4m3(b_k, ql1, None, INTERPRET), INTERPRET)
+            part = part + part2 * (2.0**-SHIFT)
+    return part * (_pow2(b_s.to(tl.int32))[:, None] * col_scale[None, :])
+
+
+@triton.jit
+def _page_loop_e4m3(k_ptr, s_ptr, bt_row, out_ptr, o_h, pos, m_n, post, col_scale, p_start, p_end, cp_rank,
+                    cp_world, stride_k_page, stride_s_page,
+                    h00, l00, h10, l10, h01, l01, h11, l11, h02, l02, h12, l12, h03, l03, h13, l13,
+                    Q_TERMS: tl.constexpr, SHIFT: tl.constexpr, NUM_STAGES: tl.constexpr, T: tl.constexpr,
+                    G: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
+                    USE_ASM: tl.constexpr, INTERPRET: tl.constexpr):
+    """Mode ``e4m3``: every page of ``[p_start, p_end)``, four ``_mx_group_dot_e4m3`` per page, then
+    the masked page max, as the kernel's main loop. ``hLg``/``lLg``: level L of group g's Q parts."""
+    o_t = tl.arange(0, T)
+    GB: tl.constexpr = G // 2
+    for p in tl.range(p_start, p_end, num_stages=NUM_STAGES):
+        page = tl.load(bt_row + p).to(tl.int64)
+        base_d = page * stride_k_page
+        base_s = page * stride_s_page
+        acc = _mx_group_dot_e4m3(k_ptr, s_ptr, base_d, base_s, o_t, h00, l00, h10, l10, col_scale, 0, Q_TERMS,
+                                 SHIFT, DATA_BYTES, SCALE_BYTES, GB, USE_ASM, INTERPRET)
+        acc += _mx_group_dot_e4m3(k_ptr, s_ptr, base_d, base_s, o_t, h01, l01, h11, l11, col_scale, 1, Q_TERMS,
+                                  SHIFT, DATA_BYTES, SCALE_BYTES, GB, USE_ASM, INTERPRET)
+        acc += _mx_group_dot_e4m3(k_ptr, s_ptr, base_d, base_s, o_t, h02, l02, h12, l12, col_scale, 2, Q_TERMS,
+                                  SHIFT, DATA_BYTES, SCALE_BYTES, GB, USE_ASM, INTERPRET)
+        acc += _mx_group_dot_e4m3(k_ptr, s_ptr, base_d, base_s, o_t, h03, l03, h13, l13, col_scale, 3, Q_TERMS,
+                                  SHIFT, DATA_BYTES, SCALE_BYTES, GB, USE_ASM, INTERPRET)
+        t_pos = (p * cp_world + cp_rank) * T + o_t
+        acc = tl.where(t_pos[:, None] <= pos[None, :], acc, float("-inf"))
+        tl.store(out_ptr + o_h + p, tl.max(acc, axis=0) * post, mask=m_n)
+
+
+@triton.jit
 def _score_kernel(
     q_ptr, k_ptr, s_ptr, bt_ptr, seq_ptr, cu_ptr, tile_ptr, out_ptr,
     n_cols, S, cp_rank, cp_world, sm_scale,
@@ -240,6 +398,8 @@ def _score_kernel(
     USE_ASM: tl.constexpr,
     MX_STACKED: tl.constexpr,  # MXFP4: one dot per page against a block-diagonal Q
     MX_SPLIT: tl.constexpr,  # MXFP4: two K=16 dots per group on unshuffled fragments (else one K=32 dot)
+    MX_E4M3: tl.constexpr,  # MXFP4: e4m3 K and Q parts, one fp8 dot per group and Q part (else MX_SPLIT)
+    Q8_TERMS: tl.constexpr,  # MX_E4M3, bf16 Q: e4m3 parts per Q element (2 or 4, see _e4m3_levels)
     INTERPRET: tl.constexpr,
     D: tl.constexpr,
     T: tl.constexpr,
@@ -248,6 +408,9 @@ def _score_kernel(
     SCALE_BYTES: tl.constexpr,
     KFAC: tl.constexpr,  # 2^14: MXFP4 K is formed as 2^-14 * e2m1
     Q_TOP: tl.constexpr,
+    K8FAC: tl.constexpr,  # 2^6: MX_E4M3 K is formed as 2^-6 * e2m1
+    Q8_TOP: tl.constexpr,
+    Q8_SHIFT: tl.constexpr,
 ):
     i_c, i_tile = tl.program_id(0), tl.program_id(1)
     if PREFILL:
@@ -284,6 +447,41 @@ def _score_kernel(
 
     # Query vectors, widened onto the tensor-core operand type (module docstring).
     post = tl.full([NQ], 1.0, tl.float32) * sm_scale
+    if FMT == 2 and MX_E4M3:
+        bt_row8 = bt_ptr + b.to(tl.int64) * stride_bt
+        q0 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _e4m3_dims(0, G))
+        q1 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _e4m3_dims(1, G))
+        q2 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _e4m3_dims(2, G))
+        q3 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _e4m3_dims(3, G))
+        if Q_FP8:
+            h0, h1, h2, h3 = q0.to(tl.float8e4nv), q1.to(tl.float8e4nv), q2.to(tl.float8e4nv), q3.to(tl.float8e4nv)
+            col8 = tl.full([NQ], K8FAC, tl.float32)
+            _page_loop_e4m3(k_ptr, s_ptr, bt_row8, out_ptr, o_h, pos, m_n, post, col8, p_start, p_end, cp_rank,
+                            cp_world, stride_k_page, stride_s_page, h0, h0, h0, h0, h1, h1, h1, h1, h2, h2, h2, h2,
+                            h3, h3, h3, h3, 1, Q8_SHIFT, NUM_STAGES, T, G, DATA_BYTES, SCALE_BYTES, USE_ASM,
+                            INTERPRET)
+            return
+        else:
+            amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0), axis=0), tl.max(tl.abs(q1), axis=0)),
+                              tl.maximum(tl.max(tl.abs(q2), axis=0), tl.max(tl.abs(q3), axis=0)))
+            e8 = _q_exponent(amax, Q8_TOP)
+            fac8 = _pow2(2 * 127 + Q8_TOP - e8)[None, :]
+            h00, l00, h10, l10, r0 = _e4m3_levels(q0 * fac8, Q8_SHIFT, Q8_TERMS)
+            h01, l01, h11, l11, r1 = _e4m3_levels(q1 * fac8, Q8_SHIFT, Q8_TERMS)
+            h02, l02, h12, l12, r2 = _e4m3_levels(q2 * fac8, Q8_SHIFT, Q8_TERMS)
+            h03, l03, h13, l13, r3 = _e4m3_levels(q3 * fac8, Q8_SHIFT, Q8_TERMS)
+            inexact = tl.maximum(tl.maximum(tl.max(tl.max(tl.abs(r0), axis=1), axis=0),
+                                            tl.max(tl.max(tl.abs(r1), axis=1), axis=0)),
+                                 tl.maximum(tl.max(tl.max(tl.abs(r2), axis=1), axis=0),
+                                            tl.max(tl.max(tl.abs(r3), axis=1), axis=0)))
+            if inexact == 0.0:
+                col8 = _pow2(e8 - Q8_TOP) * K8FAC
+                _page_loop_e4m3(k_ptr, s_ptr, bt_row8, out_ptr, o_h, pos, m_n, post, col8, p_start, p_end, cp_rank,
+                                cp_world, stride_k_page, stride_s_page, h00, l00, h10, l10, h01, l01, h11, l11,
+                                h02, l02, h12, l12, h03, l03, h13, l13, Q8_TERMS, Q8_SHIFT, NUM_STAGES, T, G,
+                                DATA_BYTES, SCALE_BYTES, USE_ASM, INTERPRET)
+                return
+        # else: a Q row too wide for the e4m3 parts; the tile is scored by the split path below
     if FMT == 2 and MX_STACKED:
         # One dot per page against a block-diagonal Q: column g*NQ + n holds query n's group g
         # (zero elsewhere), so the product holds every group's partial dot for every query.
@@ -402,6 +600,13 @@ def _score_kernel(
         tl.store(out_ptr + o_h + p, tl.max(acc, axis=0) * post, mask=m_n)
 
 
+def _static_constexprs() -> dict:
+    """The kernel's constexpr arguments that depend on nothing but the formats' constants."""
+    return dict(INTERPRET=_interpret(), D=INDEX_DIM, T=PAGE_SIZE, G=MX_GROUP_SIZE, DATA_BYTES=MXFP4_DATA_BYTES,
+                SCALE_BYTES=MXFP4_SCALE_BYTES, KFAC=float(2**_F16_K_EXP), Q_TOP=_Q_F16_TOP,
+                Q8_TERMS=_Q_E4M3_TERMS, K8FAC=float(2**_E4M3_K_EXP), Q8_TOP=_Q_E4M3_TOP, Q8_SHIFT=_Q_E4M3_SHIFT)
+
+
 def _pages_per_program(work_pages: int) -> int:
     """Pages per program: about 2048 programs for the whole call, 1..16 pages each."""
     pp = 1
@@ -431,10 +636,8 @@ def _launch(q, k_cache, k_scale, fmt, block_table, seq_lens, cu, tiles, out, n_t
         max_block, S, cp_rank, cp_world, sm_scale,
         q.stride(0), q.stride(1), stride_k, stride_s, block_table.stride(0), out.stride(0), out.stride(1),
         FMT=_FMT_CODE[fmt], Q_FP8=q.dtype == FP8_DTYPE, H=H, ROWS=rows, NQ=nq, PP=pp, PREFILL=prefill,
-        FILL_TAIL=fill_tail, NUM_STAGES=num_stages, USE_ASM=_use_asm(), MX_STACKED=_mx_mode() == "stacked",
-        MX_SPLIT=_mx_mode() == "split", INTERPRET=_interpret(), D=INDEX_DIM, T=PAGE_SIZE,
-        G=MX_GROUP_SIZE, DATA_BYTES=MXFP4_DATA_BYTES, SCALE_BYTES=MXFP4_SCALE_BYTES, KFAC=float(2**_F16_K_EXP),
-        Q_TOP=_Q_F16_TOP, num_warps=num_warps,
+        FILL_TAIL=fill_tail, NUM_STAGES=num_stages, USE_ASM=_use_asm(), **_mode_flags(_mx_mode()),
+        **_static_constexprs(), num_warps=num_warps,
     )
     return out
 

@@ -82,8 +82,12 @@ def abs_cache(k_cache, k_scale):
     return k_cache.abs(), None
 
 
-def make_q(gen, rows, H, q_dtype, device, scale=1.0):
+def make_q(gen, rows, H, q_dtype, device, scale=1.0, octaves=0):
+    """Gaussian Q times ``scale``; with ``octaves`` > 0 each element is further multiplied by a random
+    2^-k, k in [0, octaves] (rows with a wide dynamic range)."""
     q = torch.randn(rows, H, 128, generator=gen) * scale
+    if octaves:
+        q = q * torch.exp2(-torch.randint(0, octaves + 1, q.shape, generator=gen).float())
     if q_dtype == FP8_DTYPE:
         q = q.clamp(-448, 448)
     return q.to(q_dtype).to(device)
@@ -107,13 +111,13 @@ def assert_scores_close(got, ref, bound):
 
 
 def check_decode(gen, device, fmt, q_dtype, S, H, seq_lens, max_block, cp=(0, 1), prealloc=False, single=True,
-                 scale_range=(122, 127), q_scale=1.0, pages=None):
+                 scale_range=(122, 127), q_scale=1.0, pages=None, q_octaves=0):
     batch = len(seq_lens)
     pages = pages or batch * max_block + 1
     k_cache, k_scale = random_cache(gen, fmt, pages, device, single, *scale_range)
     block_table = torch.randperm(pages, generator=gen)[: batch * max_block].reshape(batch, max_block).int().to(device)
     seq = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    q = make_q(gen, batch * S, H, q_dtype, device, q_scale)
+    q = make_q(gen, batch * S, H, q_dtype, device, q_scale, q_octaves)
     sm_scale = 0.125
     out = None
     if prealloc:
@@ -145,13 +149,31 @@ def check_decode(gen, device, fmt, q_dtype, S, H, seq_lens, max_block, cp=(0, 1)
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "bf16"])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8_DTYPE], ids=["q_bf16", "q_e4m3"])
-def test_decode_small(gen, fmt, q_dtype):
+@pytest.mark.parametrize("mx_mode", ["split", "e4m3"])
+def test_decode_small(gen, fmt, q_dtype, mx_mode, monkeypatch):
     _on("cpu")
     _kernels()
+    if mx_mode != "split" and fmt != "mxfp4":
+        pytest.skip("MXFP4 modes change the MXFP4 path only")
+    monkeypatch.setenv("M3_TRITON_MX_MODE", mx_mode)
     check_decode(gen, "cpu", fmt, q_dtype, S=2, H=3, seq_lens=[2, 129, 300], max_block=4)
 
 
-@pytest.mark.parametrize("case", ["split_views", "cp", "prealloc", "wide_scales", "groups_mode", "stacked_mode"])
+@pytest.mark.parametrize("terms", [2, 4])
+@pytest.mark.parametrize("octaves", [0, 12, 40], ids=["q_narrow", "q_12_octaves", "q_40_octaves"])
+def test_decode_e4m3_mode_q_parts_and_fallback(gen, terms, octaves, monkeypatch):
+    """Mode e4m3 with a bf16 Q split into 2 or 4 e4m3 parts: tiles whose rows are too wide for the
+    parts (many with 12 octaves and 2 parts, most with 40) take the fp16 path; all must be right."""
+    _on("cpu")
+    mod = _kernels()
+    monkeypatch.setenv("M3_TRITON_MX_MODE", "e4m3")
+    monkeypatch.setattr(mod, "_Q_E4M3_TERMS", terms)
+    check_decode(gen, "cpu", "mxfp4", torch.bfloat16, S=2, H=2, seq_lens=[3, 200, 256], max_block=2,
+                 scale_range=(110, 140), q_octaves=octaves)
+
+
+@pytest.mark.parametrize("case", ["split_views", "cp", "prealloc", "wide_scales", "groups_mode", "stacked_mode",
+                                  "e4m3_mode"])
 def test_decode_small_variants(gen, case, monkeypatch):
     _on("cpu")
     _kernels()
@@ -182,12 +204,27 @@ LENGTHS = [[1, 127, 128, 129, 4000], [8, 3000, 256, 1000]]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["split", "groups", "stacked"])
+@pytest.mark.parametrize("mode", ["split", "groups", "stacked", "e4m3"])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8_DTYPE], ids=["q_bf16", "q_e4m3"])
 @pytest.mark.parametrize("S,H", [(1, 1), (4, 1), (2, 3), (8, 4)])
 def test_decode_mxfp4_modes(gen, mode, q_dtype, S, H, monkeypatch):
     monkeypatch.setenv("M3_TRITON_MX_MODE", mode)
     check_decode(gen, "cuda", "mxfp4", q_dtype, S, H, [max(S, 1), 129, 3000], max_block=32, scale_range=(100, 150))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("terms", [2, 4])
+@pytest.mark.parametrize("octaves", [0, 12, 40], ids=["q_narrow", "q_12_octaves", "q_40_octaves"])
+@pytest.mark.parametrize("scale_range,q_scale", [((100, 150), 1.0), ((1, 20), 1.0), ((230, 252), 2.0**-100)],
+                         ids=["e8m0_mid", "e8m0_low", "e8m0_high"])
+def test_decode_e4m3_mode_gpu(gen, terms, octaves, scale_range, q_scale, monkeypatch):
+    """Mode e4m3 on the GPU: bf16 Q in 2 or 4 e4m3 parts, the fp16 fallback, extreme scales."""
+    mod = _kernels()
+    monkeypatch.setenv("M3_TRITON_MX_MODE", "e4m3")
+    monkeypatch.setattr(mod, "_Q_E4M3_TERMS", terms)
+    for S, H in [(4, 1), (1, 4), (8, 4)]:
+        check_decode(gen, "cuda", "mxfp4", torch.bfloat16, S, H, [S, 129, 3000, 700], max_block=24,
+                     scale_range=scale_range, q_scale=q_scale, q_octaves=octaves)
 
 
 @pytest.mark.gpu
