@@ -130,7 +130,8 @@ def real_index_vectors(tokens: int, layers: list[int], chunk: int):
     head_dim = cfg.head_dim
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     if SMOLLM2_KV_HEADS_USED * head_dim != INDEX_DIM:
-        raise RuntimeError(f"expected {SMOLLM2_KV_HEADS_USED} KV heads of {INDEX_DIM // SMOLLM2_KV_HEADS_USED}, got dim {head_dim}")
+        raise RuntimeError(f"expected {SMOLLM2_KV_HEADS_USED} KV heads of dim {INDEX_DIM // SMOLLM2_KV_HEADS_USED}, "
+                           f"got dim {head_dim}")
     theta = cfg.rope_parameters["rope_theta"]
     ids = tok(prose_text(), return_tensors="pt").input_ids[0]
     if ids.numel() < tokens:
@@ -183,7 +184,8 @@ def synthetic_index_vectors(tokens: int, heads: int, outliers: int, gain: float,
 # Scoring and selection through the reference ops
 
 
-def scores_for(k: torch.Tensor, q: torch.Tensor, fmt: str, rule: str | None, sign_seed: int | None = None) -> torch.Tensor:
+def scores_for(k: torch.Tensor, q: torch.Tensor, fmt: str, rule: str | None,
+               sign_seed: int | None = None) -> torch.Tensor:
     """Float64 block scores ``[H, R, pages]`` of the last ``R = q.shape[0]`` tokens of ``k`` (each
     over its causal prefix) with the keys stored in ``fmt`` (scale ``rule``, rotation ``sign_seed``)
     and q in bf16."""
@@ -245,7 +247,8 @@ def study_source(name: str, k: torch.Tensor, q: torch.Tensor, lengths: list[int]
 
 
 def summarize(rows: list[dict], lengths: list[int]) -> dict:
-    """Mean over sources sharing a prefix (``real:*``, ``synthetic``) -> ``{(kind, fmt, length): Fidelity-like dict}``."""
+    """Row-weighted mean over sources of one kind (``real:*``, ``synthetic``):
+    ``{(kind, fmt, length): {recall16, recall15_ranked, score_err}}``."""
     acc = {}
     for r in rows:
         key = (r["source"].split(":")[0], r["format"], r["length"])
@@ -287,7 +290,8 @@ def main(argv=None):
     parser.add_argument("--outlier-gain", type=float, default=8.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sign-seeds", type=int, nargs="*", default=[],
-                        help="also mxfp4_rot/rceil with H diag(random signs) for each seed (the served format has none)")
+                        help="also mxfp4_rot/rceil with H diag(random signs) for each seed "
+                             "(the served format has none)")
     parser.add_argument("--no-real", action="store_true", help="synthetic keys only (no SmolLM2)")
     parser.add_argument("--out", type=Path, default=None, help="folder for fidelity.json and fidelity.md")
     args = parser.parse_args(argv)

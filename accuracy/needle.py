@@ -53,7 +53,8 @@ class _Pool:
     def ensure(self, tokens: int):
         while self.cum[-1] < tokens:
             batch = [next(self.stream) for _ in range(512)]
-            counts = [len(ids) for ids in self.tokenizer([" " + s for s in batch], add_special_tokens=False)["input_ids"]]
+            encoded = self.tokenizer([" " + s for s in batch], add_special_tokens=False)["input_ids"]
+            counts = [len(ids) for ids in encoded]
             self.text += batch
             for c in counts:
                 self.cum.append(self.cum[-1] + c)
@@ -80,7 +81,8 @@ def make_sample(tokenizer, pool: _Pool, length: int, depth: float, n_keys: int, 
     needle_tokens = sum(_count(tokenizer, " " + NEEDLE.format(key=k, value=v)) for k, v in needles)
     budget = length - GEN_TOKENS - frame - needle_tokens
     if budget <= 0:
-        raise ValueError(f"length {length} is too short for the prompt frame ({frame} + {needle_tokens} + {GEN_TOKENS} tokens)")
+        raise ValueError(f"length {length} is too short for the prompt frame "
+                         f"({frame} + {needle_tokens} + {GEN_TOKENS} tokens)")
     for _ in range(8):  # per-sentence counts are an estimate: trim until the prompt fits
         pool.ensure(budget * 3 + 1)
         start = rng.randrange(0, max(1, len(pool.text) - 1))

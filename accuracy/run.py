@@ -182,7 +182,8 @@ def run_lm_eval(base_url: str, model_id: str, tokenizer: str, tasks: list[str], 
     }
     metadata = {"max_seq_lengths": lengths, "num_samples": args.samples, "num_depths": args.depths,
                 "seed": args.seed, "tokenizer": tokenizer}
-    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=metadata)  # ours only: indexing lm-eval's own tasks costs ~20 s
+    # Our tasks only: indexing lm-eval's own few thousand task files costs ~20 s.
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=metadata)
     out = lm_eval.simple_evaluate(
         model="local-chat-completions" if chat else "local-completions",
         model_args=model_args,
@@ -243,13 +244,15 @@ def _parse_base_urls(values: list[str] | None, formats: list[str]) -> dict[str, 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="m3-accuracy", description=__doc__.split("\n\n")[0],
-                                epilog="Arguments after -- go to `python -m sglang.launch_server` unchanged (e.g. -- --tp 8).")
+                                epilog="Arguments after -- go to `python -m sglang.launch_server` unchanged "
+                                       "(e.g. -- --tp 8).")
     p.add_argument("--model", required=True, help="model path or hub id given to --model-path")
     p.add_argument("--tokenizer", default=None, help="tokenizer path or id (default: --model)")
     p.add_argument("--formats", nargs="+", default=["fp8", "mxfp4"],
                    help="index-K formats; the first is the baseline of the paired statistics")
     p.add_argument("--base-url", nargs="+", default=None,
-                   help="running deployments instead of starting servers: fmt=URL per format (or one URL for one format)")
+                   help="running deployments instead of starting servers: fmt=URL per format "
+                        "(or one URL for one format)")
     p.add_argument("--tasks", nargs="+", default=[*LONG_TASKS, *SHORT_TASKS])
     p.add_argument("--lengths", type=int, nargs="+", default=None,
                    help="context lengths in tokens (default: powers of two from 1024 to the served context)")

@@ -57,8 +57,9 @@ def paired_bootstrap(a, b, n_boot: int = 10000, confidence: float = 0.95, seed: 
     """``(diff, lo, hi)``: ``diff = mean(b) - mean(a)`` and the percentile interval of that
     difference over ``n_boot`` resamples of sample indices (with replacement, pairs kept together).
 
-    The interval ends are order statistics ``floor(lo_q * (n_boot - 1))`` and ``ceil(hi_q * (n_boot - 1))`` of the sorted resampled
-    differences, ``lo_q, hi_q = (1 -/+ confidence) / 2`` (numpy ``default_rng(seed)``). Empty input gives ``(0, 0, 0)``.
+    The interval ends are the order statistics ``floor(lo_q * (n_boot - 1))`` and
+    ``ceil(hi_q * (n_boot - 1))`` of the sorted resampled differences, ``lo_q, hi_q =
+    (1 -/+ confidence) / 2`` (numpy ``default_rng(seed)``). Empty input gives ``(0, 0, 0)``.
     """
     a, b = _check_pair(a, b)
     if n_boot < 1 or not (0.0 < confidence < 1.0):

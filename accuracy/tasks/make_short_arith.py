@@ -31,11 +31,13 @@ def _problem(rng: random.Random) -> dict:
         ans = a * b
     elif kind == 2:
         per = rng.randrange(2, 9)
-        q = f"{who} shares {per * b} {item} equally among {b} neighbours, then each neighbour eats 1. How many does each neighbour have now?"
+        q = (f"{who} shares {per * b} {item} equally among {b} neighbours, then each neighbour eats 1. "
+             "How many does each neighbour have now?")
         ans = per - 1
     else:
         c = rng.randrange(2, 6)
-        q = f"{who} sells {item} at {c} pence each. He sells {a} on Monday and {b} on Tuesday. How many pence does he take?"
+        q = (f"{who} sells {item} at {c} pence each. He sells {a} on Monday and {b} on Tuesday. "
+             "How many pence does he take?")
         ans = c * (a + b)
     return {"question": q, "answer": ans}
 

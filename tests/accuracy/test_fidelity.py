@@ -28,7 +28,8 @@ def test_one_swapped_pick_costs_one_ranked_block():
 
 
 def test_bf16_against_itself_through_the_cache(gen):
-    k, q = fidelity.synthetic_index_vectors(20 * PAGE_SIZE, 2, 4, 8.0, seed=int(torch.randint(0, 1000, (1,), generator=gen)))
+    seed = int(torch.randint(0, 1000, (1,), generator=gen))
+    k, q = fidelity.synthetic_index_vectors(20 * PAGE_SIZE, 2, 4, 8.0, seed=seed)
     qq = q[-8:]
     ref = fidelity.scores_for(k, qq, "bf16", None)
     n_visible = visible_blocks(torch.arange(k.shape[0] - 8, k.shape[0]), PAGE_SIZE)

@@ -9,7 +9,8 @@ def _rows(scores_by_length, targets="t"):
     rows, i = [], 0
     for length, scores in scores_by_length.items():
         for s in scores:
-            rows.append({"doc_id": i, "length": length, "depth": 0.0, "target": f"{targets}{i}", "response": "", "score": s})
+            rows.append({"doc_id": i, "length": length, "depth": 0.0, "target": f"{targets}{i}", "response": "",
+                         "score": s})
             i += 1
     return rows
 
@@ -31,8 +32,10 @@ def test_build_pairs_by_length_and_overall(tmp_path):
 
 
 def test_short_task_has_one_group():
-    rows = [{"doc_id": i, "length": None, "depth": None, "target": str(i), "response": "", "score": 1.0} for i in range(3)]
-    summary = report.build({"fp8": {"m3_short_arith": rows}, "mxfp4": {"m3_short_arith": rows}}, ["fp8", "mxfp4"], n_boot=10)
+    rows = [{"doc_id": i, "length": None, "depth": None, "target": str(i), "response": "", "score": 1.0}
+            for i in range(3)]
+    per_format = {"fp8": {"m3_short_arith": rows}, "mxfp4": {"m3_short_arith": rows}}
+    summary = report.build(per_format, ["fp8", "mxfp4"], n_boot=10)
     assert [g["length"] for g in summary["tasks"]["m3_short_arith"]] == [report.ALL]
     assert summary["tasks"]["m3_short_arith"][0]["paired"]["mxfp4"]["agreement"] == 1.0
 

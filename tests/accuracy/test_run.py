@@ -16,7 +16,8 @@ def test_format_switch_adds_the_override():
 @pytest.mark.parametrize("style", ["split", "equals"])
 def test_format_switch_merges_user_overrides(style):
     user = json.dumps({"rope_theta": 1.0, "index_k_format": "bf16"})
-    launch = ["--tp", "2", run.OVERRIDE_FLAG, user] if style == "split" else ["--tp", "2", f"{run.OVERRIDE_FLAG}={user}"]
+    override = [run.OVERRIDE_FLAG, user] if style == "split" else [f"{run.OVERRIDE_FLAG}={user}"]
+    launch = ["--tp", "2", *override]
     args = run.format_launch_args("fp8", launch)
     assert args.count(run.OVERRIDE_FLAG) == 1
     assert json.loads(args[-1]) == {"rope_theta": 1.0, "index_k_format": "fp8"}
@@ -35,7 +36,8 @@ def test_default_lengths():
 
 def test_base_urls():
     assert run._parse_base_urls(["http://h:1"], ["fp8"]) == {"fp8": "http://h:1"}
-    assert run._parse_base_urls(["fp8=http://a", "mxfp4=http://b"], ["fp8", "mxfp4"]) == {"fp8": "http://a", "mxfp4": "http://b"}
+    urls = run._parse_base_urls(["fp8=http://a", "mxfp4=http://b"], ["fp8", "mxfp4"])
+    assert urls == {"fp8": "http://a", "mxfp4": "http://b"}
     with pytest.raises(ValueError, match="one format"):
         run._parse_base_urls(["http://h:1"], ["fp8", "mxfp4"])
     with pytest.raises(ValueError, match="fmt=URL"):
