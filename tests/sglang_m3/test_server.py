@@ -125,6 +125,24 @@ def test_pool_exhaustion_queues_and_keeps_serving(mxfp4):
     assert mxfp4.generate(long_prompt(seed=301, length=200), max_new_tokens=2)["meta_info"]["completion_tokens"] == 2
 
 
+def test_abort_mid_decode_keeps_serving(mxfp4):
+    rid = "abort-me"
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(mxfp4.post, "/generate", {
+            "rid": rid, "input_ids": long_prompt(seed=400, length=600),
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}})
+        status, body = 0, None
+        for _ in range(600):  # abort once the request is running
+            status, _ = mxfp4.post("/abort_request", {"rid": rid})
+            if pending.done():
+                break
+            concurrent.futures.wait([pending], timeout=1)
+        status, body = pending.result(timeout=600)
+    assert status != 200 or body["meta_info"]["finish_reason"]["type"] == "abort", body
+    assert mxfp4.healthy()
+    assert mxfp4.generate(long_prompt(seed=401, length=300), max_new_tokens=2)["meta_info"]["completion_tokens"] == 2
+
+
 def test_out_of_vocabulary_ids_get_400(mxfp4):
     status, body = mxfp4.post("/generate", {"input_ids": [1000000000, -1], "sampling_params": {"max_new_tokens": 2}})
     assert status == 400, body
@@ -157,7 +175,7 @@ def test_formats_pick_the_same_blocks_outside_their_error(server_factory, mxfp4)
     ref = rows["bf16"]
     for fmt in ("fp8", "mxfp4", "mxfp4_rot"):
         assert rows[fmt].keys() == ref.keys()
-        worst = 0.0
+        worst, differing = 0.0, 0
         for key, row in rows[fmt].items():
             if row["n_visible"] <= TOPK:
                 assert row["selected"] == ref[key]["selected"]
@@ -167,9 +185,11 @@ def test_formats_pick_the_same_blocks_outside_their_error(server_factory, mxfp4)
                 s, s_ref = row["scores"][h][:n], ref[key]["scores"][h][:n]
                 err = max(abs(a - b) for a, b in zip(s, s_ref))
                 worst = max(worst, err)
+                differing += sorted(sel) != sorted(sel_ref)
                 for a in set(sel) - set(sel_ref):
                     for b in set(sel_ref) - set(sel):
                         assert abs(s_ref[a] - s_ref[b]) <= 2 * err * (1 + 1e-6), (fmt, key, h, a, b)
+        print(f"{fmt}: {len(ref)} rows x heads, {differing} selections differ from bf16, worst score error {worst:.3g}")
         assert worst > 0, f"{fmt} scores equal bf16's exactly: is the format engaged?"
 
 
