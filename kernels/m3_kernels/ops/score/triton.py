@@ -329,17 +329,17 @@ def _dot_e4m3(a, b, acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _mx_group_dot_e4m3(k_ptr, s_ptr, base_d, base_s, o_t, qh0, ql0, qh1, ql1, col_scale, g: tl.constexpr,
-                       Q_TERMS: tl.constexpr, SHIFT: tl.constexpr, DATA_BYTES: tl.constexpr,
-                       SCALE_BYTES: tl.constexpr, GB: tl.constexpr, USE_ASM: tl.constexpr,
-                       INTERPRET: tl.constexpr):
-    """As ``_mx_group_dot`` on e4m3 operands: K is ``2^-6 * e2m1`` with the group's even elements
-    first (``_e4m3_dims`` order), so a thread's 4 consecutive bytes give two 4-element fragments.
+def _mx_group_dot_e4m3(k_ptr, base_d, o_t, w_s, qh0, ql0, qh1, ql1, tile_scale, g: tl.constexpr,
+                       Q_TERMS: tl.constexpr, SHIFT: tl.constexpr, DATA_BYTES: tl.constexpr, GB: tl.constexpr,
+                       USE_ASM: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 ``[T, NQ]``: MX group ``g`` of every token dotted with Q, times the group's e8m0 scale (byte
+    ``g`` of the token's scale word ``w_s``) and the tile's power of two ``tile_scale``, one product of
+    powers of two per token. K is ``2^-6 * e2m1`` in e4m3 with the group's even elements first
+    (``_e4m3_dims`` order), so a thread's 4 consecutive bytes give two whole 4-element fragments.
     ``Q_TERMS`` 1: ``qh0`` is Q itself (e4m3 Q); 2: ``qh0 + ql0``; 4: ``qh0 + ql0 + 2^-SHIFT (qh1 + ql1)``
     (``_e4m3_levels``)."""
     o_c = tl.arange(0, GB)
     b_d = tl.load(k_ptr + base_d + o_t[:, None] * DATA_BYTES + g * GB + o_c[None, :])
-    b_s = tl.load(s_ptr + base_s + o_t * SCALE_BYTES + g)
     T: tl.constexpr = b_d.shape[0]
     lo, hi = _e2m1_split_e4m3(b_d, USE_ASM)
     b_k = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (T, 2 * GB))
@@ -350,34 +350,38 @@ def _mx_group_dot_e4m3(k_ptr, s_ptr, base_d, base_s, o_t, qh0, ql0, qh1, ql1, co
         if Q_TERMS == 4:
             part2 = _dot_e4m3(b_k, qh1, _dot_e4m3(b_k, ql1, None, INTERPRET), INTERPRET)
             part = part + part2 * (2.0**-SHIFT)
-    return part * (_pow2(b_s.to(tl.int32))[:, None] * col_scale[None, :])
+    row_scale = _pow2((w_s >> (8 * g)) & 0xFF) * tile_scale
+    return part * row_scale[:, None]
 
 
 @triton.jit
-def _page_loop_e4m3(k_ptr, s_ptr, bt_row, out_ptr, o_h, pos, m_n, post, col_scale, p_start, p_end, cp_rank,
-                    cp_world, stride_k_page, stride_s_page,
+def _page_loop_e4m3(k_ptr, s_ptr, bt_row, out_ptr, o_h, pos, pos_min, m_n, post, tile_scale, p_start, p_end,
+                    cp_rank, cp_world, stride_k_page, stride_s_page,
                     h00, l00, h10, l10, h01, l01, h11, l11, h02, l02, h12, l12, h03, l03, h13, l13,
                     Q_TERMS: tl.constexpr, SHIFT: tl.constexpr, NUM_STAGES: tl.constexpr, T: tl.constexpr,
                     G: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
                     USE_ASM: tl.constexpr, INTERPRET: tl.constexpr):
-    """Mode ``e4m3``: every page of ``[p_start, p_end)``, four ``_mx_group_dot_e4m3`` per page, then
-    the masked page max, as the kernel's main loop. ``hLg``/``lLg``: level L of group g's Q parts."""
+    """Mode ``e4m3``: every page of ``[p_start, p_end)``: one 32-bit load of each token's 4 scale bytes,
+    four ``_mx_group_dot_e4m3``, the position mask only on pages that reach past ``pos_min`` (the
+    tile's first row), and the page max. ``hLg``/``lLg``: level L of group g's Q parts."""
     o_t = tl.arange(0, T)
     GB: tl.constexpr = G // 2
+    s_words = s_ptr.to(tl.pointer_type(tl.int32))
     for p in tl.range(p_start, p_end, num_stages=NUM_STAGES):
         page = tl.load(bt_row + p).to(tl.int64)
         base_d = page * stride_k_page
-        base_s = page * stride_s_page
-        acc = _mx_group_dot_e4m3(k_ptr, s_ptr, base_d, base_s, o_t, h00, l00, h10, l10, col_scale, 0, Q_TERMS,
-                                 SHIFT, DATA_BYTES, SCALE_BYTES, GB, USE_ASM, INTERPRET)
-        acc += _mx_group_dot_e4m3(k_ptr, s_ptr, base_d, base_s, o_t, h01, l01, h11, l11, col_scale, 1, Q_TERMS,
-                                  SHIFT, DATA_BYTES, SCALE_BYTES, GB, USE_ASM, INTERPRET)
-        acc += _mx_group_dot_e4m3(k_ptr, s_ptr, base_d, base_s, o_t, h02, l02, h12, l12, col_scale, 2, Q_TERMS,
-                                  SHIFT, DATA_BYTES, SCALE_BYTES, GB, USE_ASM, INTERPRET)
-        acc += _mx_group_dot_e4m3(k_ptr, s_ptr, base_d, base_s, o_t, h03, l03, h13, l13, col_scale, 3, Q_TERMS,
-                                  SHIFT, DATA_BYTES, SCALE_BYTES, GB, USE_ASM, INTERPRET)
-        t_pos = (p * cp_world + cp_rank) * T + o_t
-        acc = tl.where(t_pos[:, None] <= pos[None, :], acc, float("-inf"))
+        w_s = tl.load(s_words + page * (stride_s_page // 4) + o_t * (SCALE_BYTES // 4))
+        acc = _mx_group_dot_e4m3(k_ptr, base_d, o_t, w_s, h00, l00, h10, l10, tile_scale, 0, Q_TERMS, SHIFT,
+                                 DATA_BYTES, GB, USE_ASM, INTERPRET)
+        acc += _mx_group_dot_e4m3(k_ptr, base_d, o_t, w_s, h01, l01, h11, l11, tile_scale, 1, Q_TERMS, SHIFT,
+                                  DATA_BYTES, GB, USE_ASM, INTERPRET)
+        acc += _mx_group_dot_e4m3(k_ptr, base_d, o_t, w_s, h02, l02, h12, l12, tile_scale, 2, Q_TERMS, SHIFT,
+                                  DATA_BYTES, GB, USE_ASM, INTERPRET)
+        acc += _mx_group_dot_e4m3(k_ptr, base_d, o_t, w_s, h03, l03, h13, l13, tile_scale, 3, Q_TERMS, SHIFT,
+                                  DATA_BYTES, GB, USE_ASM, INTERPRET)
+        t0 = (p * cp_world + cp_rank) * T
+        if t0 + T - 1 > pos_min:
+            acc = tl.where((t0 + o_t)[:, None] <= pos[None, :], acc, float("-inf"))
         tl.store(out_ptr + o_h + p, tl.max(acc, axis=0) * post, mask=m_n)
 
 
@@ -455,17 +459,20 @@ def _score_kernel(
         q3 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _e4m3_dims(3, G))
         if Q_FP8:
             h0, h1, h2, h3 = q0.to(tl.float8e4nv), q1.to(tl.float8e4nv), q2.to(tl.float8e4nv), q3.to(tl.float8e4nv)
-            col8 = tl.full([NQ], K8FAC, tl.float32)
-            _page_loop_e4m3(k_ptr, s_ptr, bt_row8, out_ptr, o_h, pos, m_n, post, col8, p_start, p_end, cp_rank,
-                            cp_world, stride_k_page, stride_s_page, h0, h0, h0, h0, h1, h1, h1, h1, h2, h2, h2, h2,
+            _page_loop_e4m3(k_ptr, s_ptr, bt_row8, out_ptr, o_h, pos, pos0, m_n, post, K8FAC, p_start, p_end,
+                            cp_rank, cp_world, stride_k_page, stride_s_page, h0, h0, h0, h0, h1, h1, h1, h1, h2, h2, h2, h2,
                             h3, h3, h3, h3, 1, Q8_SHIFT, NUM_STAGES, T, G, DATA_BYTES, SCALE_BYTES, USE_ASM,
                             INTERPRET)
             return
         else:
-            amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0), axis=0), tl.max(tl.abs(q1), axis=0)),
-                              tl.maximum(tl.max(tl.abs(q2), axis=0), tl.max(tl.abs(q3), axis=0)))
+            # One power of two for the whole tile (its largest |q| to [2^7, 2^8)): the scale products
+            # are then one per token, not per (token, query).
+            amax = tl.maximum(tl.maximum(tl.max(tl.max(tl.abs(q0), axis=1), axis=0),
+                                         tl.max(tl.max(tl.abs(q1), axis=1), axis=0)),
+                              tl.maximum(tl.max(tl.max(tl.abs(q2), axis=1), axis=0),
+                                         tl.max(tl.max(tl.abs(q3), axis=1), axis=0)))
             e8 = _q_exponent(amax, Q8_TOP)
-            fac8 = _pow2(2 * 127 + Q8_TOP - e8)[None, :]
+            fac8 = _pow2(2 * 127 + Q8_TOP - e8)
             h00, l00, h10, l10, r0 = _e4m3_levels(q0 * fac8, Q8_SHIFT, Q8_TERMS)
             h01, l01, h11, l11, r1 = _e4m3_levels(q1 * fac8, Q8_SHIFT, Q8_TERMS)
             h02, l02, h12, l12, r2 = _e4m3_levels(q2 * fac8, Q8_SHIFT, Q8_TERMS)
@@ -475,9 +482,9 @@ def _score_kernel(
                                  tl.maximum(tl.max(tl.max(tl.abs(r2), axis=1), axis=0),
                                             tl.max(tl.max(tl.abs(r3), axis=1), axis=0)))
             if inexact == 0.0:
-                col8 = _pow2(e8 - Q8_TOP) * K8FAC
-                _page_loop_e4m3(k_ptr, s_ptr, bt_row8, out_ptr, o_h, pos, m_n, post, col8, p_start, p_end, cp_rank,
-                                cp_world, stride_k_page, stride_s_page, h00, l00, h10, l10, h01, l01, h11, l11,
+                tile8 = _pow2(e8 - Q8_TOP) * K8FAC
+                _page_loop_e4m3(k_ptr, s_ptr, bt_row8, out_ptr, o_h, pos, pos0, m_n, post, tile8, p_start, p_end,
+                                cp_rank, cp_world, stride_k_page, stride_s_page, h00, l00, h10, l10, h01, l01, h11, l11,
                                 h02, l02, h12, l12, h03, l03, h13, l13, Q8_TERMS, Q8_SHIFT, NUM_STAGES, T, G,
                                 DATA_BYTES, SCALE_BYTES, USE_ASM, INTERPRET)
                 return
