@@ -3,7 +3,7 @@
 #
 # Runs on the GPU machine from the repo root, with the bundle made by
 # scripts/gpu/build_wheel_bundle.sh in .whl1/ (.whl2/, ... if it was split): joins and unpacks it
-# into $M3_SITE (default /tmp/m3-site; kept if already complete), registers this repo's SGLang
+# into $M3_SITE (default build/m3-site, git-ignored; kept if already complete), registers this repo's SGLang
 # plugin entry point (and the decode-input probe used by the selection check) with a small
 # dist-info, puts the bundle, the repo and kernels/ on PYTHONPATH and runs
 # scripts/gpu/sglang_h200.py, which writes results.json, server_logs.txt and table.md (last) into
@@ -14,7 +14,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-out/sglang_h200}"
-SITE="${M3_SITE:-/tmp/m3-site}"
+SITE="$(realpath -m "${M3_SITE:-build/m3-site}")"
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 

@@ -284,6 +284,10 @@ def main():
     ap.add_argument("--budget-s", type=float, default=500, help="skip steps that would end past this")
     ap.add_argument("--cpu", action="store_true", help="smoke test of this driver on a CPU (tiny sizes, no graphs)")
     ap.add_argument("--skip-capacity", action="store_true")
+    ap.add_argument("--eager", choices=("alongside", "separate"), default="alongside",
+                    help="alongside: each format's eager server runs next to its graph server (started once the "
+                         "graph server's pool is allocated, stopped before any timing); separate: all eager "
+                         "servers first, side by side")
     args = ap.parse_args()
 
     t_start = time.monotonic()
@@ -314,8 +318,9 @@ def main():
     full_pool = ["--mem-fraction-static", str(args.mem_fraction)]
     if args.cpu:
         full_pool = ["--mem-fraction-static", "0.3", "--max-total-tokens", str(max_bs * (max_ctx + 4 * PAGE) + 4096)]
-    # Eager servers run side by side with a small pool of their own.
-    check_pool = ["--mem-fraction-static", "0.3" if args.cpu else "0.2",
+    # Eager servers have a small pool of their own (--max-total-tokens caps it). Separate: side by side
+    # on an empty GPU; alongside: on what the graph server leaves, so their static fraction is high.
+    check_pool = ["--mem-fraction-static", "0.3" if args.cpu else ("0.2" if args.eager == "separate" else "0.96"),
                   "--max-total-tokens", str(args.check_pool_tokens)]
 
     check_lengths = [int(x) for x in args.check_lengths.split(",")]
@@ -364,7 +369,7 @@ def main():
 
     # Phase B: eager servers (all formats side by side): reference outputs + recorded decode inputs.
     eager_out = {}
-    if abort:
+    if abort or args.eager == "alongside":
         pass
     elif left() < 60:
         results["notes"].append("eager runs skipped (time budget)")
@@ -379,7 +384,7 @@ def main():
             try:
                 r["eager_ready_s"] = s.wait_ready(startup_timeout)
                 t = time.perf_counter()
-                eager_out[fmt] = run_prompt_sets(s, check_sets, args.check_tokens)
+                eager_out[fmt] = r["eager_outputs"] = run_prompt_sets(s, check_sets, args.check_tokens)
                 r["eager_check_s"] = time.perf_counter() - t
                 log(f"{fmt}: eager outputs done ({r['eager_check_s']:.1f} s)")
             except Exception as e:  # noqa: BLE001
@@ -413,11 +418,30 @@ def main():
             continue
         cfg = make_config(work / f"small-{fmt}", nd, ns, fmt, args.vocab, args.hidden, args.q_heads, context_len)
         s = Server(f"graph-{fmt}", cfg, base + graph_flags + full_pool, log_dir)
+        eager = None
         try:
+            if args.eager == "alongside":
+                s.wait_log(r"max_total_num_tokens=(\d+)", startup_timeout)
+                eager = Server(f"eager-{fmt}", cfg, base + eager_flags + check_pool, log_dir,
+                               {"M3_PROBE_DIR": str(work / f"probe-{fmt}"), "M3_PROBE_CALLS": "3"})
             r["graph_ready_s"] = s.wait_ready(startup_timeout)
-            startup_timeout = 300
             cap = r["small_capacity_tokens"] = capacity_from(s)
-            graph_out = run_prompt_sets(s, check_sets, args.check_tokens)
+            graph_out = r["graph_outputs"] = run_prompt_sets(s, check_sets, args.check_tokens)
+            if eager is not None:
+                try:
+                    r["eager_ready_s"] = eager.wait_ready(startup_timeout)
+                    eager_out[fmt] = r["eager_outputs"] = run_prompt_sets(eager, check_sets, args.check_tokens)
+                    log(f"{fmt}: eager outputs done")
+                except Exception as e:  # noqa: BLE001
+                    fail(r, "eager_error", e)
+                finally:
+                    eager.stop()  # before any timing
+                try:
+                    r["selection"] = check_probe(work / f"probe-{fmt}")
+                    log(f"{fmt}: selection vs torch reference: {r['selection']}")
+                except Exception as e:  # noqa: BLE001
+                    fail(r, "selection_error", e)
+            startup_timeout = 300
             if fmt in eager_out:
                 r["graph_equals_eager"] = graph_out == eager_out[fmt]
                 r["divergence"] = [[first_divergence(a, b) for a, b in zip(es, gs)]
@@ -458,6 +482,8 @@ def main():
             fail(r, "graph_error", e)
         finally:
             s.stop()
+            if eager is not None and eager.proc.poll() is None:
+                eager.stop()
         save()
 
     results["elapsed_s"] = time.monotonic() - t_start
@@ -547,7 +573,8 @@ def render_table(results, contexts, batches, nd, ns) -> str:
                     continue
                 v = r.get("decode", {}).get(key, {}).get("tok_s")
                 ratios.append(_fmt(v / base if v and base else None, ".3f"))
-            lines.append(f"| {ctx // 1024}k | {bs} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+            ctx_s = f"{ctx // 1024}k" if ctx >= 1024 and ctx % 1024 == 0 else str(ctx)
+            lines.append(f"| {ctx_s} | {bs} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     small = {f: r.get("small_capacity_tokens") for f, r in fr.items()}
     lines += ["", f"Throughput-config pool capacity (tokens): {small}."]
     lines += [f"Note: {n}" for n in results["notes"]]
