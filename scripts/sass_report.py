@@ -6,7 +6,9 @@ Compiles ``_score_kernel`` for an sm_90 target (Triton's bundled ptxas), as ``sc
 launches it for the benchmark's S4 H1 decode cells (16 query vectors per tile, 16 pages per program,
 2 pipeline stages, 4 warps, preallocated output), disassembles it with the bundled ``cuobjdump``
 and prints, per variant: instructions per thread in the page loop (the body between the loop label
-and its backward branch; it handles one page per trip), selected opcode counts in that body,
+and its backward branch; it handles one page per trip), how many of them a forward branch inside the
+loop can skip ("skippable": the position mask where it runs on the tile's last pages only), selected
+opcode counts in that body (a variant with a fallback path has one row per page loop),
 registers per thread and the stack frame (spills). A proxy for issue cost only: it is not a timing.
 """
 
@@ -30,7 +32,8 @@ OPCODES = ["HGMMA", "QGMMA", "HMMA", "LDG", "LDGSTS", "LDS", "LDSM", "STS", "PRM
            "FFMA", "FADD", "F2FP", "BAR", "LDL", "STL"]
 # variant -> (FMT code, MX mode, constexpr overrides)
 VARIANTS = {"fp8": (1, None, {}), "split": (2, "split", {}), "groups": (2, "groups", {}),
-            "stacked": (2, "stacked", {}), "e4m3": (2, "e4m3", {}), "e4m3_t2": (2, "e4m3", {"Q8_TERMS": 2})}
+            "stacked": (2, "stacked", {}), "e4m3": (2, "e4m3", {}), "e4m3_t4": (2, "e4m3", {"Q8_TERMS": 4}),
+            "e4m3_t0": (2, "e4m3", {"Q8_TERMS": 0})}
 
 
 def _tool(name):
@@ -111,7 +114,14 @@ def loops(sass: str):
     for lo, hi in sorted(inner):
         body = [t.split()[0] for a, t in instrs if lo <= a <= hi]
         if any("GMMA" in op or "HMMA" in op for op in body):
-            out.append(body)
+            # The longest stretch a conditional forward branch inside the loop can skip (the
+            # position mask, where it is applied only to the tile's last pages).
+            skip = 0
+            for a, t in instrs:
+                b = re.match(r"BRA\s+0x([0-9a-f]+)", t)
+                if lo <= a <= hi and b and a < int(b.group(1), 16) <= hi:
+                    skip = max(skip, sum(1 for x, _ in instrs if a < x < int(b.group(1), 16)))
+            out.append((body, skip))
     return out
 
 
@@ -121,9 +131,10 @@ def report(name, kernel):
     res = resources(kernel.asm["cubin"])
     res["shared"] = kernel.metadata.shared  # bytes, dynamic included
     rows = []
-    for i, body in enumerate(loops(sass)):
+    for i, (body, skip) in enumerate(loops(sass)):
         hist = collections.Counter(op.split(".")[0] for op in body)
-        row = {"variant": name if i == 0 else f"{name} (fallback loop {i})", "loop_instrs": len(body), **res}
+        row = {"variant": name if i == 0 else f"{name} (fallback loop {i})", "loop_instrs": len(body),
+               "skippable": skip, **res}
         for op in OPCODES:
             row[op] = hist.get(op, 0)
         rows.append(row)
@@ -153,7 +164,7 @@ def main(argv=None):
             with open(os.path.join(args.dump, f"{name}_{args.q}.ttgir"), "w") as f:
                 f.write(kernel.asm["ttgir"])
         print(f"{name}: {new_rows}", file=sys.stderr, flush=True)
-    cols = ["variant", "loop_instrs", "reg", "stack", "shared"] + OPCODES
+    cols = ["variant", "loop_instrs", "skippable", "reg", "stack", "shared"] + OPCODES
     print(f"Q {args.q}; sm_90 page-loop SASS per thread (compile-time proxy, not a timing)")
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))

@@ -61,7 +61,7 @@ _PREFILL_ROWS_X_HEADS = 64  # query vectors per prefill tile
 _E4M3_K_EXP = 6  # MXFP4 K is formed as 2^-6 * e2m1 in e4m3 (mode "e4m3")
 _Q_E4M3_TOP = 7  # mode "e4m3": a bf16 Q row's largest magnitude is moved to [2^7, 2^8)
 _Q_E4M3_SHIFT = 9  # mode "e4m3": the second e4m3 level of a bf16 Q row is scaled by 2^9
-_Q_E4M3_TERMS = 4  # mode "e4m3": e4m3 parts per bf16 Q element (2: one level, exact within 2^9 of the row max)
+_Q_E4M3_TERMS = 2  # mode "e4m3": e4m3 parts per bf16 Q element (2, 4; 0: none, fp16 with one power of two)
 ENV_NO_ASM = "M3_TRITON_NO_ASM"  # "1": decode e2m1 with plain Triton ops on the GPU too (no inline PTX)
 ENV_MX_MODE = "M3_TRITON_MX_MODE"  # "split" (default), "groups", "stacked" or "e4m3": module docstring
 
@@ -319,6 +319,12 @@ def _e4m3_levels(x, SHIFT: tl.constexpr, TERMS: tl.constexpr):
 
 
 @triton.jit
+def _max_abs_diff(a, b):
+    """Largest ``|a - b|`` over a 2-D tile (fp32 scalar)."""
+    return tl.max(tl.max(tl.abs(a.to(tl.float32) - b.to(tl.float32)), axis=1), axis=0)
+
+
+@triton.jit
 def _dot_e4m3(a, b, acc, INTERPRET: tl.constexpr):
     """``tl.dot`` of e4m3 operands with fp32 accumulation (the CPU interpreter's fp8 dot is wrong:
     it widens both operands to fp32 there, exactly)."""
@@ -355,6 +361,21 @@ def _mx_group_dot_e4m3(k_ptr, base_d, o_t, w_s, qh0, ql0, qh1, ql1, tile_scale, 
 
 
 @triton.jit
+def _mx_group_dot_f16_tile(k_ptr, base_d, o_t, w_s, qe, qo, tile_scale, g: tl.constexpr, DATA_BYTES: tl.constexpr,
+                           GB: tl.constexpr, USE_ASM: tl.constexpr):
+    """``_mx_group_dot_split`` with the scales of ``_mx_group_dot_e4m3``: byte ``g`` of the token's scale
+    word times one power of two for the whole tile (``qe``/``qo``: fp16 Q in ``_split_dims`` order)."""
+    o_c = tl.arange(0, GB)
+    b_d = tl.load(k_ptr + base_d + o_t[:, None] * DATA_BYTES + g * GB + o_c[None, :])
+    T: tl.constexpr = b_d.shape[0]
+    b_d = tl.reshape(tl.permute(tl.reshape(b_d, (T, GB // 4, 2, 2)), (0, 2, 1, 3)), (T, GB))
+    lo, hi = _e2m1_split_f16(b_d, USE_ASM)
+    part = tl.dot(hi, qo, tl.dot(lo, qe, out_dtype=tl.float32), out_dtype=tl.float32)
+    row_scale = _pow2((w_s >> (8 * g)) & 0xFF) * tile_scale
+    return part * row_scale[:, None]
+
+
+@triton.jit
 def _page_loop_e4m3(k_ptr, s_ptr, bt_row, out_ptr, o_h, pos, pos_min, m_n, post, tile_scale, p_start, p_end,
                     cp_rank, cp_world, stride_k_page, stride_s_page,
                     h00, l00, h10, l10, h01, l01, h11, l11, h02, l02, h12, l12, h03, l03, h13, l13,
@@ -362,8 +383,9 @@ def _page_loop_e4m3(k_ptr, s_ptr, bt_row, out_ptr, o_h, pos, pos_min, m_n, post,
                     G: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
                     USE_ASM: tl.constexpr, INTERPRET: tl.constexpr):
     """Mode ``e4m3``: every page of ``[p_start, p_end)``: one 32-bit load of each token's 4 scale bytes,
-    four ``_mx_group_dot_e4m3``, the position mask only on pages that reach past ``pos_min`` (the
-    tile's first row), and the page max. ``hLg``/``lLg``: level L of group g's Q parts."""
+    four ``_mx_group_dot_e4m3`` (``Q_TERMS`` 0: ``_mx_group_dot_f16_tile`` with ``h0g``/``l0g`` the
+    group's fp16 even/odd Q), the position mask only on pages that reach past ``pos_min`` (the tile's
+    first row), and the page max. ``hLg``/``lLg``: level L of group g's Q parts."""
     o_t = tl.arange(0, T)
     GB: tl.constexpr = G // 2
     s_words = s_ptr.to(tl.pointer_type(tl.int32))
@@ -371,14 +393,20 @@ def _page_loop_e4m3(k_ptr, s_ptr, bt_row, out_ptr, o_h, pos, pos_min, m_n, post,
         page = tl.load(bt_row + p).to(tl.int64)
         base_d = page * stride_k_page
         w_s = tl.load(s_words + page * (stride_s_page // 4) + o_t * (SCALE_BYTES // 4))
-        acc = _mx_group_dot_e4m3(k_ptr, base_d, o_t, w_s, h00, l00, h10, l10, tile_scale, 0, Q_TERMS, SHIFT,
-                                 DATA_BYTES, GB, USE_ASM, INTERPRET)
-        acc += _mx_group_dot_e4m3(k_ptr, base_d, o_t, w_s, h01, l01, h11, l11, tile_scale, 1, Q_TERMS, SHIFT,
-                                  DATA_BYTES, GB, USE_ASM, INTERPRET)
-        acc += _mx_group_dot_e4m3(k_ptr, base_d, o_t, w_s, h02, l02, h12, l12, tile_scale, 2, Q_TERMS, SHIFT,
-                                  DATA_BYTES, GB, USE_ASM, INTERPRET)
-        acc += _mx_group_dot_e4m3(k_ptr, base_d, o_t, w_s, h03, l03, h13, l13, tile_scale, 3, Q_TERMS, SHIFT,
-                                  DATA_BYTES, GB, USE_ASM, INTERPRET)
+        if Q_TERMS == 0:
+            acc = _mx_group_dot_f16_tile(k_ptr, base_d, o_t, w_s, h00, l00, tile_scale, 0, DATA_BYTES, GB, USE_ASM)
+            acc += _mx_group_dot_f16_tile(k_ptr, base_d, o_t, w_s, h01, l01, tile_scale, 1, DATA_BYTES, GB, USE_ASM)
+            acc += _mx_group_dot_f16_tile(k_ptr, base_d, o_t, w_s, h02, l02, tile_scale, 2, DATA_BYTES, GB, USE_ASM)
+            acc += _mx_group_dot_f16_tile(k_ptr, base_d, o_t, w_s, h03, l03, tile_scale, 3, DATA_BYTES, GB, USE_ASM)
+        else:
+            acc = _mx_group_dot_e4m3(k_ptr, base_d, o_t, w_s, h00, l00, h10, l10, tile_scale, 0, Q_TERMS, SHIFT,
+                                     DATA_BYTES, GB, USE_ASM, INTERPRET)
+            acc += _mx_group_dot_e4m3(k_ptr, base_d, o_t, w_s, h01, l01, h11, l11, tile_scale, 1, Q_TERMS, SHIFT,
+                                      DATA_BYTES, GB, USE_ASM, INTERPRET)
+            acc += _mx_group_dot_e4m3(k_ptr, base_d, o_t, w_s, h02, l02, h12, l12, tile_scale, 2, Q_TERMS, SHIFT,
+                                      DATA_BYTES, GB, USE_ASM, INTERPRET)
+            acc += _mx_group_dot_e4m3(k_ptr, base_d, o_t, w_s, h03, l03, h13, l13, tile_scale, 3, Q_TERMS, SHIFT,
+                                      DATA_BYTES, GB, USE_ASM, INTERPRET)
         t0 = (p * cp_world + cp_rank) * T
         if t0 + T - 1 > pos_min:
             acc = tl.where((t0 + o_t)[:, None] <= pos[None, :], acc, float("-inf"))
@@ -403,7 +431,7 @@ def _score_kernel(
     MX_STACKED: tl.constexpr,  # MXFP4: one dot per page against a block-diagonal Q
     MX_SPLIT: tl.constexpr,  # MXFP4: two K=16 dots per group on unshuffled fragments (else one K=32 dot)
     MX_E4M3: tl.constexpr,  # MXFP4: e4m3 K and Q parts, one fp8 dot per group and Q part (else MX_SPLIT)
-    Q8_TERMS: tl.constexpr,  # MX_E4M3, bf16 Q: e4m3 parts per Q element (2 or 4, see _e4m3_levels)
+    Q8_TERMS: tl.constexpr,  # MX_E4M3, bf16 Q: e4m3 parts per element (2 or 4, _e4m3_levels); 0: none (fp16 only)
     INTERPRET: tl.constexpr,
     D: tl.constexpr,
     T: tl.constexpr,
@@ -460,35 +488,62 @@ def _score_kernel(
         if Q_FP8:
             h0, h1, h2, h3 = q0.to(tl.float8e4nv), q1.to(tl.float8e4nv), q2.to(tl.float8e4nv), q3.to(tl.float8e4nv)
             _page_loop_e4m3(k_ptr, s_ptr, bt_row8, out_ptr, o_h, pos, pos0, m_n, post, K8FAC, p_start, p_end,
-                            cp_rank, cp_world, stride_k_page, stride_s_page, h0, h0, h0, h0, h1, h1, h1, h1, h2, h2, h2, h2,
-                            h3, h3, h3, h3, 1, Q8_SHIFT, NUM_STAGES, T, G, DATA_BYTES, SCALE_BYTES, USE_ASM,
-                            INTERPRET)
+                            cp_rank, cp_world, stride_k_page, stride_s_page, h0, h0, h0, h0, h1, h1, h1, h1,
+                            h2, h2, h2, h2, h3, h3, h3, h3, 1, Q8_SHIFT, NUM_STAGES, T, G, DATA_BYTES,
+                            SCALE_BYTES, USE_ASM, INTERPRET)
             return
         else:
-            # One power of two for the whole tile (its largest |q| to [2^7, 2^8)): the scale products
-            # are then one per token, not per (token, query).
+            # One power of two for the whole tile (its largest |q| to [2^7, 2^8) for e4m3 parts, to
+            # [2^14, 2^15) for fp16): the scale products are then one per token, not per (token, query).
             amax = tl.maximum(tl.maximum(tl.max(tl.max(tl.abs(q0), axis=1), axis=0),
                                          tl.max(tl.max(tl.abs(q1), axis=1), axis=0)),
                               tl.maximum(tl.max(tl.max(tl.abs(q2), axis=1), axis=0),
                                          tl.max(tl.max(tl.abs(q3), axis=1), axis=0)))
-            e8 = _q_exponent(amax, Q8_TOP)
-            fac8 = _pow2(2 * 127 + Q8_TOP - e8)
-            h00, l00, h10, l10, r0 = _e4m3_levels(q0 * fac8, Q8_SHIFT, Q8_TERMS)
-            h01, l01, h11, l11, r1 = _e4m3_levels(q1 * fac8, Q8_SHIFT, Q8_TERMS)
-            h02, l02, h12, l12, r2 = _e4m3_levels(q2 * fac8, Q8_SHIFT, Q8_TERMS)
-            h03, l03, h13, l13, r3 = _e4m3_levels(q3 * fac8, Q8_SHIFT, Q8_TERMS)
-            inexact = tl.maximum(tl.maximum(tl.max(tl.max(tl.abs(r0), axis=1), axis=0),
-                                            tl.max(tl.max(tl.abs(r1), axis=1), axis=0)),
-                                 tl.maximum(tl.max(tl.max(tl.abs(r2), axis=1), axis=0),
-                                            tl.max(tl.max(tl.abs(r3), axis=1), axis=0)))
-            if inexact == 0.0:
-                tile8 = _pow2(e8 - Q8_TOP) * K8FAC
-                _page_loop_e4m3(k_ptr, s_ptr, bt_row8, out_ptr, o_h, pos, pos0, m_n, post, tile8, p_start, p_end,
-                                cp_rank, cp_world, stride_k_page, stride_s_page, h00, l00, h10, l10, h01, l01, h11, l11,
-                                h02, l02, h12, l12, h03, l03, h13, l13, Q8_TERMS, Q8_SHIFT, NUM_STAGES, T, G,
-                                DATA_BYTES, SCALE_BYTES, USE_ASM, INTERPRET)
-                return
-        # else: a Q row too wide for the e4m3 parts; the tile is scored by the split path below
+            if Q8_TERMS > 0:
+                e8 = _q_exponent(amax, Q8_TOP)
+                fac8 = _pow2(2 * 127 + Q8_TOP - e8)
+                h00, l00, h10, l10, r0 = _e4m3_levels(q0 * fac8, Q8_SHIFT, Q8_TERMS)
+                h01, l01, h11, l11, r1 = _e4m3_levels(q1 * fac8, Q8_SHIFT, Q8_TERMS)
+                h02, l02, h12, l12, r2 = _e4m3_levels(q2 * fac8, Q8_SHIFT, Q8_TERMS)
+                h03, l03, h13, l13, r3 = _e4m3_levels(q3 * fac8, Q8_SHIFT, Q8_TERMS)
+                inexact = tl.maximum(tl.maximum(tl.max(tl.max(tl.abs(r0), axis=1), axis=0),
+                                                tl.max(tl.max(tl.abs(r1), axis=1), axis=0)),
+                                     tl.maximum(tl.max(tl.max(tl.abs(r2), axis=1), axis=0),
+                                                tl.max(tl.max(tl.abs(r3), axis=1), axis=0)))
+                if inexact == 0.0:
+                    tile8 = _pow2(e8 - Q8_TOP) * K8FAC
+                    _page_loop_e4m3(k_ptr, s_ptr, bt_row8, out_ptr, o_h, pos, pos0, m_n, post, tile8, p_start, p_end,
+                                    cp_rank, cp_world, stride_k_page, stride_s_page, h00, l00, h10, l10, h01, l01,
+                                    h11, l11, h02, l02, h12, l12, h03, l03, h13, l13, Q8_TERMS, Q8_SHIFT,
+                                    NUM_STAGES, T, G, DATA_BYTES, SCALE_BYTES, USE_ASM, INTERPRET)
+                    return
+            if Q8_TERMS == 0 or Q8_TERMS == 2:
+                # fp16 with one power of two for the tile, when that is exact for every element.
+                e16 = _q_exponent(amax, Q_TOP)
+                fac16 = _pow2(2 * 127 + Q_TOP - e16)
+                f0 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _split_dims(0, 0, G // 2)) * fac16
+                g0 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _split_dims(0, 1, G // 2)) * fac16
+                f1 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _split_dims(1, 0, G // 2)) * fac16
+                g1 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _split_dims(1, 1, G // 2)) * fac16
+                f2 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _split_dims(2, 0, G // 2)) * fac16
+                g2 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _split_dims(2, 1, G // 2)) * fac16
+                f3 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _split_dims(3, 0, G // 2)) * fac16
+                g3 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _split_dims(3, 1, G // 2)) * fac16
+                hf0, hg0, hf1, hg1 = f0.to(tl.float16), g0.to(tl.float16), f1.to(tl.float16), g1.to(tl.float16)
+                hf2, hg2, hf3, hg3 = f2.to(tl.float16), g2.to(tl.float16), f3.to(tl.float16), g3.to(tl.float16)
+                off16 = tl.maximum(
+                    tl.maximum(tl.maximum(_max_abs_diff(hf0, f0), _max_abs_diff(hg0, g0)),
+                               tl.maximum(_max_abs_diff(hf1, f1), _max_abs_diff(hg1, g1))),
+                    tl.maximum(tl.maximum(_max_abs_diff(hf2, f2), _max_abs_diff(hg2, g2)),
+                               tl.maximum(_max_abs_diff(hf3, f3), _max_abs_diff(hg3, g3))))
+                if off16 == 0.0:
+                    tile16 = _pow2(e16 - Q_TOP) * KFAC
+                    _page_loop_e4m3(k_ptr, s_ptr, bt_row8, out_ptr, o_h, pos, pos0, m_n, post, tile16, p_start,
+                                    p_end, cp_rank, cp_world, stride_k_page, stride_s_page, hf0, hg0, hf0, hg0,
+                                    hf1, hg1, hf1, hg1, hf2, hg2, hf2, hg2, hf3, hg3, hf3, hg3, 0, Q8_SHIFT,
+                                    NUM_STAGES, T, G, DATA_BYTES, SCALE_BYTES, USE_ASM, INTERPRET)
+                    return
+        # else: a tile too wide for one power of two; it is scored by the split path below
     if FMT == 2 and MX_STACKED:
         # One dot per page against a block-diagonal Q: column g*NQ + n holds query n's group g
         # (zero elsewhere), so the product holds every group's partial dot for every query.

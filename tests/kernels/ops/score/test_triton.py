@@ -84,10 +84,12 @@ def abs_cache(k_cache, k_scale):
 
 def make_q(gen, rows, H, q_dtype, device, scale=1.0, octaves=0):
     """Gaussian Q times ``scale``; with ``octaves`` > 0 each element is further multiplied by a random
-    2^-k, k in [0, octaves] (rows with a wide dynamic range)."""
+    2^-k, k in [0, octaves] (rows with a wide dynamic range); with ``octaves`` < 0, each query
+    vector as a whole by 2^-k, k in [0, -octaves] (vectors of very different sizes in one tile)."""
     q = torch.randn(rows, H, 128, generator=gen) * scale
     if octaves:
-        q = q * torch.exp2(-torch.randint(0, octaves + 1, q.shape, generator=gen).float())
+        shape = q.shape if octaves > 0 else (rows, H, 1)
+        q = q * torch.exp2(-torch.randint(0, abs(octaves) + 1, shape, generator=gen).float())
     if q_dtype == FP8_DTYPE:
         q = q.clamp(-448, 448)
     return q.to(q_dtype).to(device)
@@ -159,11 +161,13 @@ def test_decode_small(gen, fmt, q_dtype, mx_mode, monkeypatch):
     check_decode(gen, "cpu", fmt, q_dtype, S=2, H=3, seq_lens=[2, 129, 300], max_block=4)
 
 
-@pytest.mark.parametrize("terms", [2, 4])
-@pytest.mark.parametrize("octaves", [0, 12, 40], ids=["q_narrow", "q_12_octaves", "q_40_octaves"])
+@pytest.mark.parametrize("terms", [0, 2, 4])
+@pytest.mark.parametrize("octaves", [0, 12, 40, -60], ids=["q_narrow", "q_12_octaves", "q_40_octaves",
+                                                          "q_vectors_60_octaves_apart"])
 def test_decode_e4m3_mode_q_parts_and_fallback(gen, terms, octaves, monkeypatch):
-    """Mode e4m3 with a bf16 Q split into 2 or 4 e4m3 parts: tiles whose rows are too wide for the
-    parts (many with 12 octaves and 2 parts, most with 40) take the fp16 path; all must be right."""
+    """Mode e4m3 with a bf16 Q in 2 or 4 e4m3 parts (0: fp16 with one power of two per tile): tiles too
+    wide for the parts (many with 12 octaves and 2 parts, most with 40) or for one power of two (query
+    vectors 60 octaves apart) take a wider path; all must be right."""
     _on("cpu")
     mod = _kernels()
     monkeypatch.setenv("M3_TRITON_MX_MODE", "e4m3")
@@ -215,8 +219,9 @@ def test_decode_mxfp4_modes(gen, mode, q_dtype, S, H, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("terms", [2, 4])
-@pytest.mark.parametrize("octaves", [0, 12, 40], ids=["q_narrow", "q_12_octaves", "q_40_octaves"])
+@pytest.mark.parametrize("terms", [0, 2, 4])
+@pytest.mark.parametrize("octaves", [0, 12, 40, -60], ids=["q_narrow", "q_12_octaves", "q_40_octaves",
+                                                          "q_vectors_60_octaves_apart"])
 @pytest.mark.parametrize("scale_range,q_scale", [((100, 150), 1.0), ((1, 20), 1.0), ((230, 252), 2.0**-100)],
                          ids=["e8m0_mid", "e8m0_low", "e8m0_high"])
 def test_decode_e4m3_mode_gpu(gen, terms, octaves, scale_range, q_scale, monkeypatch):
