@@ -24,7 +24,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from m3_kernels.formats import INDEX_DIM, MX_GROUP_SIZE, MXFP4_DATA_BYTES, MXFP4_SCALE_BYTES, PAGE_SIZE
 from m3_kernels.ops.score import triton as score_triton
 
 TARGET = GPUTarget("cuda", 90, 32)

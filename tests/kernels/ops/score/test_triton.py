@@ -161,7 +161,7 @@ def test_decode_small(gen, fmt, q_dtype, mx_mode, monkeypatch):
     check_decode(gen, "cpu", fmt, q_dtype, S=2, H=3, seq_lens=[2, 129, 300], max_block=4)
 
 
-@pytest.mark.parametrize("terms", [0, 2, 4])
+@pytest.mark.parametrize("terms", [0, 2, 4], ids=["t0", "t2", "t4"])
 @pytest.mark.parametrize("octaves", [0, 12, 40, -60], ids=["q_narrow", "q_12_octaves", "q_40_octaves",
                                                           "q_vectors_60_octaves_apart"])
 def test_decode_e4m3_mode_q_parts_and_fallback(gen, terms, octaves, monkeypatch):
@@ -219,7 +219,7 @@ def test_decode_mxfp4_modes(gen, mode, q_dtype, S, H, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("terms", [0, 2, 4])
+@pytest.mark.parametrize("terms", [0, 2, 4], ids=["t0", "t2", "t4"])
 @pytest.mark.parametrize("octaves", [0, 12, 40, -60], ids=["q_narrow", "q_12_octaves", "q_40_octaves",
                                                           "q_vectors_60_octaves_apart"])
 @pytest.mark.parametrize("scale_range,q_scale", [((100, 150), 1.0), ((1, 20), 1.0), ((230, 252), 2.0**-100)],
