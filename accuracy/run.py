@@ -43,6 +43,7 @@ LONG_TASKS = ("m3_niah_single", "m3_niah_multikey")
 SHORT_TASKS = ("m3_short_arith",)
 MIN_LENGTH = 1024
 OVERRIDE_FLAG = "--json-model-override-args"
+RUNNER_OWNED_FLAGS = ("--model-path", "--model", "--host", "--port")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,29 +115,44 @@ class SGLangServer:
         self._log.write(" ".join(self.command()) + "\n")
         self._log.flush()
         self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self._stop()
+            raise
+        return self
+
+    def _wait_healthy(self):
         deadline = time.time() + self.timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                self._stop()
                 raise RuntimeError(f"SGLang server exited with code {self.proc.returncode}; see {self.log_path}")
             try:
                 with urllib.request.urlopen(self.base_url + "/health_generate", timeout=60) as r:
                     if r.status == 200:
-                        return self
+                        return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
             time.sleep(2)
-        self._stop()
         raise TimeoutError(f"SGLang server not healthy after {self.timeout_s:.0f} s; see {self.log_path}")
 
+    def _signal_group(self, sig):
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
     def _stop(self):
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        """SIGTERM the server's process group, SIGKILL after 60 s, then any leftover of the group."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self._signal_group(signal.SIGTERM)
+                try:
+                    self.proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    pass
+            self._signal_group(signal.SIGKILL)
+            self.proc.wait()
         self._log.close()
 
     def __exit__(self, *exc):
@@ -293,6 +309,10 @@ def compare_formats(argv=None) -> dict:
     unknown = [t for t in args.tasks if t not in (*LONG_TASKS, *SHORT_TASKS)]
     if unknown:
         raise ValueError(f"--tasks must be among {[*LONG_TASKS, *SHORT_TASKS]}, got {unknown}")
+    owned = [a for a in launch_args if a.split("=")[0] in RUNNER_OWNED_FLAGS]
+    if owned:
+        raise ValueError(f"launch arguments {owned} are set by the runner (one free local port per server); "
+                         "drop them, or start the servers yourself and pass --base-url")
     tokenizer = args.tokenizer or args.model
     args.out.mkdir(parents=True, exist_ok=True)
 

@@ -52,3 +52,5 @@ def test_cli_validates_before_starting_anything(tmp_path):
     with pytest.raises(ValueError, match="--base-url names"):
         run.compare_formats(["--model", "m", "--formats", "fp8", "mxfp4", "--base-url", "fp8=http://a", "bf16=http://b",
                   "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="set by the runner"):
+        run.compare_formats(["--model", "m", "--out", str(tmp_path), "--", "--tp", "2", "--port=9000"])
