@@ -25,11 +25,13 @@ Numerics:
   multiplied by one power of two, the product of the group's e8m0 scale, ``2^14`` and the Q
   row's power of two below, so it leaves fp32's range only where the exact score does. Exact.
 - MXFP4 mode ``e4m3``: code c becomes the e4m3 byte ``(c & 8) << 4 | (c & 7) << 2`` = ``2^-6 * e2m1``
-  exactly (code 1 an e4m3 subnormal); an e4m3 Q is used as stored; a bf16 Q row is moved to a
-  largest magnitude in [2^7, 2^8) and split into 2 or 4 e4m3 parts (``_e4m3_levels``: exact for
-  elements within 2^9 or 2^18 of the row's largest). A tile with any inexact part is scored by the
-  ``split`` path instead (one in-kernel branch per program), so the result is always the exact
-  products, accumulated in fp32.
+  exactly (code 1 an e4m3 subnormal); an e4m3 Q is used as stored. A bf16 Q tile is multiplied by
+  one power of two (its largest magnitude to [2^8, 2^9)) and split into 2 (or 4) e4m3 parts
+  (``_e4m3_levels``); where any part is inexact, the tile is instead rounded to fp16 with one power
+  of two for the tile (largest magnitude in [2^14, 2^15)) and the fp16 decode; where that is inexact
+  too (query vectors of very different sizes in one tile), the ``split`` path below. Each choice is
+  one in-kernel branch per program, taken only when exact (checked element by element, NaN counting
+  as inexact), so the products are always exact, accumulated in fp32.
 - fp8: e4m3 widens to fp16 exactly.
 - Q: e4m3 widens to fp16 exactly. A bf16 Q row is multiplied by a power of two that puts its
   largest magnitude in [2^14, 2^15) and then rounded to fp16 (11 significant bits, so exact for
@@ -59,7 +61,7 @@ _F16_K_EXP = 14  # MXFP4 K is formed as 2^-14 * e2m1 in fp16
 _Q_F16_TOP = 14  # a bf16 Q row's largest magnitude is moved to [2^14, 2^15)
 _PREFILL_ROWS_X_HEADS = 64  # query vectors per prefill tile
 _E4M3_K_EXP = 6  # MXFP4 K is formed as 2^-6 * e2m1 in e4m3 (mode "e4m3")
-_Q_E4M3_TOP = 7  # mode "e4m3": a bf16 Q row's largest magnitude is moved to [2^7, 2^8)
+_Q_E4M3_TOP = 8  # mode "e4m3": a bf16 Q tile's largest magnitude is moved to [2^8, 2^9)
 _Q_E4M3_SHIFT = 9  # mode "e4m3": the second e4m3 level of a bf16 Q row is scaled by 2^9
 _Q_E4M3_TERMS = 2  # mode "e4m3": e4m3 parts per bf16 Q element (2, 4; 0: none, fp16 with one power of two)
 ENV_NO_ASM = "M3_TRITON_NO_ASM"  # "1": decode e2m1 with plain Triton ops on the GPU too (no inline PTX)
@@ -289,18 +291,19 @@ def _e4m3_dims(g: tl.constexpr, G: tl.constexpr):
 
 @triton.jit
 def _e4m3_levels(x, SHIFT: tl.constexpr, TERMS: tl.constexpr):
-    """fp32 ``x`` (a bf16 row times a power of two, largest magnitude in [2^7, 2^8)) ->
+    """fp32 ``x`` (bf16 values times a power of two, largest magnitude in [2^8, 2^9)) ->
     ``(h0, l0, h1, l1, residual)`` e4m3 parts with ``x = h0 + l0 + residual`` (TERMS 2; h1, l1 unused)
     or ``x = h0 + l0 + 2^-SHIFT (h1 + l1) + 2^-SHIFT residual`` (TERMS 4). Each step is exact in fp32
-    (a difference of a value and its rounding), so ``residual == 0`` means the parts are exact.
+    (a difference of a value and its rounding), so ``residual == 0`` means the parts are exact
+    (a part that overflowed e4m3, saturated or NaN, leaves a nonzero or NaN residual).
 
     When it is exact (the range condition): a bf16 element y = 1.b1..b7 * 2^E has 8 significant bits;
     h = e4m3(y) keeps 4 of them and y - h is a multiple of 2^(E-7) of magnitude <= 2^(E-3), i.e. at
     most 4 significant bits, so it is an e4m3 value whenever 2^(E-7) >= 2^-9 (e4m3's smallest step),
-    i.e. E >= -2; h <= 2^8 < 448 never overflows. With the row's largest magnitude in [2^7, 2^8),
-    TERMS 2 is exact for every element within 2^9 of the largest (zeros included); TERMS 4 repeats the
-    split on the residual times 2^SHIFT (SHIFT 9), exact within 2^18 of the largest. Anything
-    smaller leaves a residual, and the kernel scores that tile on the fp16 path instead.
+    i.e. E >= -2, and h fits e4m3 (max 448) for |y| < 464. With the largest magnitude in [2^8, 2^9),
+    TERMS 2 is exact for every element within 2^10 of it (zeros included) except elements in
+    [464, 512), which overflow; TERMS 4 repeats the split on the residual times 2^SHIFT (SHIFT 9),
+    reaching 2^19 below. Anything else leaves a residual, and the kernel takes a wider path.
     """
     h0 = x.to(tl.float8e4nv)
     r = x - h0.to(tl.float32)
@@ -319,9 +322,9 @@ def _e4m3_levels(x, SHIFT: tl.constexpr, TERMS: tl.constexpr):
 
 
 @triton.jit
-def _max_abs_diff(a, b):
-    """Largest ``|a - b|`` over a 2-D tile (fp32 scalar)."""
-    return tl.max(tl.max(tl.abs(a.to(tl.float32) - b.to(tl.float32)), axis=1), axis=0)
+def _n_nonzero(x):
+    """How many elements of a 2-D fp32 tile are not zero (NaN counts), int32 scalar."""
+    return tl.sum(tl.sum((x != 0.0).to(tl.int32), axis=1), axis=0)
 
 
 @triton.jit
@@ -493,7 +496,7 @@ def _score_kernel(
                             SCALE_BYTES, USE_ASM, INTERPRET)
             return
         else:
-            # One power of two for the whole tile (its largest |q| to [2^7, 2^8) for e4m3 parts, to
+            # One power of two for the whole tile (its largest |q| to [2^8, 2^9) for e4m3 parts, to
             # [2^14, 2^15) for fp16): the scale products are then one per token, not per (token, query).
             amax = tl.maximum(tl.maximum(tl.max(tl.max(tl.abs(q0), axis=1), axis=0),
                                          tl.max(tl.max(tl.abs(q1), axis=1), axis=0)),
@@ -506,11 +509,8 @@ def _score_kernel(
                 h01, l01, h11, l11, r1 = _e4m3_levels(q1 * fac8, Q8_SHIFT, Q8_TERMS)
                 h02, l02, h12, l12, r2 = _e4m3_levels(q2 * fac8, Q8_SHIFT, Q8_TERMS)
                 h03, l03, h13, l13, r3 = _e4m3_levels(q3 * fac8, Q8_SHIFT, Q8_TERMS)
-                inexact = tl.maximum(tl.maximum(tl.max(tl.max(tl.abs(r0), axis=1), axis=0),
-                                                tl.max(tl.max(tl.abs(r1), axis=1), axis=0)),
-                                     tl.maximum(tl.max(tl.max(tl.abs(r2), axis=1), axis=0),
-                                                tl.max(tl.max(tl.abs(r3), axis=1), axis=0)))
-                if inexact == 0.0:
+                inexact = _n_nonzero(r0) + _n_nonzero(r1) + _n_nonzero(r2) + _n_nonzero(r3)
+                if inexact == 0:
                     tile8 = _pow2(e8 - Q8_TOP) * K8FAC
                     _page_loop_e4m3(k_ptr, s_ptr, bt_row8, out_ptr, o_h, pos, pos0, m_n, post, tile8, p_start, p_end,
                                     cp_rank, cp_world, stride_k_page, stride_s_page, h00, l00, h10, l10, h01, l01,
@@ -531,12 +531,11 @@ def _score_kernel(
                 g3 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _split_dims(3, 1, G // 2)) * fac16
                 hf0, hg0, hf1, hg1 = f0.to(tl.float16), g0.to(tl.float16), f1.to(tl.float16), g1.to(tl.float16)
                 hf2, hg2, hf3, hg3 = f2.to(tl.float16), g2.to(tl.float16), f3.to(tl.float16), g3.to(tl.float16)
-                off16 = tl.maximum(
-                    tl.maximum(tl.maximum(_max_abs_diff(hf0, f0), _max_abs_diff(hg0, g0)),
-                               tl.maximum(_max_abs_diff(hf1, f1), _max_abs_diff(hg1, g1))),
-                    tl.maximum(tl.maximum(_max_abs_diff(hf2, f2), _max_abs_diff(hg2, g2)),
-                               tl.maximum(_max_abs_diff(hf3, f3), _max_abs_diff(hg3, g3))))
-                if off16 == 0.0:
+                off16 = (_n_nonzero(hf0.to(tl.float32) - f0) + _n_nonzero(hg0.to(tl.float32) - g0)
+                         + _n_nonzero(hf1.to(tl.float32) - f1) + _n_nonzero(hg1.to(tl.float32) - g1)
+                         + _n_nonzero(hf2.to(tl.float32) - f2) + _n_nonzero(hg2.to(tl.float32) - g2)
+                         + _n_nonzero(hf3.to(tl.float32) - f3) + _n_nonzero(hg3.to(tl.float32) - g3))
+                if off16 == 0:
                     tile16 = _pow2(e16 - Q_TOP) * KFAC
                     _page_loop_e4m3(k_ptr, s_ptr, bt_row8, out_ptr, o_h, pos, pos0, m_n, post, tile16, p_start,
                                     p_end, cp_rank, cp_world, stride_k_page, stride_s_page, hf0, hg0, hf0, hg0,
