@@ -86,8 +86,9 @@ def main(argv=None) -> int:
                 print(f"max_total_num_tokens={info.get('max_total_num_tokens')} page_size={info.get('page_size')}")
             except urllib.error.URLError:
                 pass
-            payload = {"text": PROMPT * 34,  # about 2450 tokens: 20 blocks, so top-16 drops some "sampling_params": {"max_new_tokens": args.max_new_tokens,
-                                                               "temperature": 0}}
+            # About 2450 tokens: 20 blocks, so top-16 selection drops some.
+            payload = {"text": PROMPT * 34,
+                       "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": 0}}
             req = urllib.request.Request(url + "/generate", data=json.dumps(payload).encode(),
                                          headers={"Content-Type": "application/json"})
             t0 = time.monotonic()
