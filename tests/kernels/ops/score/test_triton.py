@@ -197,9 +197,11 @@ def test_decode_small_variants(gen, case, monkeypatch):
     check_decode(gen, "cpu", "mxfp4", torch.bfloat16, **kw)
 
 
-def test_prefill_small(gen):
+@pytest.mark.parametrize("mx_mode", ["split", "e4m3"])
+def test_prefill_small(gen, mx_mode, monkeypatch):
     _on("cpu")
     _kernels()
+    monkeypatch.setenv("M3_TRITON_MX_MODE", mx_mode)
     check_prefill(gen, "cpu", "mxfp4", torch.bfloat16, H=2, new=[3, 130], prefix=[125, 0], max_block=3)
 
 
