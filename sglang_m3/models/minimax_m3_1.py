@@ -12,6 +12,10 @@ construction and modules:
 - routed scale: SGLang's torch top-k cannot scale the routed weights itself, so the routing
   weights are multiplied by ``routed_scaling_factor`` right after top-k (same result).
 
+On ROCm, SGLang's fused norm + RoPE + cache-store kernel writes bf16 index keys into the cache
+itself; with a quantized index cache the pool's writer must do it, so that fusion is switched
+off (the norm + RoPE kernels stay).
+
 The architecture name stays ``MiniMaxM3SparseForCausalLM``: SGLang keys its M3 pool, backend and
 server defaults on it.
 """
@@ -22,8 +26,10 @@ import logging
 import torch
 from torch import nn
 
-from sglang.srt.models.minimax_m3 import MiniMaxM3MoE
+from sglang.srt.models.minimax_m3 import MiniMaxM3Attention, MiniMaxM3MoE
 from sglang.srt.models.minimax_m3 import MiniMaxM3SparseForCausalLM as _UpstreamM3
+
+from ..config import index_k_settings
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +78,10 @@ class MiniMaxM3SparseForCausalLM(_UpstreamM3):
     def __init__(self, config, quant_config=None, prefix: str = ""):
         with _torch_rotary_off_cuda():
             super().__init__(config, quant_config=quant_config, prefix=prefix)
+        if index_k_settings(config) is not None:
+            for module in self.modules():
+                if isinstance(module, MiniMaxM3Attention):
+                    module._can_use_rocm_sparse_qk_index_norm_rope_static = False
         if not torch.cuda.is_available():
             for module in self.modules():
                 if isinstance(module, MiniMaxM3MoE):
