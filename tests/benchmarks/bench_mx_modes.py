@@ -82,6 +82,23 @@ def run_cell(pools, S, H, B, ctx, modes, terms_arms=False, sm_scale=0.088):
     return res
 
 
+def table(results, modes, header):
+    """Markdown table of ``run_cell`` results."""
+    cols = ["fp8_us"] + [f"mx_{m}_{k}" for m in modes for k in ("us", "ratio", "e4m3q_us")]
+    lines = [header, "", "| shape | B | ctx | " + " | ".join(cols) + " | MXFP4 floor us |",
+             "|" + "---|" * (len(cols) + 4)]
+    for r in results:
+        lines.append(f"| S{r['S']} H{r['H']} | {r['B']} | {r['ctx']} | "
+                     + " | ".join(f"{r[c]:.2f}" for c in cols) + f" | {r['mx_floor_us']:.1f} |")
+    extra = [r for r in results if "mx_e4m3_t0_us" in r]
+    if extra:
+        lines += ["", "| cell | e4m3 (2 parts) us | e4m3 fp16-only us | e4m3 4 parts us |", "|---|---|---|---|"]
+        for r in extra:
+            lines.append(f"| B{r['B']} ctx{r['ctx']} | {r['mx_e4m3_us']:.2f} | {r['mx_e4m3_t0_us']:.2f} | "
+                         f"{r['mx_e4m3_t4_us']:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -105,19 +122,7 @@ def main(argv=None):
         bs.log(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}))
         with open(os.path.join(args.out, "bench_mx_modes.json"), "w") as f:
             json.dump({"header": header, "cells": results}, f, indent=1)
-    cols = ["fp8_us"] + [f"mx_{m}_{k}" for m in modes for k in ("us", "ratio", "e4m3q_us")]
-    lines = [header, "", "| shape | B | ctx | " + " | ".join(cols) + " | MXFP4 floor us |",
-             "|" + "---|" * (len(cols) + 4)]
-    for r in results:
-        lines.append(f"| S{r['S']} H{r['H']} | {r['B']} | {r['ctx']} | "
-                     + " | ".join(f"{r[c]:.2f}" for c in cols) + f" | {r['mx_floor_us']:.1f} |")
-    extra = [r for r in results if "mx_e4m3_t0_us" in r]
-    if extra:
-        lines += ["", "| cell | e4m3 (2 parts) us | e4m3 fp16-only us | e4m3 4 parts us |", "|---|---|---|---|"]
-        for r in extra:
-            lines.append(f"| B{r['B']} ctx{r['ctx']} | {r['mx_e4m3_us']:.2f} | {r['mx_e4m3_t0_us']:.2f} | "
-                         f"{r['mx_e4m3_t4_us']:.2f} |")
-    text = "\n".join(lines)
+    text = table(results, modes, header)
     with open(os.path.join(args.out, "bench_mx_modes.md"), "w") as f:
         f.write(text + "\n")
     bs.log(text)
