@@ -62,6 +62,8 @@ _Q_F16_TOP = 14  # a bf16 Q row's largest magnitude is moved to [2^14, 2^15)
 _PREFILL_ROWS_X_HEADS = 64  # query vectors per prefill tile
 _E4M3_K_EXP = 6  # MXFP4 K is formed as 2^-6 * e2m1 in e4m3 (mode "e4m3")
 _Q_E4M3_TOP = 8  # mode "e4m3": a bf16 Q tile's largest magnitude is moved to [2^8, 2^9)
+_E4M3_STACKED = True  # mode "e4m3": one dot per page against a block-diagonal Q (tiles of <= 8 vectors)
+_E4M3_STACK_MAX_NV = 8
 _Q_E4M3_SHIFT = 9  # mode "e4m3": the second e4m3 level of a bf16 Q row is scaled by 2^9
 _Q_E4M3_TERMS = 2  # mode "e4m3": e4m3 parts per bf16 Q element (2, 4; 0: none, fp16 with one power of two)
 ENV_NO_ASM = "M3_TRITON_NO_ASM"  # "1": decode e2m1 with plain Triton ops on the GPU too (no inline PTX)
@@ -417,6 +419,41 @@ def _page_loop_e4m3(k_ptr, s_ptr, bt_row, out_ptr, o_h, pos, pos_min, m_n, post,
 
 
 @triton.jit
+def _page_loop_e4m3_stacked(k_ptr, s_ptr, bt_row, out_ptr, o_h, pos, pos_min, m_n, post, tile_scale, p_start,
+                            p_end, cp_rank, cp_world, stride_k_page, stride_s_page, qs_h, qs_l,
+                            Q_TERMS: tl.constexpr, NUM_STAGES: tl.constexpr, T: tl.constexpr, G: tl.constexpr,
+                            NV: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
+                            USE_ASM: tl.constexpr, INTERPRET: tl.constexpr):
+    """Mode ``e4m3``, stacked: one K=128 fp8 dot per page against a block-diagonal Q ``[128, 4 NV]``
+    (column ``g NV + n``: query n's group g, zero elsewhere), then each group's scale on its columns
+    and the sum over groups: ``[T, NV]`` scores with no padding columns past the tile's queries."""
+    GB: tl.constexpr = G // 2
+    NG: tl.constexpr = DATA_BYTES // GB
+    o_t = tl.arange(0, T)
+    o_b = tl.arange(0, DATA_BYTES)
+    grp = tl.arange(0, NG * NV) // NV
+    s_words = s_ptr.to(tl.pointer_type(tl.int32))
+    for p in tl.range(p_start, p_end, num_stages=NUM_STAGES):
+        page = tl.load(bt_row + p).to(tl.int64)
+        b_d = tl.load(k_ptr + page * stride_k_page + o_t[:, None] * DATA_BYTES + o_b[None, :])
+        w_s = tl.load(s_words + page * (stride_s_page // 4) + o_t * (SCALE_BYTES // 4))
+        lo, hi = _e2m1_split_e4m3(b_d, USE_ASM)
+        lo3 = tl.reshape(lo, (T, NG, GB))
+        hi3 = tl.reshape(hi, (T, NG, GB))
+        b_k = tl.reshape(tl.permute(tl.join(lo3, hi3), (0, 1, 3, 2)), (T, NG * G))
+        if Q_TERMS == 1:
+            part = _dot_e4m3(b_k, qs_h, None, INTERPRET)
+        else:
+            part = _dot_e4m3(b_k, qs_h, _dot_e4m3(b_k, qs_l, None, INTERPRET), INTERPRET)
+        sc = _pow2((w_s[:, None] >> (8 * grp)[None, :]) & 0xFF) * tile_scale
+        acc = tl.sum(tl.reshape(part * sc, (T, NG, NV)), axis=1)
+        t0 = (p * cp_world + cp_rank) * T
+        if t0 + T - 1 > pos_min:
+            acc = tl.where((t0 + o_t)[:, None] <= pos[None, :], acc, float("-inf"))
+        tl.store(out_ptr + o_h + p, tl.max(acc, axis=0) * post, mask=m_n)
+
+
+@triton.jit
 def _score_kernel(
     q_ptr, k_ptr, s_ptr, bt_ptr, seq_ptr, cu_ptr, tile_ptr, out_ptr,
     n_cols, S, cp_rank, cp_world, sm_scale,
@@ -446,6 +483,8 @@ def _score_kernel(
     K8FAC: tl.constexpr,  # 2^6: MX_E4M3 K is formed as 2^-6 * e2m1
     Q8_TOP: tl.constexpr,
     Q8_SHIFT: tl.constexpr,
+    E4M3_STACK: tl.constexpr,  # MX_E4M3: one dot per page against a block-diagonal Q of NV vectors
+    NV: tl.constexpr,  # query vectors per tile padded to a power of two >= 4 (E4M3_STACK)
 ):
     i_c, i_tile = tl.program_id(0), tl.program_id(1)
     if PREFILL:
@@ -488,6 +527,35 @@ def _score_kernel(
         q1 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _e4m3_dims(1, G))
         q2 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _e4m3_dims(2, G))
         q3 = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, _e4m3_dims(3, G))
+        if E4M3_STACK:
+            # Block-diagonal Q over NV query vectors (the tile's, padded to a power of two >= 4).
+            o_v = tl.arange(0, 4 * NV)
+            n_v = o_v % NV
+            m_v = (n_v // H) < n_rows
+            o_d8 = tl.arange(0, D)
+            dims8 = (o_d8 // G) * G + 2 * (o_d8 % (G // 2)) + (o_d8 % G) // (G // 2)
+            q_st = _load_q_dims(q_ptr, row0 + n_v // H, n_v % H, m_v, stride_q_r, stride_q_h, dims8)
+            q_st = tl.where((o_d8 // G)[:, None] == (o_v // NV)[None, :], q_st, 0.0)
+            o_n8 = tl.arange(0, NV)
+            j8 = o_n8 // H
+            m_n8 = j8 < n_rows
+            o_h8 = (o_n8 % H).to(tl.int64) * stride_o_h + (row0 + j8).to(tl.int64) * stride_o_r
+            post8 = tl.full([NV], 1.0, tl.float32) * sm_scale
+            if Q_FP8:
+                q_h = q_st.to(tl.float8e4nv)
+                _page_loop_e4m3_stacked(k_ptr, s_ptr, bt_row8, out_ptr, o_h8, pos0 + j8, pos0, m_n8, post8, K8FAC,
+                                        p_start, p_end, cp_rank, cp_world, stride_k_page, stride_s_page, q_h, q_h,
+                                        1, NUM_STAGES, T, G, NV, DATA_BYTES, SCALE_BYTES, USE_ASM, INTERPRET)
+                return
+            else:
+                e8s = _q_exponent(tl.max(tl.max(tl.abs(q_st), axis=1), axis=0), Q8_TOP)
+                q_h, q_l, q_h1, q_l1, r_st = _e4m3_levels(q_st * _pow2(2 * 127 + Q8_TOP - e8s), Q8_SHIFT, 2)
+                if _n_nonzero(r_st) == 0:
+                    _page_loop_e4m3_stacked(k_ptr, s_ptr, bt_row8, out_ptr, o_h8, pos0 + j8, pos0, m_n8, post8,
+                                            _pow2(e8s - Q8_TOP) * K8FAC, p_start, p_end, cp_rank, cp_world,
+                                            stride_k_page, stride_s_page, q_h, q_l, 2, NUM_STAGES, T, G, NV,
+                                            DATA_BYTES, SCALE_BYTES, USE_ASM, INTERPRET)
+                    return
         if Q_FP8:
             h0, h1, h2, h3 = q0.to(tl.float8e4nv), q1.to(tl.float8e4nv), q2.to(tl.float8e4nv), q3.to(tl.float8e4nv)
             _page_loop_e4m3(k_ptr, s_ptr, bt_row8, out_ptr, o_h, pos, pos0, m_n, post, K8FAC, p_start, p_end,
@@ -502,7 +570,7 @@ def _score_kernel(
                                          tl.max(tl.max(tl.abs(q1), axis=1), axis=0)),
                               tl.maximum(tl.max(tl.max(tl.abs(q2), axis=1), axis=0),
                                          tl.max(tl.max(tl.abs(q3), axis=1), axis=0)))
-            if Q8_TERMS > 0:
+            if Q8_TERMS > 0 and not E4M3_STACK:
                 e8 = _q_exponent(amax, Q8_TOP)
                 fac8 = _pow2(2 * 127 + Q8_TOP - e8)
                 h00, l00, h10, l10, r0 = _e4m3_levels(q0 * fac8, Q8_SHIFT, Q8_TERMS)
@@ -686,6 +754,7 @@ def _launch(q, k_cache, k_scale, fmt, block_table, seq_lens, cu, tiles, out, n_t
             sm_scale, cp_rank, cp_world, prefill, fill_tail, pp=None, num_warps=4, num_stages=2):
     H = q.shape[1]
     nq = max(16, triton.next_power_of_2(rows * H))
+    nv = max(4, triton.next_power_of_2(rows * H))
     if pp is None:
         pp = _pages_per_program(n_tiles * max_block)
     k_ptr, s_ptr, stride_k, stride_s = _cache_args(k_cache, k_scale, fmt)
@@ -697,6 +766,7 @@ def _launch(q, k_cache, k_scale, fmt, block_table, seq_lens, cu, tiles, out, n_t
         max_block, S, cp_rank, cp_world, sm_scale,
         q.stride(0), q.stride(1), stride_k, stride_s, block_table.stride(0), out.stride(0), out.stride(1),
         FMT=_FMT_CODE[fmt], Q_FP8=q.dtype == FP8_DTYPE, H=H, ROWS=rows, NQ=nq, PP=pp, PREFILL=prefill,
+        E4M3_STACK=_E4M3_STACKED and nv <= _E4M3_STACK_MAX_NV and _Q_E4M3_TERMS == 2, NV=nv,
         FILL_TAIL=fill_tail, NUM_STAGES=num_stages, USE_ASM=_use_asm(), **_mode_flags(_mx_mode()),
         **_static_constexprs(), num_warps=num_warps,
     )
