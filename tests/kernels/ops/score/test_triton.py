@@ -83,11 +83,14 @@ def abs_cache(k_cache, k_scale):
 
 
 def make_q(gen, rows, H, q_dtype, device, scale=1.0, octaves=0):
-    """Gaussian Q times ``scale``; with ``octaves`` > 0 each element is further multiplied by a random
-    2^-k, k in [0, octaves] (rows with a wide dynamic range); with ``octaves`` < 0, each query
-    vector as a whole by 2^-k, k in [0, -octaves] (vectors of very different sizes in one tile)."""
+    """Gaussian Q times ``scale``. ``octaves="e4m3_grid"``: rounded to e4m3 values; ``octaves`` > 0:
+    each element further multiplied by a random 2^-k, k in [0, octaves] (rows with a wide dynamic
+    range); ``octaves`` < 0: each query vector as a whole by 2^-k, k in [0, -octaves] (vectors of very
+    different sizes in one tile)."""
     q = torch.randn(rows, H, 128, generator=gen) * scale
-    if octaves:
+    if octaves == "e4m3_grid":  # values with 4 significant bits: every tile splits exactly into e4m3 parts
+        q = q.to(FP8_DTYPE).float()
+    elif octaves:
         shape = q.shape if octaves > 0 else (rows, H, 1)
         q = q * torch.exp2(-torch.randint(0, abs(octaves) + 1, shape, generator=gen).float())
     if q_dtype == FP8_DTYPE:
@@ -162,8 +165,8 @@ def test_decode_small(gen, fmt, q_dtype, mx_mode, monkeypatch):
 
 
 @pytest.mark.parametrize("terms", [0, 2, 4], ids=["t0", "t2", "t4"])
-@pytest.mark.parametrize("octaves", [0, 12, 40, -60], ids=["q_narrow", "q_12_octaves", "q_40_octaves",
-                                                          "q_vectors_60_octaves_apart"])
+@pytest.mark.parametrize("octaves", [0, 12, 40, -60, "e4m3_grid"],
+                         ids=["q_narrow", "q_12_octaves", "q_40_octaves", "q_vectors_60_octaves_apart", "q_e4m3_grid"])
 def test_decode_e4m3_mode_q_parts_and_fallback(gen, terms, octaves, monkeypatch):
     """Mode e4m3 with a bf16 Q in 2 or 4 e4m3 parts (0: fp16 with one power of two per tile): tiles too
     wide for the parts (many with 12 octaves and 2 parts, most with 40) or for one power of two (query
@@ -174,6 +177,9 @@ def test_decode_e4m3_mode_q_parts_and_fallback(gen, terms, octaves, monkeypatch)
     monkeypatch.setattr(mod, "_Q_E4M3_TERMS", terms)
     check_decode(gen, "cpu", "mxfp4", torch.bfloat16, S=2, H=2, seq_lens=[3, 200, 256], max_block=2,
                  scale_range=(110, 140), q_octaves=octaves)
+    if octaves == "e4m3_grid":  # tiles of more than 8 query vectors take the unstacked e4m3 loop
+        check_decode(gen, "cpu", "mxfp4", torch.bfloat16, S=3, H=4, seq_lens=[3, 200], max_block=2,
+                     scale_range=(110, 140), q_octaves=octaves)
 
 
 @pytest.mark.parametrize("case", ["split_views", "cp", "prealloc", "wide_scales", "groups_mode", "stacked_mode",
@@ -222,8 +228,8 @@ def test_decode_mxfp4_modes(gen, mode, q_dtype, S, H, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("terms", [0, 2, 4], ids=["t0", "t2", "t4"])
-@pytest.mark.parametrize("octaves", [0, 12, 40, -60], ids=["q_narrow", "q_12_octaves", "q_40_octaves",
-                                                          "q_vectors_60_octaves_apart"])
+@pytest.mark.parametrize("octaves", [0, 12, 40, -60, "e4m3_grid"],
+                         ids=["q_narrow", "q_12_octaves", "q_40_octaves", "q_vectors_60_octaves_apart", "q_e4m3_grid"])
 @pytest.mark.parametrize("scale_range,q_scale", [((100, 150), 1.0), ((1, 20), 1.0), ((230, 252), 2.0**-100)],
                          ids=["e8m0_mid", "e8m0_low", "e8m0_high"])
 def test_decode_e4m3_mode_gpu(gen, terms, octaves, scale_range, q_scale, monkeypatch):
