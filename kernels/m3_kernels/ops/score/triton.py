@@ -424,9 +424,10 @@ def _page_loop_e4m3_stacked(k_ptr, s_ptr, bt_row, out_ptr, o_h, pos, pos_min, m_
                             Q_TERMS: tl.constexpr, NUM_STAGES: tl.constexpr, T: tl.constexpr, G: tl.constexpr,
                             NV: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
                             USE_ASM: tl.constexpr, INTERPRET: tl.constexpr):
-    """Mode ``e4m3``, stacked: one K=128 fp8 dot per page against a block-diagonal Q ``[128, 4 NV]``
+    """Mode ``e4m3``, stacked: one K=128 dot per page against a block-diagonal Q ``[128, 4 NV]``
     (column ``g NV + n``: query n's group g, zero elsewhere), then each group's scale on its columns
-    and the sum over groups: ``[T, NV]`` scores with no padding columns past the tile's queries."""
+    and the sum over groups: ``[T, NV]`` scores with no padding columns past the tile's queries.
+    ``Q_TERMS`` 1: e4m3 Q ``qs_h``; 2: e4m3 ``qs_h + qs_l``; 0: fp16 Q ``qs_h`` and fp16 K."""
     GB: tl.constexpr = G // 2
     NG: tl.constexpr = DATA_BYTES // GB
     o_t = tl.arange(0, T)
@@ -437,14 +438,21 @@ def _page_loop_e4m3_stacked(k_ptr, s_ptr, bt_row, out_ptr, o_h, pos, pos_min, m_
         page = tl.load(bt_row + p).to(tl.int64)
         b_d = tl.load(k_ptr + page * stride_k_page + o_t[:, None] * DATA_BYTES + o_b[None, :])
         w_s = tl.load(s_words + page * (stride_s_page // 4) + o_t * (SCALE_BYTES // 4))
-        lo, hi = _e2m1_split_e4m3(b_d, USE_ASM)
-        lo3 = tl.reshape(lo, (T, NG, GB))
-        hi3 = tl.reshape(hi, (T, NG, GB))
-        b_k = tl.reshape(tl.permute(tl.join(lo3, hi3), (0, 1, 3, 2)), (T, NG * G))
-        if Q_TERMS == 1:
-            part = _dot_e4m3(b_k, qs_h, None, INTERPRET)
+        if Q_TERMS == 0:
+            # fp16: each group's bytes in ``_split_dims`` order (byte 4c + 2h + i to column 8h + 2c + i)
+            b_d = tl.reshape(tl.permute(tl.reshape(b_d, (T, NG, GB // 4, 2, 2)), (0, 1, 3, 2, 4)), (T, NG, GB))
+            lo3, hi3 = _e2m1_split_f16(b_d, USE_ASM)
+            b_k = tl.reshape(tl.permute(tl.join(lo3, hi3), (0, 1, 3, 2)), (T, NG * G))
+            part = tl.dot(b_k, qs_h, out_dtype=tl.float32)
         else:
-            part = _dot_e4m3(b_k, qs_h, _dot_e4m3(b_k, qs_l, None, INTERPRET), INTERPRET)
+            lo, hi = _e2m1_split_e4m3(b_d, USE_ASM)
+            lo3 = tl.reshape(lo, (T, NG, GB))
+            hi3 = tl.reshape(hi, (T, NG, GB))
+            b_k = tl.reshape(tl.permute(tl.join(lo3, hi3), (0, 1, 3, 2)), (T, NG * G))
+            if Q_TERMS == 1:
+                part = _dot_e4m3(b_k, qs_h, None, INTERPRET)
+            else:
+                part = _dot_e4m3(b_k, qs_h, _dot_e4m3(b_k, qs_l, None, INTERPRET), INTERPRET)
         sc = _pow2((w_s[:, None] >> (8 * grp)[None, :]) & 0xFF) * tile_scale
         acc = tl.sum(tl.reshape(part * sc, (T, NG, NV)), axis=1)
         t0 = (p * cp_world + cp_rank) * T
@@ -556,6 +564,21 @@ def _score_kernel(
                                             stride_k_page, stride_s_page, q_h, q_l, 2, NUM_STAGES, T, G, NV,
                                             DATA_BYTES, SCALE_BYTES, USE_ASM, INTERPRET)
                     return
+                # fp16 with one power of two for the tile, stacked the same way (fp16 decode order).
+                GB8: tl.constexpr = G // 2
+                jj = o_d8 % GB8
+                dims16 = ((o_d8 // G) * G + 2 * (4 * ((jj % 8) // 2) + 2 * (jj // 8) + (jj % 2))
+                          + (o_d8 % G) // GB8)
+                q16 = _load_q_dims(q_ptr, row0 + n_v // H, n_v % H, m_v, stride_q_r, stride_q_h, dims16)
+                e16s = _q_exponent(tl.max(tl.max(tl.abs(q16), axis=1), axis=0), Q_TOP)
+                q16 = tl.where((o_d8 // G)[:, None] == (o_v // NV)[None, :], q16, 0.0) * _pow2(2 * 127 + Q_TOP - e16s)
+                q16h = q16.to(tl.float16)
+                if _n_nonzero(q16h.to(tl.float32) - q16) == 0:
+                    _page_loop_e4m3_stacked(k_ptr, s_ptr, bt_row8, out_ptr, o_h8, pos0 + j8, pos0, m_n8, post8,
+                                            _pow2(e16s - Q_TOP) * KFAC, p_start, p_end, cp_rank, cp_world,
+                                            stride_k_page, stride_s_page, q16h, q16h, 0, NUM_STAGES, T, G, NV,
+                                            DATA_BYTES, SCALE_BYTES, USE_ASM, INTERPRET)
+                    return
         if Q_FP8:
             h0, h1, h2, h3 = q0.to(tl.float8e4nv), q1.to(tl.float8e4nv), q2.to(tl.float8e4nv), q3.to(tl.float8e4nv)
             _page_loop_e4m3(k_ptr, s_ptr, bt_row8, out_ptr, o_h, pos, pos0, m_n, post, K8FAC, p_start, p_end,
@@ -585,7 +608,7 @@ def _score_kernel(
                                     h11, l11, h02, l02, h12, l12, h03, l03, h13, l13, Q8_TERMS, Q8_SHIFT,
                                     NUM_STAGES, T, G, DATA_BYTES, SCALE_BYTES, USE_ASM, INTERPRET)
                     return
-            if Q8_TERMS == 0 or Q8_TERMS == 2:
+            if (Q8_TERMS == 0 or Q8_TERMS == 2) and not E4M3_STACK:
                 # fp16 with one power of two for the tile, when that is exact for every element.
                 e16 = _q_exponent(amax, Q_TOP)
                 fac16 = _pow2(2 * 127 + Q_TOP - e16)
