@@ -32,7 +32,7 @@ OPCODES = ["HGMMA", "QGMMA", "HMMA", "LDG", "LDGSTS", "LDS", "LDSM", "STS", "PRM
 # variant -> (FMT code, MX mode, constexpr overrides)
 VARIANTS = {"fp8": (1, None, {}), "split": (2, "split", {}), "groups": (2, "groups", {}),
             "stacked": (2, "stacked", {}), "e4m3": (2, "e4m3", {}), "e4m3_t4": (2, "e4m3", {"Q8_TERMS": 4}),
-            "e4m3_t0": (2, "e4m3", {"Q8_TERMS": 0}), "e4m3_stacked": (2, "e4m3", {"E4M3_STACK": True})}
+            "e4m3_t0": (2, "e4m3", {"Q8_TERMS": 0}), "e4m3_unstacked": (2, "e4m3", {"E4M3_STACK": False})}
 
 
 def _tool(name):
@@ -54,8 +54,11 @@ def compile_variant(fmt_code, mode, q_fp8=False, nq=16, rows=4, heads=1, pp=16, 
                  PREFILL=False, FILL_TAIL=False, NUM_STAGES=num_stages, USE_ASM=True)
     const.update(score_triton._static_constexprs())
     const.update(score_triton._mode_flags(mode or "split"), INTERPRET=False)
-    const.update(E4M3_STACK=False, NV=max(4, nq // 4) if nq == 16 else nq)
     const.update(overrides or {})
+    nv = max(4, triton.next_power_of_2(rows * heads))  # as score_triton._launch
+    const.setdefault("NV", nv)
+    const.setdefault("E4M3_STACK", score_triton._E4M3_STACKED and nv <= score_triton._E4M3_STACK_MAX_NV
+                     and const["Q8_TERMS"] == 2)
     if fmt_code != 2:
         const["s_ptr"] = None
     for name in fn.arg_names:

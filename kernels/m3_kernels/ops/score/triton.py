@@ -15,9 +15,12 @@ on an H200) feeds each group's even and odd elements as two K=16 operands, with 
 permuted so that a thread's tensor-core fragment is 4 consecutive bytes; ``groups`` decodes each
 group to a K=32 fp16 tile in element order; ``stacked`` does one dot per page against a
 block-diagonal Q (every group's partial dot in one product); ``e4m3`` (experimental, not the
-default: not yet timed on a GPU) decodes K to e4m3 and runs fp8 x fp8 dots, one K=32 dot per group
-and Q part, with each group's even elements first so that a thread's 4 consecutive bytes give two
-whole fragments (no byte permutes).
+default: not yet timed on a GPU) decodes K to e4m3 and runs fp8 x fp8 dots with each group's even
+elements first, so that a thread's 4 consecutive bytes give two whole fragments (no byte permutes).
+For tiles of at most 8 query vectors it is "stacked": one K=128 dot per page against a
+block-diagonal Q of 4 x NV columns (NV = the tile's vectors padded to a power of two >= 4, so no
+padding columns at S*H = 4), each group's scale applied to its columns, groups summed; larger
+tiles take one K=32 dot per group.
 
 Numerics:
 - MXFP4: each e2m1 code becomes the fp16 bit pattern ``sign << 15 | code << 9``, i.e. exactly
