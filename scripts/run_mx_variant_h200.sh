@@ -14,7 +14,7 @@ export PYTHONPATH=$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 SELECT="(test_decode_mxfp4_modes and e4m3) or (e4m3_mode_gpu and t2) or mxfp4_e4m3_mode or (agree_bitwise and e4m3)"
 if [ "${ALL_TESTS:-0}" = 1 ]; then SELECT="mxfp4 or e4m3"; fi
-timeout "${PYTEST_TIMEOUT:-110}" python3 -m pytest -q -m gpu -p no:cacheprovider --import-mode=importlib \
+timeout "${PYTEST_TIMEOUT:-100}" python3 -m pytest -q -m gpu -p no:cacheprovider --import-mode=importlib \
     tests/kernels/ops/score/test_triton.py -k "$SELECT" 2>&1 | tee "$OUT/pytest_gpu.log"
 tests_rc=${PIPESTATUS[0]}
 echo "gpu tests exit code: $tests_rc" | tee -a "$OUT/pytest_gpu.log"

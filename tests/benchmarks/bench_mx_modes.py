@@ -87,7 +87,7 @@ def table(results, modes, header):
     cols = ["fp8_us"] + [f"mx_{m}_{k}" for m in modes for k in ("us", "ratio", "e4m3q_us")]
     lines = [header, "", "| shape | B | ctx | " + " | ".join(cols) + " | MXFP4 floor us |",
              "|" + "---|" * (len(cols) + 4)]
-    for r in results:
+    for r in sorted(results, key=lambda r: (r["S"], r["H"], r["B"], r["ctx"])):
         lines.append(f"| S{r['S']} H{r['H']} | {r['B']} | {r['ctx']} | "
                      + " | ".join(f"{r[c]:.2f}" for c in cols) + f" | {r['mx_floor_us']:.1f} |")
     extra = [r for r in results if "mx_e4m3_t0_us" in r]
@@ -116,7 +116,9 @@ def main(argv=None):
     modes = args.modes.split(",")
     pools = bs.Pools(bs.POOL_PAGES, False)
     results = []
-    for S, H, B, ctx in bs.SEED_CELLS[: args.cells]:
+    # The two cells of the launch-parameter sweep first (a time limit cuts the others).
+    cells = sorted(bs.SEED_CELLS, key=lambda c: (c not in TERMS_CELLS, bs.SEED_CELLS.index(c)))
+    for S, H, B, ctx in cells[: args.cells]:
         r = run_cell(pools, S, H, B, ctx, modes, args.terms)
         results.append(r)
         bs.log(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}))
