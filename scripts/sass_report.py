@@ -57,8 +57,8 @@ def compile_variant(fmt_code, mode, q_fp8=False, nq=16, rows=4, heads=1, pp=16, 
     const.update(overrides or {})
     nv = max(4, triton.next_power_of_2(rows * heads))  # as score_triton._launch
     const.setdefault("NV", nv)
-    const.setdefault("E4M3_STACK", score_triton._E4M3_STACKED and nv <= score_triton._E4M3_STACK_MAX_NV
-                     and const["Q8_TERMS"] == 2)
+    stack = score_triton._E4M3_STACKED and nv <= score_triton._E4M3_STACK_MAX_NV and const["Q8_TERMS"] == 2
+    const.setdefault("E4M3_STACK", mode == "e4m3" and stack)
     if fmt_code != 2:
         const["s_ptr"] = None
     for name in fn.arg_names:

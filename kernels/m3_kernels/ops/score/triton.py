@@ -792,7 +792,8 @@ def _launch(q, k_cache, k_scale, fmt, block_table, seq_lens, cu, tiles, out, n_t
         max_block, S, cp_rank, cp_world, sm_scale,
         q.stride(0), q.stride(1), stride_k, stride_s, block_table.stride(0), out.stride(0), out.stride(1),
         FMT=_FMT_CODE[fmt], Q_FP8=q.dtype == FP8_DTYPE, H=H, ROWS=rows, NQ=nq, PP=pp, PREFILL=prefill,
-        E4M3_STACK=_E4M3_STACKED and nv <= _E4M3_STACK_MAX_NV and _Q_E4M3_TERMS == 2, NV=nv,
+        E4M3_STACK=_mx_mode() == "e4m3" and _E4M3_STACKED and nv <= _E4M3_STACK_MAX_NV and _Q_E4M3_TERMS == 2,
+        NV=nv,
         FILL_TAIL=fill_tail, NUM_STAGES=num_stages, USE_ASM=_use_asm(), **_mode_flags(_mx_mode()),
         **_static_constexprs(), num_warps=num_warps,
     )
