@@ -110,12 +110,10 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
             raise NotImplementedError("speculative decoding is not supported with the MiniMax-M3.1 index-K cache")
         if mode.is_decode():
             bs = forward_batch.seq_lens.shape[0]
-            if self._in_graph_mode:
-                if bs not in self._graph_decode_meta:
-                    self._graph_decode_meta[bs] = self._new_decode_meta(bs)
-                self._decode_meta = self._graph_decode_meta[bs]
-            else:
-                self._decode_meta = self._new_decode_meta(bs)
+            if in_capture:  # buffers the captured graph keeps using at every replay of this bs
+                self._graph_decode_meta[bs] = self._new_decode_meta(bs)
+            meta = self._graph_decode_meta.get(bs) if self._in_graph_mode else None
+            self._decode_meta = meta if meta is not None else self._new_decode_meta(bs)
             return
         # Extend (prefill, chunked prefill, mixed): eager, host metadata allowed.
         seq_lens_cpu = forward_batch.seq_lens_cpu
