@@ -189,7 +189,8 @@ def test_formats_pick_the_same_blocks_outside_their_error(server_factory, mxfp4)
                 for a in set(sel) - set(sel_ref):
                     for b in set(sel_ref) - set(sel):
                         assert abs(s_ref[a] - s_ref[b]) <= 2 * err * (1 + 1e-6), (fmt, key, h, a, b)
-        print(f"{fmt}: {len(ref)} rows x heads, {differing} selections differ from bf16, worst score error {worst:.3g}")
+        print(f"{fmt}: {len(ref)} rows x {len(row['selected'])} heads, {differing} (row, head) selections differ "
+              f"from bf16's, worst score error {worst:.3g}")
         assert worst > 0, f"{fmt} scores equal bf16's exactly: is the format engaged?"
 
 
