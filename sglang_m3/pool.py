@@ -73,8 +73,9 @@ class IndexKPool(MHATokenToKOnlyPool):
     def set_key_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor) -> None:
         """Quantize index keys ``k [tokens, 1, 128]`` or ``[tokens, 128]`` into slots ``loc [tokens]``."""
         s = self.settings
+        # Slots come from SGLang's allocator: skip the writer's slot check (a device sync per call).
         write_index_k(k.reshape(k.shape[0], -1), loc, self.k_buffer[layer_id], self.k_scale_buffer[layer_id],
-                      s.fmt, s.scale_rule, s.sign_seed)
+                      s.fmt, s.scale_rule, s.sign_seed, check_loc=False)
 
     def get_kv_size_bytes(self):
         storages = {k.untyped_storage().data_ptr(): k.untyped_storage().nbytes() for k in self.k_buffer}
