@@ -34,7 +34,17 @@ def _hadamard_f64(n: int, sign_seed: int | None) -> torch.Tensor:
 
 
 def rotation_matrix(n: int = INDEX_DIM, sign_seed: int | None = None, dtype=torch.float32, device=None):
-    """``[n, n]`` orthonormal rotation ``R``; apply as ``x @ R.T``."""
+    """``[n, n]`` orthonormal rotation ``R``; apply as ``x @ R.T``.
+
+    Cached per (n, seed, dtype, device): after the first call on a device no host-to-device copy
+    happens, so calls inside a captured CUDA graph (after a warm-up call) are capture-safe. Treat
+    the result as read-only.
+    """
+    return _rotation_on(n, sign_seed, dtype, torch.device(device) if device is not None else torch.device("cpu"))
+
+
+@functools.lru_cache(maxsize=32)
+def _rotation_on(n: int, sign_seed: int | None, dtype, device: torch.device) -> torch.Tensor:
     return _hadamard_f64(n, sign_seed).to(dtype=dtype, device=device)
 
 
