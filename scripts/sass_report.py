@@ -32,7 +32,8 @@ OPCODES = ["HGMMA", "QGMMA", "HMMA", "LDG", "LDGSTS", "LDS", "LDSM", "STS", "PRM
 # variant -> (FMT code, MX mode, constexpr overrides)
 VARIANTS = {"fp8": (1, None, {}), "split": (2, "split", {}), "groups": (2, "groups", {}),
             "stacked": (2, "stacked", {}), "e4m3": (2, "e4m3", {}), "e4m3_t4": (2, "e4m3", {"Q8_TERMS": 4}),
-            "e4m3_t0": (2, "e4m3", {"Q8_TERMS": 0}), "e4m3_unstacked": (2, "e4m3", {"E4M3_STACK": False})}
+            "e4m3_t0": (2, "e4m3", {"Q8_TERMS": 0}), "e4m3_unstacked": (2, "e4m3", {"E4M3_STACK": False}),
+            "tile16": (2, "tile16", {}), "tile16_unstacked": (2, "tile16", {"E4M3_STACK": False})}
 
 
 def _tool(name):
@@ -57,8 +58,8 @@ def compile_variant(fmt_code, mode, q_fp8=False, nq=16, rows=4, heads=1, pp=16, 
     const.update(overrides or {})
     nv = max(4, triton.next_power_of_2(rows * heads))  # as score_triton._launch
     const.setdefault("NV", nv)
-    stack = score_triton._E4M3_STACKED and nv <= score_triton._E4M3_STACK_MAX_NV and const["Q8_TERMS"] == 2
-    const.setdefault("E4M3_STACK", mode == "e4m3" and stack)
+    stack = score_triton._E4M3_STACKED and nv <= score_triton._E4M3_STACK_MAX_NV and const["Q8_TERMS"] in (0, 2)
+    const.setdefault("E4M3_STACK", mode in ("e4m3", "tile16") and stack)
     if fmt_code != 2:
         const["s_ptr"] = None
     for name in fn.arg_names:

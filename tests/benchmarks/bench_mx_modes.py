@@ -54,7 +54,11 @@ def run_cell(pools, S, H, B, ctx, modes, terms_arms=False, sm_scale=0.088):
                        for r in range(regions)]
                 if check:
                     fns[0]()
-                    bs.check_against_ref(outs[0], qq, kc, ks, bts[0], seq, S, sm_scale, f"{fmt.value}/{mode}")
+                    try:
+                        bs.check_against_ref(outs[0], qq, kc, ks, bts[0], seq, S, sm_scale, f"{fmt.value}/{mode}")
+                    except AssertionError as e:  # recorded, and the cell's timings are not a claim
+                        bs.log(f"GATE FAILED S{S} H{H} B{B} ctx{ctx}: {e}")
+                        res["gate"] = f"FAILED {fmt.value}/{mode}"
                 return bs.graph_time_us(fns)
             finally:
                 score_triton._Q_E4M3_TERMS = saved
@@ -62,7 +66,7 @@ def run_cell(pools, S, H, B, ctx, modes, terms_arms=False, sm_scale=0.088):
 
         return timed
 
-    res = {"S": S, "H": H, "B": B, "ctx": ctx, "regions": regions}
+    res = {"S": S, "H": H, "B": B, "ctx": ctx, "regions": regions, "gate": "pass"}
     names = ["fp8"] + [f"mx_{m}" for m in modes]
     rounds = {n: [] for n in names}
     for i, n in enumerate(names + names[::-1]):
@@ -88,7 +92,8 @@ def table(results, modes, header):
     lines = [header, "", "| shape | B | ctx | " + " | ".join(cols) + " | MXFP4 floor us |",
              "|" + "---|" * (len(cols) + 4)]
     for r in sorted(results, key=lambda r: (r["S"], r["H"], r["B"], r["ctx"])):
-        lines.append(f"| S{r['S']} H{r['H']} | {r['B']} | {r['ctx']} | "
+        gate = "" if r.get("gate", "pass") == "pass" else f" (gate {r['gate']})"
+        lines.append(f"| S{r['S']} H{r['H']}{gate} | {r['B']} | {r['ctx']} | "
                      + " | ".join(f"{r[c]:.2f}" for c in cols) + f" | {r['mx_floor_us']:.1f} |")
     extra = [r for r in results if "mx_e4m3_t0_us" in r]
     if extra:
@@ -102,7 +107,7 @@ def table(results, modes, header):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--modes", default="split,e4m3")
+    parser.add_argument("--modes", default="split,tile16")
     parser.add_argument("--cells", type=int, default=len(bs.SEED_CELLS))
     parser.add_argument("--terms", action="store_true", help="also time e4m3 with 0 and 4 bf16-Q parts")
     args = parser.parse_args(argv)

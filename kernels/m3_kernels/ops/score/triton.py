@@ -70,14 +70,14 @@ _E4M3_STACK_MAX_NV = 8
 _Q_E4M3_SHIFT = 9  # mode "e4m3": the second e4m3 level of a bf16 Q row is scaled by 2^9
 _Q_E4M3_TERMS = 2  # mode "e4m3": e4m3 parts per bf16 Q element (2, 4; 0: none, fp16 with one power of two)
 ENV_NO_ASM = "M3_TRITON_NO_ASM"  # "1": decode e2m1 with plain Triton ops on the GPU too (no inline PTX)
-ENV_MX_MODE = "M3_TRITON_MX_MODE"  # "split" (default), "groups", "stacked" or "e4m3": module docstring
+ENV_MX_MODE = "M3_TRITON_MX_MODE"  # "split" (default), "groups", "stacked", "e4m3", "tile16": docstring
 
 
 def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-MX_MODES = ("split", "groups", "stacked", "e4m3")
+MX_MODES = ("split", "groups", "stacked", "e4m3", "tile16")
 
 
 def _mx_mode() -> str:
@@ -88,8 +88,16 @@ def _mx_mode() -> str:
 
 
 def _mode_flags(mode: str) -> dict:
-    """Constexpr switches of ``_score_kernel`` for an MXFP4 mode (``e4m3`` falls back to ``split``)."""
-    return dict(MX_STACKED=mode == "stacked", MX_SPLIT=mode in ("split", "e4m3"), MX_E4M3=mode == "e4m3")
+    """Constexpr switches of ``_score_kernel`` for an MXFP4 mode (``e4m3`` and ``tile16`` fall back to
+    ``split``; ``tile16`` is ``e4m3`` without e4m3 parts: fp16 decode and fp16 tensor cores only)."""
+    return dict(MX_STACKED=mode == "stacked", MX_SPLIT=mode in ("split", "e4m3", "tile16"),
+                MX_E4M3=mode in ("e4m3", "tile16"), Q8_TERMS=_Q_E4M3_TERMS if mode == "e4m3" else 0)
+
+
+def _stacked(mode: str, nv: int) -> bool:
+    """Whether modes e4m3/tile16 use the stacked page loop for tiles of ``nv`` (padded) vectors."""
+    terms = _mode_flags(mode)["Q8_TERMS"]
+    return mode in ("e4m3", "tile16") and _E4M3_STACKED and nv <= _E4M3_STACK_MAX_NV and terms in (0, 2)
 
 
 def _use_asm() -> bool:
@@ -552,44 +560,45 @@ def _score_kernel(
             m_n8 = j8 < n_rows
             o_h8 = (o_n8 % H).to(tl.int64) * stride_o_h + (row0 + j8).to(tl.int64) * stride_o_r
             post8 = tl.full([NV], 1.0, tl.float32) * sm_scale
-            if Q_FP8:
-                q_h = q_st.to(tl.float8e4nv)
-                _page_loop_e4m3_stacked(k_ptr, s_ptr, bt_row8, out_ptr, o_h8, pos0 + j8, pos0, m_n8, post8, K8FAC,
-                                        p_start, p_end, cp_rank, cp_world, stride_k_page, stride_s_page, q_h, q_h,
-                                        1, NUM_STAGES, T, G, NV, DATA_BYTES, SCALE_BYTES, USE_ASM, INTERPRET)
+            if Q8_TERMS > 0:  # e4m3 parts (fp8 tensor cores: reduced-precision accumulation on Hopper)
+                if Q_FP8:
+                    q_h = q_st.to(tl.float8e4nv)
+                    _page_loop_e4m3_stacked(k_ptr, s_ptr, bt_row8, out_ptr, o_h8, pos0 + j8, pos0, m_n8, post8, K8FAC,
+                                            p_start, p_end, cp_rank, cp_world, stride_k_page, stride_s_page, q_h, q_h,
+                                            1, NUM_STAGES, T, G, NV, DATA_BYTES, SCALE_BYTES, USE_ASM, INTERPRET)
+                    return
+                else:
+                    e8s = _q_exponent(tl.max(tl.max(tl.abs(q_st), axis=1), axis=0), Q8_TOP)
+                    q_h, q_l, q_h1, q_l1, r_st = _e4m3_levels(q_st * _pow2(2 * 127 + Q8_TOP - e8s), Q8_SHIFT, 2)
+                    if _n_nonzero(r_st) == 0:
+                        _page_loop_e4m3_stacked(k_ptr, s_ptr, bt_row8, out_ptr, o_h8, pos0 + j8, pos0, m_n8, post8,
+                                                _pow2(e8s - Q8_TOP) * K8FAC, p_start, p_end, cp_rank, cp_world,
+                                                stride_k_page, stride_s_page, q_h, q_l, 2, NUM_STAGES, T, G, NV,
+                                                DATA_BYTES, SCALE_BYTES, USE_ASM, INTERPRET)
+                        return
+            # fp16 with one power of two for the tile, stacked the same way (fp16 decode order).
+            GB8: tl.constexpr = G // 2
+            jj = o_d8 % GB8
+            dims16 = ((o_d8 // G) * G + 2 * (4 * ((jj % 8) // 2) + 2 * (jj // 8) + (jj % 2))
+                      + (o_d8 % G) // GB8)
+            q16 = _load_q_dims(q_ptr, row0 + n_v // H, n_v % H, m_v, stride_q_r, stride_q_h, dims16)
+            e16s = _q_exponent(tl.max(tl.max(tl.abs(q16), axis=1), axis=0), Q_TOP)
+            q16 = tl.where((o_d8 // G)[:, None] == (o_v // NV)[None, :], q16, 0.0) * _pow2(2 * 127 + Q_TOP - e16s)
+            q16h = q16.to(tl.float16)
+            if _n_nonzero(q16h.to(tl.float32) - q16) == 0:
+                _page_loop_e4m3_stacked(k_ptr, s_ptr, bt_row8, out_ptr, o_h8, pos0 + j8, pos0, m_n8, post8,
+                                        _pow2(e16s - Q_TOP) * KFAC, p_start, p_end, cp_rank, cp_world,
+                                        stride_k_page, stride_s_page, q16h, q16h, 0, NUM_STAGES, T, G, NV,
+                                        DATA_BYTES, SCALE_BYTES, USE_ASM, INTERPRET)
                 return
-            else:
-                e8s = _q_exponent(tl.max(tl.max(tl.abs(q_st), axis=1), axis=0), Q8_TOP)
-                q_h, q_l, q_h1, q_l1, r_st = _e4m3_levels(q_st * _pow2(2 * 127 + Q8_TOP - e8s), Q8_SHIFT, 2)
-                if _n_nonzero(r_st) == 0:
-                    _page_loop_e4m3_stacked(k_ptr, s_ptr, bt_row8, out_ptr, o_h8, pos0 + j8, pos0, m_n8, post8,
-                                            _pow2(e8s - Q8_TOP) * K8FAC, p_start, p_end, cp_rank, cp_world,
-                                            stride_k_page, stride_s_page, q_h, q_l, 2, NUM_STAGES, T, G, NV,
-                                            DATA_BYTES, SCALE_BYTES, USE_ASM, INTERPRET)
-                    return
-                # fp16 with one power of two for the tile, stacked the same way (fp16 decode order).
-                GB8: tl.constexpr = G // 2
-                jj = o_d8 % GB8
-                dims16 = ((o_d8 // G) * G + 2 * (4 * ((jj % 8) // 2) + 2 * (jj // 8) + (jj % 2))
-                          + (o_d8 % G) // GB8)
-                q16 = _load_q_dims(q_ptr, row0 + n_v // H, n_v % H, m_v, stride_q_r, stride_q_h, dims16)
-                e16s = _q_exponent(tl.max(tl.max(tl.abs(q16), axis=1), axis=0), Q_TOP)
-                q16 = tl.where((o_d8 // G)[:, None] == (o_v // NV)[None, :], q16, 0.0) * _pow2(2 * 127 + Q_TOP - e16s)
-                q16h = q16.to(tl.float16)
-                if _n_nonzero(q16h.to(tl.float32) - q16) == 0:
-                    _page_loop_e4m3_stacked(k_ptr, s_ptr, bt_row8, out_ptr, o_h8, pos0 + j8, pos0, m_n8, post8,
-                                            _pow2(e16s - Q_TOP) * KFAC, p_start, p_end, cp_rank, cp_world,
-                                            stride_k_page, stride_s_page, q16h, q16h, 0, NUM_STAGES, T, G, NV,
-                                            DATA_BYTES, SCALE_BYTES, USE_ASM, INTERPRET)
-                    return
-        if Q_FP8:
+        if Q_FP8 and Q8_TERMS > 0:
             h0, h1, h2, h3 = q0.to(tl.float8e4nv), q1.to(tl.float8e4nv), q2.to(tl.float8e4nv), q3.to(tl.float8e4nv)
             _page_loop_e4m3(k_ptr, s_ptr, bt_row8, out_ptr, o_h, pos, pos0, m_n, post, K8FAC, p_start, p_end,
                             cp_rank, cp_world, stride_k_page, stride_s_page, h0, h0, h0, h0, h1, h1, h1, h1,
                             h2, h2, h2, h2, h3, h3, h3, h3, 1, Q8_SHIFT, NUM_STAGES, T, G, DATA_BYTES,
                             SCALE_BYTES, USE_ASM, INTERPRET)
             return
-        else:
+        else:  # bf16 Q, or no e4m3 parts
             # One power of two for the whole tile (its largest |q| to [2^8, 2^9) for e4m3 parts, to
             # [2^14, 2^15) for fp16): the scale products are then one per token, not per (token, query).
             amax = tl.maximum(tl.maximum(tl.max(tl.max(tl.abs(q0), axis=1), axis=0),
@@ -759,7 +768,7 @@ def _static_constexprs() -> dict:
     """The kernel's constexpr arguments that depend on nothing but the formats' constants."""
     return dict(INTERPRET=_interpret(), D=INDEX_DIM, T=PAGE_SIZE, G=MX_GROUP_SIZE, DATA_BYTES=MXFP4_DATA_BYTES,
                 SCALE_BYTES=MXFP4_SCALE_BYTES, KFAC=float(2**_F16_K_EXP), Q_TOP=_Q_F16_TOP,
-                Q8_TERMS=_Q_E4M3_TERMS, K8FAC=float(2**_E4M3_K_EXP), Q8_TOP=_Q_E4M3_TOP, Q8_SHIFT=_Q_E4M3_SHIFT)
+                K8FAC=float(2**_E4M3_K_EXP), Q8_TOP=_Q_E4M3_TOP, Q8_SHIFT=_Q_E4M3_SHIFT)
 
 
 def _pages_per_program(work_pages: int) -> int:
@@ -792,7 +801,7 @@ def _launch(q, k_cache, k_scale, fmt, block_table, seq_lens, cu, tiles, out, n_t
         max_block, S, cp_rank, cp_world, sm_scale,
         q.stride(0), q.stride(1), stride_k, stride_s, block_table.stride(0), out.stride(0), out.stride(1),
         FMT=_FMT_CODE[fmt], Q_FP8=q.dtype == FP8_DTYPE, H=H, ROWS=rows, NQ=nq, PP=pp, PREFILL=prefill,
-        E4M3_STACK=_mx_mode() == "e4m3" and _E4M3_STACKED and nv <= _E4M3_STACK_MAX_NV and _Q_E4M3_TERMS == 2,
+        E4M3_STACK=_stacked(_mx_mode(), nv),
         NV=nv,
         FILL_TAIL=fill_tail, NUM_STAGES=num_stages, USE_ASM=_use_asm(), **_mode_flags(_mx_mode()),
         **_static_constexprs(), num_warps=num_warps,

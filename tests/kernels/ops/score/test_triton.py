@@ -154,7 +154,7 @@ def check_decode(gen, device, fmt, q_dtype, S, H, seq_lens, max_block, cp=(0, 1)
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "bf16"])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8_DTYPE], ids=["q_bf16", "q_e4m3"])
-@pytest.mark.parametrize("mx_mode", ["split", "e4m3"])
+@pytest.mark.parametrize("mx_mode", ["split", "e4m3", "tile16"])
 def test_decode_small(gen, fmt, q_dtype, mx_mode, monkeypatch):
     _on("cpu")
     _kernels()
@@ -183,27 +183,27 @@ def test_decode_e4m3_mode_q_parts_and_fallback(gen, terms, octaves, monkeypatch)
 
 
 @pytest.mark.parametrize("case", ["split_views", "cp", "prealloc", "wide_scales", "groups_mode", "stacked_mode",
-                                  "e4m3_mode", "e4m3_cp_prealloc"])
+                                  "e4m3_mode", "e4m3_cp_prealloc", "tile16_mode", "tile16_cp_prealloc"])
 def test_decode_small_variants(gen, case, monkeypatch):
     _on("cpu")
     _kernels()
     if case.endswith("_mode"):
         monkeypatch.setenv("M3_TRITON_MX_MODE", case[: -len("_mode")])
-    if case.startswith("e4m3_"):
-        monkeypatch.setenv("M3_TRITON_MX_MODE", "e4m3")
+    if case.endswith("_cp_prealloc"):
+        monkeypatch.setenv("M3_TRITON_MX_MODE", case.split("_")[0])
     kw = dict(S=1, H=1, seq_lens=[1, 128, 257], max_block=3)
     if case == "split_views":
         kw["single"] = False
-    if case in ("cp", "e4m3_cp_prealloc"):
+    if case in ("cp", "e4m3_cp_prealloc", "tile16_cp_prealloc"):
         kw.update(cp=(1, 2), seq_lens=[300, 600])
-    if case in ("prealloc", "e4m3_cp_prealloc"):
+    if case in ("prealloc", "e4m3_cp_prealloc", "tile16_cp_prealloc"):
         kw["prealloc"] = True
     if case == "wide_scales":
         kw["scale_range"] = (107, 147)
     check_decode(gen, "cpu", "mxfp4", torch.bfloat16, **kw)
 
 
-@pytest.mark.parametrize("mx_mode", ["split", "e4m3"])
+@pytest.mark.parametrize("mx_mode", ["split", "e4m3", "tile16"])
 def test_prefill_small(gen, mx_mode, monkeypatch):
     _on("cpu")
     _kernels()
@@ -218,7 +218,7 @@ LENGTHS = [[1, 127, 128, 129, 4000], [8, 3000, 256, 1000]]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["split", "groups", "stacked", "e4m3"])
+@pytest.mark.parametrize("mode", ["split", "groups", "stacked", "e4m3", "tile16"])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8_DTYPE], ids=["q_bf16", "q_e4m3"])
 @pytest.mark.parametrize("S,H", [(1, 1), (4, 1), (2, 3), (8, 4)])
 def test_decode_mxfp4_modes(gen, mode, q_dtype, S, H, monkeypatch):
@@ -256,12 +256,12 @@ def test_decode_matrix(gen, fmt, q_dtype, S, H, single):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "mxfp4_e4m3_mode"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "mxfp4_e4m3_mode", "mxfp4_tile16_mode"])
 @pytest.mark.parametrize("cp", [(0, 2), (1, 2), (3, 4)])
 @pytest.mark.parametrize("prealloc", [False, True])
 def test_decode_cp_and_buffers(gen, fmt, cp, prealloc, monkeypatch):
-    if fmt == "mxfp4_e4m3_mode":
-        monkeypatch.setenv("M3_TRITON_MX_MODE", "e4m3")
+    if fmt.endswith("_mode"):
+        monkeypatch.setenv("M3_TRITON_MX_MODE", fmt.split("_")[1])
         fmt = "mxfp4"
     check_decode(gen, "cuda", fmt, torch.bfloat16, 4, 1, [1, 129, 2000, 5000], max_block=48, cp=cp,
                  prealloc=prealloc)
@@ -289,7 +289,7 @@ def test_mxfp4_default_buffer_reads_minus_inf_past_the_end(gen):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8_DTYPE], ids=["q_bf16", "q_e4m3"])
-@pytest.mark.parametrize("mx_mode", ["split", "e4m3"])
+@pytest.mark.parametrize("mx_mode", ["split", "e4m3", "tile16"])
 def test_mxfp4_split_and_single_region_agree_bitwise(gen, q_dtype, mx_mode, monkeypatch):
     monkeypatch.setenv("M3_TRITON_MX_MODE", mx_mode)
     pages, batch, mb = 40, 3, 12
@@ -306,11 +306,11 @@ def test_mxfp4_split_and_single_region_agree_bitwise(gen, q_dtype, mx_mode, monk
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "mxfp4_e4m3_mode"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "mxfp4_e4m3_mode", "mxfp4_tile16_mode"])
 def test_cuda_graph_capture_and_replay(gen, fmt, monkeypatch):
     """Captured once with preallocated buffers, replayed with other lengths and block tables."""
-    if fmt == "mxfp4_e4m3_mode":
-        monkeypatch.setenv("M3_TRITON_MX_MODE", "e4m3")
+    if fmt.endswith("_mode"):
+        monkeypatch.setenv("M3_TRITON_MX_MODE", fmt.split("_")[1])
         fmt = "mxfp4"
     pages, batch, mb, S, H = 64, 4, 16, 4, 1
     k_cache, k_scale = random_cache(gen, fmt, pages, "cuda")
