@@ -17,8 +17,9 @@ group to a K=32 fp16 tile in element order; ``stacked`` does one dot per page ag
 block-diagonal Q (every group's partial dot in one product); ``tile16`` (experimental, not run on a
 GPU yet) is ``e4m3`` below without its e4m3 parts: the stacked loop with the fp16 decode and fp16
 tensor cores; ``e4m3`` (experimental; on an H200 its fp8 tensor-core paths miss the score tolerance
-by 2-5x, since Hopper's fp8 MMA accumulates in reduced precision: do not use) decodes K to e4m3 and runs fp8 x fp8 dots with each group's even
-elements first, so that a thread's 4 consecutive bytes give two whole fragments (no byte permutes).
+by 2-5x, since Hopper's fp8 MMA accumulates in reduced precision: do not use) decodes K to e4m3
+and runs fp8 x fp8 dots with each group's even elements first, so that a thread's 4 consecutive
+bytes give two whole fragments (no byte permutes).
 For tiles of at most 8 query vectors it is "stacked": one K=128 dot per page against a
 block-diagonal Q of 4 x NV columns (NV = the tile's vectors padded to a power of two >= 4, so no
 padding columns at S*H = 4), each group's scale applied to its columns, groups summed; larger
