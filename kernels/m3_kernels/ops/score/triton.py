@@ -10,7 +10,7 @@ forms K on the tensor-core operand, one ``tl.dot`` per page (fp8/bf16) or per 32
 (MXFP4), masks tokens past each row's position, takes the page max and stores
 ``sm_scale * max``. Splitting pages over programs fills the GPU at small batch.
 
-MXFP4 modes (``M3_TRITON_MX_MODE``; all exact, same results): ``split`` (default; fastest measured
+MXFP4 modes (``M3_TRITON_MX_MODE``; exact by construction, but see ``e4m3``): ``split`` (default; fastest measured
 on an H200) feeds each group's even and odd elements as two K=16 operands, with bytes and Q
 permuted so that a thread's tensor-core fragment is 4 consecutive bytes; ``groups`` decodes each
 group to a K=32 fp16 tile in element order; ``stacked`` does one dot per page against a
