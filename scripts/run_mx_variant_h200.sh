@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On one CUDA GPU (written for an H200): the MXFP4 `tile16` scorer mode's GPU tests, then the nine
-# seed cells timed for fp8, MXFP4 `split` (the default) and MXFP4 `tile16` (tests/benchmarks/bench_mx_modes.py).
+# seed cells timed for fp8, MXFP4 `split` and MXFP4 `tile16` (the default since 2026-11-29) (tests/benchmarks/bench_mx_modes.py).
 # (The `e4m3` mode failed its tolerance on an H200, 2026-11-29: docs/perf.md; MODE=e4m3 selects it.)
 # No SGLang needed. Logs and tables go to $OUT (default ./out).
 #   scripts/run_mx_variant_h200.sh [bench_mx_modes args...]     e.g. --cells 3

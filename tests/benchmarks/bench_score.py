@@ -291,7 +291,7 @@ def sweep(pools, cells, sm_scale=0.088):
                              "decode": dec, "us": t})
                 log(f"sweep {fmt.value} S{S} H{H} B{B} ctx{ctx} pp={pp} nw={nw} ns={ns} {dec}: {t:.1f} us")
     os.environ["M3_TRITON_NO_ASM"] = "0"
-    os.environ["M3_TRITON_MX_MODE"] = "split"
+    os.environ.pop("M3_TRITON_MX_MODE", None)  # back to the default mode
     return rows
 
 

@@ -10,13 +10,14 @@ forms K on the tensor-core operand, one ``tl.dot`` per page (fp8/bf16) or per 32
 (MXFP4), masks tokens past each row's position, takes the page max and stores
 ``sm_scale * max``. Splitting pages over programs fills the GPU at small batch.
 
-MXFP4 modes (``M3_TRITON_MX_MODE``; exact by construction, but see ``e4m3``): ``split`` (default; fastest measured
-on an H200) feeds each group's even and odd elements as two K=16 operands, with bytes and Q
+MXFP4 modes (``M3_TRITON_MX_MODE``; exact by construction, but see ``e4m3``): ``tile16`` (default;
+fastest measured on an H200, 0.94-0.99 of the fp8 scorer's time on the seed's nine cells, where
+``split`` took 1.08-1.35) is ``e4m3`` below without its e4m3 parts: the stacked loop with the fp16
+decode and fp16 tensor cores (a query tile whose Q the fp16 form cannot hold exactly falls back to
+``split``); ``split`` feeds each group's even and odd elements as two K=16 operands, with bytes and Q
 permuted so that a thread's tensor-core fragment is 4 consecutive bytes; ``groups`` decodes each
 group to a K=32 fp16 tile in element order; ``stacked`` does one dot per page against a
-block-diagonal Q (every group's partial dot in one product); ``tile16`` (experimental, not run on a
-GPU yet) is ``e4m3`` below without its e4m3 parts: the stacked loop with the fp16 decode and fp16
-tensor cores; ``e4m3`` (experimental; on an H200 its fp8 tensor-core paths miss the score tolerance
+block-diagonal Q (every group's partial dot in one product); ``e4m3`` (experimental; on an H200 its fp8 tensor-core paths miss the score tolerance
 by 2-5x, since Hopper's fp8 MMA accumulates in reduced precision: do not use) decodes K to e4m3
 and runs fp8 x fp8 dots with each group's even elements first, so that a thread's 4 consecutive
 bytes give two whole fragments (no byte permutes).
@@ -73,7 +74,7 @@ _E4M3_STACK_MAX_NV = 8
 _Q_E4M3_SHIFT = 9  # mode "e4m3": the second e4m3 level of a bf16 Q row is scaled by 2^9
 _Q_E4M3_TERMS = 2  # mode "e4m3": e4m3 parts per bf16 Q element (2, 4; 0: none, fp16 with one power of two)
 ENV_NO_ASM = "M3_TRITON_NO_ASM"  # "1": decode e2m1 with plain Triton ops on the GPU too (no inline PTX)
-ENV_MX_MODE = "M3_TRITON_MX_MODE"  # "split" (default), "groups", "stacked", "e4m3", "tile16": docstring
+ENV_MX_MODE = "M3_TRITON_MX_MODE"  # "tile16" (default), "split", "groups", "stacked", "e4m3": docstring
 
 
 def _interpret() -> bool:
@@ -84,7 +85,7 @@ MX_MODES = ("split", "groups", "stacked", "e4m3", "tile16")
 
 
 def _mx_mode() -> str:
-    mode = os.environ.get(ENV_MX_MODE, "split")
+    mode = os.environ.get(ENV_MX_MODE, "tile16")
     if mode not in MX_MODES:
         raise ValueError(f"{ENV_MX_MODE} must be one of {list(MX_MODES)}, got {mode!r}")
     return mode

@@ -44,8 +44,11 @@ def _on(device):
 def _kernels():
     import m3_kernels.ops.score.triton as mod
 
-    interpreted = isinstance(mod._score_kernel, triton.runtime.interpreter.InterpretedFunction)
-    if os.environ.get("TRITON_INTERPRET") == "1" and not interpreted:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return mod
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(mod._score_kernel, InterpretedFunction):
         mod = importlib.reload(mod)
     return mod
 
