@@ -23,8 +23,11 @@ from m3_kernels.ops.select.naive import select_blocks_ref  # noqa: E402
 def _select():
     import m3_kernels.ops.select.triton as mod
 
-    interpreted = isinstance(mod._select_kernel, triton.runtime.interpreter.InterpretedFunction)
-    if os.environ.get("TRITON_INTERPRET") == "1" and not interpreted:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return mod.select_blocks_triton
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(mod._select_kernel, InterpretedFunction):
         mod = importlib.reload(mod)
     return mod.select_blocks_triton
 

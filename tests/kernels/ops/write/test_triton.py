@@ -46,8 +46,11 @@ def _on(device):
 def _writer():
     import m3_kernels.ops.write.triton as mod
 
-    interpreted = isinstance(mod._write_index_k_kernel, triton.runtime.interpreter.InterpretedFunction)
-    if os.environ.get("TRITON_INTERPRET") == "1" and not interpreted:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return mod.write_index_k_triton
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(mod._write_index_k_kernel, InterpretedFunction):
         mod = importlib.reload(mod)
     return mod.write_index_k_triton
 
