@@ -8,9 +8,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+SITE=${SITE:-$PWD/build/gpu-site}  # where carried wheels are installed
 if [ -n "${WHEELS:-}" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/m3_site "$WHEELS"/*.whl \
-        && export PYTHONPATH=/tmp/m3_site${PYTHONPATH:+:$PYTHONPATH}
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl \
+        && export PYTHONPATH="$SITE"${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
