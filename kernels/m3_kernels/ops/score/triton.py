@@ -117,37 +117,7 @@ def _e2m1_to_f16(b_d, USE_ASM: tl.constexpr):
     with two masks and shifts and places them with byte permutes (about 1.6 instructions per
     element).
     """
-    if USE_ASM:
-        lo, hi = tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 hl, hh, t, z;
-            mov.b32 z, 0;
-            and.b32 t, $4, 0x08080808;
-            shl.b32 t, t, 4;
-            and.b32 hl, $4, 0x07070707;
-            shl.b32 hl, hl, 1;
-            or.b32 hl, hl, t;
-            and.b32 t, $4, 0x80808080;
-            shr.u32 hh, $4, 3;
-            and.b32 hh, hh, 0x0E0E0E0E;
-            or.b32 hh, hh, t;
-            prmt.b32 $0, hl, z, 0x1404;
-            prmt.b32 $1, hl, z, 0x3424;
-            prmt.b32 $2, hh, z, 0x1404;
-            prmt.b32 $3, hh, z, 0x3424;
-            }
-            """,
-            constraints="=r,=r,=r,=r,r",
-            args=[b_d],
-            dtype=(tl.float16, tl.float16),
-            is_pure=True,
-            pack=4,
-        )
-    else:
-        x = b_d.to(tl.int32)
-        lo = ((((x & 0x8) << 12) | ((x & 0x7) << 9)).to(tl.int16)).to(tl.float16, bitcast=True)
-        hi = ((((x & 0x80) << 8) | ((x & 0x70) << 5)).to(tl.int16)).to(tl.float16, bitcast=True)
+    lo, hi = _e2m1_split_f16(b_d, USE_ASM)
     return tl.interleave(lo, hi)
 
 
@@ -183,9 +153,7 @@ def _split_dims(g: tl.constexpr, odd: tl.constexpr, GB: tl.constexpr):
 @triton.jit
 def _load_q(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, d0, DK: tl.constexpr):
     """fp32 ``[DK, NQ]`` slice ``d0 : d0 + DK`` of the query vectors (zero where masked)."""
-    o_d = d0 + tl.arange(0, DK)
-    p_q = q_ptr + rows[None, :].to(tl.int64) * stride_q_r + heads[None, :] * stride_q_h + o_d[:, None]
-    return tl.load(p_q, mask=m_n[None, :], other=0.0).to(tl.float32)
+    return _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, d0 + tl.arange(0, DK))
 
 
 @triton.jit
