@@ -1,0 +1,466 @@
+"""Long-context retrieval samples generated on the fly, as token ids, for ``training.train``.
+
+Tokenizer: ``training/tokenizer`` (built by ``scripts/build_msa_tokenizer.py``), byte-level BPE with
+2048 tokens whose pre-tokenizer puts every digit, every whitespace character and every word (with
+its one leading space) in its own piece, so a 7-digit answer is always ``" "`` + seven one-digit
+tokens and the haystack's words are whole tokens. The tiny serving config's tokenizer was not
+reused: trained on Python sources, it merges digit pairs irregularly ("12", "25", "00"; "8" and
+"9" have no space-prefixed form) and splits the haystack's words (2.4 characters per token).
+
+Tasks (``TASKS``); each sample is ``input_ids`` = prompt + answer, the answer being the last tokens:
+
+- ``single``: ``accuracy.needle.PROMPT`` with one ``accuracy.needle.NEEDLE``, the exact format of
+  the evaluation tasks ``m3_niah_single``; the answer is ``" <7 digits>."``.
+- ``multikey``: the same with 2-8 needles of distinct keys, one asked (``m3_niah_multikey`` uses 4).
+- ``kv``: ``"key": value`` lines (4 up to one line per 48 context tokens, capped at ``MAX_KV_PAIRS``)
+  interleaved with the prose, one key asked (``KV_PROMPT``).
+- ``vt``: variable tracking (RULER-style): chains ``VAR A = 12345.``, ``VAR B = VAR A.``, ... (1-3
+  chains of 2-5 hops, each with its own value) in the prose; the question asks either which variables
+  hold a chain's value (answer: the names in chain order) or the value of a chain's last variable.
+
+The queried fact sits at a depth drawn uniformly in [0, 100] percent of the context (by tokens, at a
+sentence boundary, as in ``accuracy.needle``); other facts (and ``vt``'s statements) sit at uniform
+random sentence boundaries.
+
+Haystack: ``accuracy.haystack.sentences(seed)`` with seeds other than ``accuracy.needle._POOL_SEED``
+(the evaluation's), pre-tokenized once per sentence (``Haystack``). A sample's text is a list of
+pieces (sentences, needles, lines) joined by single separators; its ids are the concatenation of the
+pieces' ids, which equals encoding the joined text because the pre-tokenizer splits at every
+separator (``tests/training/test_data.py`` checks this against ``Tokenizer.encode`` of the text).
+
+Batches (``make_batch``): one sample per sequence, all samples of a batch drawn at one target length
+``T`` (a multiple of ``BLOCK``), right-padded with ``PAD_ID``; the batch size is ``token_budget // T``.
+A batch is a pure function of ``(seed, step, length range)``, so resuming needs only the step.
+"""
+
+import bisect
+import math
+import random
+import string
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from accuracy import needle
+from accuracy.haystack import sentences
+
+TOKENIZER_DIR = Path(__file__).resolve().parent / "tokenizer"
+PAD_ID = 0
+BLOCK = 128  # sparse-attention block (tokens); batch lengths are multiples of it
+TASKS = ("single", "multikey", "kv", "vt")
+DEFAULT_TASK_WEIGHTS = {"single": 0.3, "multikey": 0.3, "kv": 0.2, "vt": 0.2}
+TRAIN_HAYSTACK_SEED = 20261   # training samples read this haystack stream
+HELDOUT_HAYSTACK_SEED = 40961  # held-out samples (training-time evaluation) read this one
+MAX_KV_PAIRS = 512
+MULTIKEY_RANGE = (2, 8)
+
+KV_PROMPT = (
+    "Some keys and their values are listed in the chronicle below. Remember them: you will be asked for one.\n\n"
+    "{context}\n\n"
+    'Question: what is the value of "{key}" in the chronicle above?\n'
+    'Answer: the value of "{key}" is'
+)
+KV_LINE_KEY = '"{key}":'
+VT_PROMPT = (
+    "Some variables are assigned in the chronicle below. Follow each chain of assignments.\n\n"
+    "{context}\n\n"
+    "Question: {question}\n"
+    "Answer: {lead}"
+)
+VT_ASK_MEMBERS = ("which variables are assigned the value {value} in the chronicle above?",
+                  "the variables assigned the value {value} are")
+VT_ASK_LAST = ("what is the value of VAR {name} in the chronicle above?", "the value of VAR {name} is")
+_KV_A = ["amber", "silver", "quiet", "northern", "crooked", "velvet", "hollow", "bitter", "golden", "rusty",
+         "painted", "frozen", "scarlet", "gentle", "iron", "wandering", "little", "broken", "distant", "hidden",
+         "woollen", "copper", "sleepy", "bright", "ancient", "hungry", "patient", "restless", "narrow", "salted",
+         "western", "eastern", "tall", "humble", "careful", "windy", "dusty", "lucky", "silent", "stony"]
+_KV_B = ["falcon", "orchard", "lantern", "harbour", "thistle", "anchor", "meadow", "compass", "sparrow",
+         "kettle", "willow", "beacon", "otter", "bramble", "chapel", "juniper", "badger", "cottage", "ferry",
+         "granary", "heron", "island", "ladder", "mill", "needle", "pasture", "quarry", "ribbon", "saddle",
+         "tavern", "valley", "wagon", "barrel", "candle", "fiddle", "garden", "hammer", "mirror", "pebble",
+         "shovel"]
+
+if TRAIN_HAYSTACK_SEED == needle._POOL_SEED or HELDOUT_HAYSTACK_SEED == needle._POOL_SEED:
+    raise RuntimeError("training haystack seeds must differ from the evaluation's accuracy.needle._POOL_SEED")
+
+
+def load_tokenizer(path: str | Path = TOKENIZER_DIR) -> Tokenizer:
+    """The training tokenizer (``tokenizer.json`` in ``path``); ``PAD_ID`` is its ``<pad>``."""
+    tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+    if tok.token_to_id("<pad>") != PAD_ID:
+        raise ValueError(f"tokenizer at {path}: <pad> must have id {PAD_ID}, has {tok.token_to_id('<pad>')}")
+    return tok
+
+
+class Haystack:
+    """``num_sentences`` sentences of ``accuracy.haystack.sentences(seed)``, each pre-tokenized with a
+    leading space; ``cum[i]`` = tokens of sentences ``[0, i)``."""
+
+    def __init__(self, tokenizer: Tokenizer, seed: int, num_sentences: int = 1 << 15):
+        if seed == needle._POOL_SEED:
+            raise ValueError(f"seed must differ from the evaluation's haystack seed {needle._POOL_SEED}")
+        self.text = list(islice(sentences(seed), num_sentences))
+        self.ids = [e.ids for e in tokenizer.encode_batch([" " + s for s in self.text], add_special_tokens=False)]
+        self.cum = [0]
+        for ids in self.ids:
+            self.cum.append(self.cum[-1] + len(ids))
+
+    def window(self, rng: random.Random, tokens: int) -> range:
+        """A random run of consecutive sentences holding at most ``tokens`` tokens (as many as fit)."""
+        if self.cum[-1] < 2 * tokens:
+            raise ValueError(f"haystack of {self.cum[-1]} tokens is too small for {tokens}-token windows")
+        last_start = bisect.bisect_right(self.cum, self.cum[-1] - tokens) - 1
+        start = rng.randrange(0, last_start + 1)
+        end = bisect.bisect_right(self.cum, self.cum[start] + tokens) - 1
+        return range(start, end)
+
+
+@dataclass
+class Piece:
+    """One piece of a context: a haystack sentence (``pool`` index) or literal ``text``.
+
+    ``line`` pieces are joined to their neighbours by a newline, others by a space; a ``cont`` piece
+    continues the previous one (always joined by a space, keeps its line-ness)."""
+    text: str = ""
+    pool: int = -1
+    line: bool = False
+    cont: bool = False
+    evidence: bool = False
+
+
+@dataclass
+class Sample:
+    """``input_ids`` = prompt + answer; the answer is ``input_ids[answer_start:]``. ``evidence`` holds
+    the ``[start, end)`` token spans of the facts the answer is read from (the queried needle's value,
+    the queried line's value, the queried chain's statements)."""
+    input_ids: list[int]
+    answer_start: int
+    evidence: list[tuple[int, int]]
+    task: str
+    text: str = field(repr=False, default="")
+
+    def answer_rows(self) -> list[int]:
+        """Rows whose next-token prediction is an answer token."""
+        return list(range(self.answer_start - 1, len(self.input_ids) - 1))
+
+    def evidence_blocks(self, block: int = BLOCK) -> list[int]:
+        """Sparse-attention blocks (``block`` tokens) overlapping an evidence span."""
+        return sorted({p // block for s, e in self.evidence for p in range(s, e)})
+
+
+def _value7(rng: random.Random) -> str:
+    return str(rng.randrange(10**6, 10**7))
+
+
+def _keys(rng: random.Random, n: int, first: list[str], second: list[str]) -> list[str]:
+    if n > len(first) * len(second):
+        raise ValueError(f"{n} distinct keys asked for, only {len(first) * len(second)} exist")
+    used: set[str] = set()
+    while len(used) < n:
+        used.add(f"{rng.choice(first)}-{rng.choice(second)}")
+    keys = sorted(used)
+    rng.shuffle(keys)
+    return keys
+
+
+class TaskGenerator:
+    """Samples of ``TASKS`` over one haystack (see module doc)."""
+
+    def __init__(self, tokenizer: Tokenizer, haystack_seed: int = TRAIN_HAYSTACK_SEED,
+                 num_sentences: int = 1 << 15):
+        self.tok = tokenizer
+        self.hay = Haystack(tokenizer, haystack_seed, num_sentences)
+
+    # -- assembly -----------------------------------------------------------------------------------
+    def _encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def _frame(self, prompt: str, **fields) -> tuple[str, str]:
+        head, tail = prompt.split("{context}")
+        return head, tail.format(**fields)
+
+    def _assemble(self, head: str, pieces: list[Piece], tail: str, answer: str, task: str) -> Sample:
+        chunks: list[list[int] | None] = []  # per piece: cached ids, or None (encoded below)
+        texts: list[str] = []
+        prev_line, first = True, True  # the head ends with a newline: the first piece gets no separator
+        for piece in pieces:
+            if piece.cont:
+                sep = " "
+            else:
+                sep = "" if first else ("\n" if (piece.line or prev_line) else " ")
+                prev_line = piece.line
+            first = False
+            body = self.hay.text[piece.pool] if piece.pool >= 0 else piece.text
+            texts.append(sep + body)
+            chunks.append(self.hay.ids[piece.pool] if piece.pool >= 0 and sep == " " else None)
+        literal = [i for i, c in enumerate(chunks) if c is None]
+        encoded = self.tok.encode_batch([head, tail, answer] + [texts[i] for i in literal], add_special_tokens=False)
+        for i, e in zip(literal, encoded[3:]):
+            chunks[i] = e.ids
+        ids = list(encoded[0].ids)
+        evidence = []
+        for piece, chunk in zip(pieces, chunks):
+            if piece.evidence:
+                evidence.append((len(ids), len(ids) + len(chunk)))
+            ids.extend(chunk)
+        ids.extend(encoded[1].ids)
+        answer_start = len(ids)
+        ids.extend(encoded[2].ids)
+        return Sample(ids, answer_start, evidence, task, head + "".join(texts) + tail + answer)
+
+    def _place(self, rng: random.Random, length: int, fixed_tokens: int, depth: float,
+               facts: list[list[Piece]]) -> list[Piece]:
+        """Haystack of at most ``length - fixed_tokens`` tokens with ``facts`` (groups of pieces) inserted
+        at sentence boundaries: the first at ``depth`` percent, the others uniformly at random."""
+        budget = length - fixed_tokens
+        if budget < 0:
+            raise ValueError(f"length {length} is too short for this sample's {fixed_tokens} fixed tokens")
+        window = self.hay.window(rng, budget) if budget > 0 else range(0, 0)
+        n = len(window)
+        offsets = [self.hay.cum[i] - self.hay.cum[window.start] for i in range(window.start, window.stop + 1)]
+        spots = [min(bisect.bisect_left(offsets, depth / 100.0 * offsets[-1]), n)]
+        spots += [rng.randrange(0, n + 1) for _ in facts[1:]]
+        at: dict[int, list[list[Piece]]] = {}
+        for spot, fact in zip(spots, facts):
+            at.setdefault(spot, []).append(fact)
+        pieces: list[Piece] = []
+        for k in range(n + 1):
+            for fact in at.get(k, []):
+                pieces.extend(fact)
+            if k < n:
+                pieces.append(Piece(pool=window.start + k))
+        return pieces
+
+    def _fit(self, build, length: int) -> Sample:
+        """Calls ``build(slack)`` until the sample fits ``length`` tokens (the first sentence, encoded
+        without its leading space, and newline-joined pieces can differ from the estimate)."""
+        slack = 0
+        for _ in range(6):
+            sample = build(slack)
+            if len(sample.input_ids) <= length:
+                return sample
+            slack += len(sample.input_ids) - length + 2
+        raise RuntimeError(f"could not fit a sample into {length} tokens")
+
+    def _count(self, texts: list[str]) -> int:
+        return sum(len(e.ids) for e in self.tok.encode_batch(texts, add_special_tokens=False))
+
+    # -- tasks ------------------------------------------------------------------------------------------
+    def needles(self, rng: random.Random, length: int, n_keys: int, depth: float | None = None) -> Sample:
+        """``accuracy.needle`` format: ``n_keys`` needles, the first asked."""
+        depth = rng.uniform(0.0, 100.0) if depth is None else depth
+        keys = _keys(rng, n_keys, needle._KEY_A, needle._KEY_B)
+        values = [_value7(rng) for _ in keys]
+        head, tail = self._frame(needle.PROMPT, key=keys[0])
+        facts = []
+        for i, (k, v) in enumerate(zip(keys, values)):
+            key_part, value_part = needle.NEEDLE.format(key=k, value=v).rsplit(" ", 1)
+            facts.append([Piece(text=key_part), Piece(text=value_part, cont=True, evidence=i == 0)])
+        answer = f" {values[0]}."
+        fixed = self._count([head, tail, answer]) + self._count([" " + " ".join(p.text for p in f) for f in facts])
+        task = "single" if n_keys == 1 else "multikey"
+        return self._fit(lambda slack: self._assemble(
+            head, self._place(random.Random(rng.random()), length, fixed + slack, depth, facts), tail, answer, task),
+            length)
+
+    def kv(self, rng: random.Random, length: int, n_pairs: int | None = None, depth: float | None = None) -> Sample:
+        """``"key": value`` lines in the prose, one asked."""
+        depth = rng.uniform(0.0, 100.0) if depth is None else depth
+        if n_pairs is None:
+            n_pairs = rng.randint(4, max(4, min(MAX_KV_PAIRS, length // 48)))
+        keys = _keys(rng, n_pairs, _KV_A, _KV_B)
+        values = [_value7(rng) for _ in keys]
+        head, tail = self._frame(KV_PROMPT, key=keys[0])
+        facts = [[Piece(text=KV_LINE_KEY.format(key=k), line=True), Piece(text=v, cont=True, evidence=i == 0)]
+                 for i, (k, v) in enumerate(zip(keys, values))]
+        answer = f" {values[0]}."
+        fixed = self._count([head, tail, answer]) + self._count(
+            ["\n" + KV_LINE_KEY.format(key=k) + " " + v + "\n" for k, v in zip(keys, values)]) - n_pairs
+        return self._fit(lambda slack: self._assemble(
+            head, self._place(random.Random(rng.random()), length, fixed + slack, depth, facts), tail, answer, "kv"),
+            length)
+
+    def vt(self, rng: random.Random, length: int, n_chains: int | None = None, hops: int | None = None,
+           ask: str | None = None) -> Sample:
+        """Variable tracking; chain 0 is asked; ``ask`` is ``"members"`` (which variables hold its
+        value) or ``"last"`` (the value of its last variable). Statements sit at uniform random
+        sentence boundaries, each chain's in hop order."""
+        n_chains = rng.randint(1, 3) if n_chains is None else n_chains
+        hops = rng.randint(2, 5) if hops is None else hops
+        ask = rng.choice(("members", "last")) if ask is None else ask
+        if ask not in ("members", "last"):
+            raise ValueError(f"ask must be 'members' or 'last', got {ask!r}")
+        if n_chains < 1 or hops < 1:
+            raise ValueError(f"n_chains and hops must be >= 1, got {n_chains}, {hops}")
+        names: set[str] = set()
+        while len(names) < n_chains * hops:
+            names.add("".join(rng.choice(string.ascii_uppercase) for _ in range(5)))
+        names_list = sorted(names)
+        rng.shuffle(names_list)
+        chains = [names_list[c * hops:(c + 1) * hops] for c in range(n_chains)]
+        values: list[str] = []
+        while len(values) < n_chains:
+            v = str(rng.randrange(10**4, 10**5))
+            if v not in values:
+                values.append(v)
+        statements = []  # (chain, hop, text)
+        for c, chain in enumerate(chains):
+            statements.append((c, 0, f"VAR {chain[0]} = {values[c]}."))
+            statements += [(c, h, f"VAR {chain[h]} = VAR {chain[h - 1]}.") for h in range(1, hops)]
+        if ask == "members":
+            question, lead = (s.format(value=values[0]) for s in VT_ASK_MEMBERS)
+            answer = " " + ", ".join(chains[0]) + "."
+        else:
+            question, lead = (s.format(name=chains[0][-1]) for s in VT_ASK_LAST)
+            answer = f" {values[0]}."
+        head, tail = self._frame(VT_PROMPT, question=question, lead=lead)
+        fixed = self._count([head, tail, answer]) + self._count([" " + t for _, _, t in statements])
+        facts = [[Piece(text=t, evidence=c == 0)] for c, _, t in statements]
+
+        def build(slack):
+            pieces = self._place(random.Random(rng.random()), length, fixed + slack, rng.uniform(0.0, 100.0), facts)
+            return self._assemble(head, _order_chains(pieces, statements), tail, answer, "vt")
+
+        return self._fit(build, length)
+
+    def sample(self, task: str, rng: random.Random, length: int) -> Sample:
+        """One sample of ``task`` (``TASKS``) of at most ``length`` tokens, parameters drawn from ``rng``."""
+        if task == "single":
+            return self.needles(rng, length, 1)
+        if task == "multikey":
+            return self.needles(rng, length, rng.randint(*MULTIKEY_RANGE))
+        if task == "kv":
+            return self.kv(rng, length)
+        if task == "vt":
+            return self.vt(rng, length)
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+
+
+def _order_chains(pieces: list[Piece], statements: list[tuple[int, int, str]]) -> list[Piece]:
+    """Rewrites the statement pieces so each chain's statements appear in hop order (the spots were
+    drawn independently); prose pieces stay where they are."""
+    text_to_key = {t: (c, h) for c, h, t in statements}
+    slots = [i for i, p in enumerate(pieces) if p.pool < 0]
+    by_chain: dict[int, list[int]] = {}
+    for i in slots:
+        by_chain.setdefault(text_to_key[pieces[i].text][0], []).append(i)
+    out = list(pieces)
+    for c, idx in by_chain.items():
+        ordered = sorted((pieces[i] for i in idx), key=lambda p: text_to_key[p.text][1])
+        for i, p in zip(idx, ordered):
+            out[i] = p
+    return out
+
+
+# -- batches -------------------------------------------------------------------------------------------
+@dataclass
+class Batch:
+    """A padded batch. Rows index positions of ``input_ids``; row r predicts ``input_ids[:, r+1]``.
+
+    ``input_ids`` int64 [B, T]; ``loss_rows`` / ``loss_targets`` int64 [B, R]; ``answer_mask`` and
+    ``lm_mask`` bool [B, R] (answer rows, then sampled prompt rows for the light LM loss; padding rows
+    have both False); ``kl_rows`` int64 [B, K] (answer rows, then random rows); ``first_answer_row``
+    int64 [B]; ``evidence_blocks`` list of B lists; ``lengths`` int64 [B] (tokens before padding);
+    ``tasks`` list of B names."""
+    input_ids: torch.Tensor
+    loss_rows: torch.Tensor
+    loss_targets: torch.Tensor
+    answer_mask: torch.Tensor
+    lm_mask: torch.Tensor
+    kl_rows: torch.Tensor
+    first_answer_row: torch.Tensor
+    evidence_blocks: list[list[int]]
+    lengths: torch.Tensor
+    tasks: list[str]
+
+    def to(self, device) -> "Batch":
+        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+                 for k, v in self.__dict__.items()}
+        return Batch(**moved)
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """What a batch is drawn from: target lengths log-uniform in ``[min_len, max_len]`` (rounded down
+    to a multiple of ``BLOCK``), ``token_budget`` tokens per batch, tasks by ``task_weights``, up to
+    ``lm_rows`` prompt rows per sample for the LM loss and ``kl_random_rows`` random rows per sample
+    for the index KL."""
+    min_len: int
+    max_len: int
+    token_budget: int
+    task_weights: tuple[tuple[str, float], ...] = tuple(DEFAULT_TASK_WEIGHTS.items())
+    lm_rows: int = 256
+    kl_random_rows: int = 256
+
+    def __post_init__(self):
+        if not BLOCK <= self.min_len <= self.max_len:
+            raise ValueError(f"need {BLOCK} <= min_len <= max_len, got {self.min_len}, {self.max_len}")
+        if self.token_budget < self.max_len:
+            raise ValueError(f"token_budget ({self.token_budget}) must hold one max_len ({self.max_len}) sequence")
+        for name, w in self.task_weights:
+            if name not in TASKS or w < 0:
+                raise ValueError(f"task_weights: {name!r}={w}: names must be in {TASKS}, weights >= 0")
+        if sum(w for _, w in self.task_weights) <= 0:
+            raise ValueError("task_weights: at least one weight must be > 0")
+
+
+def draw_length(rng: random.Random, spec: BatchSpec) -> int:
+    """A batch's sequence length: log-uniform in the spec's range, a multiple of ``BLOCK``."""
+    t = math.exp(rng.uniform(math.log(spec.min_len), math.log(spec.max_len)))
+    return max(BLOCK, int(t) // BLOCK * BLOCK)
+
+
+def collate(samples: list[Sample], seq_len: int, rng: random.Random, lm_rows: int, kl_random_rows: int) -> Batch:
+    """Pads ``samples`` (each at most ``seq_len`` tokens) into a ``Batch`` (see its doc)."""
+    b = len(samples)
+    ids = torch.full((b, seq_len), PAD_ID, dtype=torch.long)
+    rows_l, targets_l, answer_l, lm_l, kl_l = [], [], [], [], []
+    for i, s in enumerate(samples):
+        n = len(s.input_ids)
+        if n > seq_len:
+            raise ValueError(f"sample {i} has {n} tokens, more than seq_len {seq_len}")
+        ids[i, :n] = torch.tensor(s.input_ids)
+        ans = s.answer_rows()
+        prompt_rows = range(0, s.answer_start - 1)
+        lm = sorted(rng.sample(prompt_rows, min(lm_rows, len(prompt_rows))))
+        rows = ans + lm
+        rows_l.append(rows)
+        targets_l.append([s.input_ids[r + 1] for r in rows])
+        answer_l.append([True] * len(ans) + [False] * len(lm))
+        lm_l.append([False] * len(ans) + [True] * len(lm))
+        others = [r for r in rng.sample(range(n), min(kl_random_rows + len(ans), n)) if r not in set(ans)]
+        kl_l.append(ans + sorted(others[:kl_random_rows]))
+    width = max(len(r) for r in rows_l)
+    kl_width = max(len(r) for r in kl_l)
+
+    def pad(rows, fill, w):
+        return [r + [fill] * (w - len(r)) for r in rows]
+
+    # KL padding repeats the sample's own rows (a padded row would be a pad token, not context).
+    kl_padded = [(r * (kl_width // len(r) + 1))[:kl_width] for r in kl_l]
+    return Batch(
+        input_ids=ids,
+        loss_rows=torch.tensor(pad(rows_l, 0, width)),
+        loss_targets=torch.tensor(pad(targets_l, PAD_ID, width)),
+        answer_mask=torch.tensor(pad(answer_l, False, width)),
+        lm_mask=torch.tensor(pad(lm_l, False, width)),
+        kl_rows=torch.tensor(kl_padded),
+        first_answer_row=torch.tensor([s.answer_start - 1 for s in samples]),
+        evidence_blocks=[s.evidence_blocks() for s in samples],
+        lengths=torch.tensor([len(s.input_ids) for s in samples]),
+        tasks=[s.task for s in samples],
+    )
+
+
+def make_batch(gen: TaskGenerator, spec: BatchSpec, seed: int, step: int) -> Batch:
+    """Batch number ``step`` of the stream ``seed``: a pure function of its arguments."""
+    rng = random.Random(f"{seed}-{step}")
+    seq_len = draw_length(rng, spec)
+    names = [n for n, _ in spec.task_weights]
+    weights = [w for _, w in spec.task_weights]
+    samples = [gen.sample(rng.choices(names, weights)[0], rng, seq_len)
+               for _ in range(max(1, spec.token_budget // seq_len))]
+    return collate(samples, seq_len, rng, spec.lm_rows, spec.kl_random_rows)
