@@ -28,13 +28,13 @@ pieces (sentences, needles, lines) joined by single separators; its ids are the 
 pieces' ids, which equals encoding the joined text because the pre-tokenizer splits at every
 separator (``tests/training/test_data.py`` checks this against ``Tokenizer.encode`` of the text).
 
-Batches (``make_batch``): one sample per sequence, all samples of a batch drawn at one target length
-``T`` (a multiple of ``BLOCK``), right-padded with ``PAD_ID``; the batch size is ``token_budget // T``.
+Batches (``make_batch``): one sample per sequence, all samples of a batch filled to one length ``T``
+(drawn from a short list of multiples of ``BLOCK``), right-padded with ``PAD_ID`` (a sample ends at a
+sentence boundary, a few tokens short of ``T``); the batch size is ``token_budget // T``.
 A batch is a pure function of ``(seed, step, length range)``, so resuming needs only the step.
 """
 
 import bisect
-import math
 import random
 import string
 from dataclasses import dataclass, field
@@ -384,33 +384,30 @@ class Batch:
 
 @dataclass(frozen=True)
 class BatchSpec:
-    """What a batch is drawn from: target lengths log-uniform in ``[min_len, max_len]`` (rounded down
-    to a multiple of ``BLOCK``), ``token_budget`` tokens per batch, tasks by ``task_weights``, up to
-    ``lm_rows`` prompt rows per sample for the LM loss and ``kl_random_rows`` random rows per sample
-    for the index KL."""
-    min_len: int
-    max_len: int
+    """What a batch is drawn from: a sequence length uniformly from ``lengths`` (multiples of
+    ``BLOCK``; few distinct shapes keep compiled attention kernels few), ``token_budget // length``
+    samples, tasks by ``task_weights``, up to ``lm_rows`` prompt rows per sample for the LM loss and
+    ``kl_random_rows`` random rows per sample (besides the answer rows) for the index KL."""
+    lengths: tuple[int, ...]
     token_budget: int
     task_weights: tuple[tuple[str, float], ...] = tuple(DEFAULT_TASK_WEIGHTS.items())
     lm_rows: int = 256
     kl_random_rows: int = 256
 
     def __post_init__(self):
-        if not BLOCK <= self.min_len <= self.max_len:
-            raise ValueError(f"need {BLOCK} <= min_len <= max_len, got {self.min_len}, {self.max_len}")
-        if self.token_budget < self.max_len:
-            raise ValueError(f"token_budget ({self.token_budget}) must hold one max_len ({self.max_len}) sequence")
+        bad = [n for n in self.lengths if n < BLOCK or n % BLOCK]
+        if not self.lengths or bad:
+            raise ValueError(f"lengths must be multiples of {BLOCK} (>= {BLOCK}), got {self.lengths}")
+        if self.token_budget < max(self.lengths):
+            raise ValueError(f"token_budget ({self.token_budget}) must hold one sequence of the longest length "
+                             f"({max(self.lengths)})")
         for name, w in self.task_weights:
             if name not in TASKS or w < 0:
                 raise ValueError(f"task_weights: {name!r}={w}: names must be in {TASKS}, weights >= 0")
         if sum(w for _, w in self.task_weights) <= 0:
             raise ValueError("task_weights: at least one weight must be > 0")
-
-
-def draw_length(rng: random.Random, spec: BatchSpec) -> int:
-    """A batch's sequence length: log-uniform in the spec's range, a multiple of ``BLOCK``."""
-    t = math.exp(rng.uniform(math.log(spec.min_len), math.log(spec.max_len)))
-    return max(BLOCK, int(t) // BLOCK * BLOCK)
+        if self.lm_rows < 0 or self.kl_random_rows < 0:
+            raise ValueError(f"lm_rows and kl_random_rows must be >= 0, got {self.lm_rows}, {self.kl_random_rows}")
 
 
 def collate(samples: list[Sample], seq_len: int, rng: random.Random, lm_rows: int, kl_random_rows: int) -> Batch:
@@ -458,7 +455,7 @@ def collate(samples: list[Sample], seq_len: int, rng: random.Random, lm_rows: in
 def make_batch(gen: TaskGenerator, spec: BatchSpec, seed: int, step: int) -> Batch:
     """Batch number ``step`` of the stream ``seed``: a pure function of its arguments."""
     rng = random.Random(f"{seed}-{step}")
-    seq_len = draw_length(rng, spec)
+    seq_len = rng.choice(spec.lengths)
     names = [n for n, _ in spec.task_weights]
     weights = [w for _, w in spec.task_weights]
     samples = [gen.sample(rng.choices(names, weights)[0], rng, seq_len)

@@ -1,0 +1,512 @@
+"""Train a small model with MiniMax-M3's sparse-attention geometry on long-context retrieval.
+
+    python -m training.train --config training/configs/msa-small.json --out build/msa-train --budget-s 540
+    python -m training.train --config training/configs/msa-small.json --out build/msa-train --resume build/msa-train
+
+Model: ``training.model.MSAForCausalLM`` (M3's attention: 128-token blocks, top-16 with the local
+block forced, 4 KV heads x 128, one index-query head per KV head and one shared index key of dim 128,
+per-head Gemma RMSNorm and partial NeoX RoPE). Data: ``training.data`` (needle, multi-key needle,
+key-value and variable-tracking samples, generated on the fly, one per sequence).
+
+Recipe (MSA paper, arXiv:2606.13392, Lai et al. 2026, as summarised in the team's research notes:
+"a KL loss aligns the index distribution with the group-averaged main distribution on the selected
+blocks", with gradient detach, indexer warm-up and the forced local block; the two-stage schedule
+follows DeepSeek-V3.2's lightning-indexer training, whose report describes a dense warm-up, where
+only the indexer learns, by KL against the main attention summed over heads and L1-normalised,
+then sparse training of all parameters with the KL restricted to the selected tokens and the
+indexer's input detached so that it learns only from the KL):
+
+1. dense stage, steps ``[0, dense_steps)``: every layer attends densely. Loss = answer CE
+   + ``lm_weight`` x prompt CE (sampled rows) + ``kl_weight`` x index KL, where the KL is
+   ``KL(p || softmax(index block scores))`` over all visible blocks, ``p`` the main attention of the
+   KV group (averaged over its query heads, summed per block, detached). Unlike DeepSeek-V3.2's
+   warm-up the main model is not frozen: it starts from random weights and must learn the tasks.
+2. sparse stage, steps ``[dense_steps, steps)``: sparse layers attend to the top-16 blocks the
+   indexer selects; the same losses, the KL now over the selected blocks only (``p`` renormalised
+   over them).
+
+In both stages the index branch reads a detached copy of its input (inside the model): the LM loss
+trains the main model, the KL trains only the indexer, so the terms are simply added. KL rows:
+the answer rows plus ``kl_rows`` random rows per sample. Lengths: ``short_lengths`` for steps
+``[0, short_steps)``, then ``long_lengths`` (each step draws one length from the list, then
+``token_budget // length`` samples). AdamW (no decay on norms), linear warm-up then cosine decay to
+``min_lr_frac`` x ``lr``, gradient clipping, bf16 autocast on CUDA.
+
+Checkpoints: ``<out>/ckpt/state.pt`` (model, optimizer, next step, plan, RNG; batches are a pure
+function of the step, so that is the data state) every ``ckpt_every_s`` seconds and when the call
+ends; the call ends ``reserve_s`` before ``budget_s`` (or at ``stop_at_step``, or after ``steps``).
+``--resume <dir>`` continues exactly from ``<dir>/ckpt/state.pt``; given only an export
+(``<dir>/export`` or ``<dir>`` holding ``trainer_state.json``) it continues the plan from the
+exported bf16 weights with a fresh optimizer, which is not exact and says so. Each call ends with
+an export (``training.export.export_checkpoint``) into ``<out>/export``, plus ``trainer_state.json``.
+
+Log: one line every ``log_every`` steps (step, stage, seq len x batch, loss, answer loss, answer-token
+accuracy, LM loss, index KL, attention mass kept by the selection, lr, tokens/s, elapsed) to stdout
+and ``<out>/train.log``; metrics as JSON lines in ``<out>/metrics.jsonl``. Every ``eval_every``
+steps and at the end of each call: held-out samples (``training.data.HELDOUT_HAYSTACK_SEED``) at
+``eval_lengths``, teacher-forced greedy exact match of the answer in dense and in sparse mode, and
+per sparse layer the indexer's recall of the evidence blocks (the needle's value, ...) in the
+top-16 of the first answer row (mean over KV heads).
+"""
+
+import argparse
+import json
+import math
+import os
+import queue
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from training import data
+
+# Arguments that define the run; a resumed run must keep them (``_check_plan``).
+PLAN_DEFAULTS = {
+    "config": None,
+    "steps": 2000,
+    "dense_steps": 500,
+    "short_steps": 300,
+    "short_lengths": "1024,2048,4096",
+    "long_lengths": "4096,8192,16384,32768",
+    "token_budget": 65536,
+    "task_weights": ",".join(f"{k}={v}" for k, v in data.DEFAULT_TASK_WEIGHTS.items()),
+    "lr": 1e-3,
+    "min_lr_frac": 0.1,
+    "warmup_steps": 100,
+    "weight_decay": 0.1,
+    "beta2": 0.95,
+    "grad_clip": 1.0,
+    "lm_weight": 0.05,
+    "kl_weight": 1.0,
+    "lm_rows": 256,
+    "kl_rows": 256,
+    "seed": 0,
+    "tokenizer": "",  # "" = training/tokenizer
+}
+STATE_FILE = "state.pt"
+TRAINER_STATE = "trainer_state.json"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="run directory: ckpt/, export/, train.log, metrics.jsonl")
+    p.add_argument("--resume", help="run directory (or export) to continue from")
+    p.add_argument("--budget-s", type=float, default=540.0, help="wall seconds this call may take")
+    p.add_argument("--reserve-s", type=float, default=60.0, help="seconds kept for the last checkpoint, eval, export")
+    p.add_argument("--ckpt-every-s", type=float, default=120.0)
+    p.add_argument("--stop-at-step", type=int, help="end this call once this step is reached")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--eval-lengths", default="4096,16384,32768")
+    p.add_argument("--eval-samples", type=int, default=2, help="held-out samples per task and length")
+    p.add_argument("--eval-tasks", default=",".join(data.TASKS))
+    p.add_argument("--no-final-eval", action="store_true")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (off by default)")
+    p.add_argument("--prefetch", type=int, default=4, help="batches generated ahead by a background thread")
+    p.add_argument("--no-export", action="store_true")
+    for name, default in PLAN_DEFAULTS.items():
+        kind = type(default) if default is not None else str
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                       help=f"plan (default {default}; a resumed run keeps its own)")
+    return p.parse_args(argv)
+
+
+def _plan_from(args) -> dict:
+    return {k: getattr(args, k) for k in PLAN_DEFAULTS}
+
+
+def _check_plan(given: dict, saved: dict) -> dict:
+    """The saved plan, after checking that every plan argument given on the command line equals it."""
+    diff = {k: (v, saved.get(k)) for k, v in given.items() if v is not None and v != saved.get(k)}
+    if diff:
+        raise ValueError("a resumed run keeps its plan; these arguments differ from it (given, saved): "
+                         + ", ".join(f"--{k.replace('_', '-')} {a!r} vs {b!r}" for k, (a, b) in diff.items())
+                         + ". Leave them out or start a new --out.")
+    return dict(saved)
+
+
+def _complete_plan(given: dict) -> dict:
+    plan = {k: (PLAN_DEFAULTS[k] if v is None else v) for k, v in given.items()}
+    if plan["config"] is None:
+        raise ValueError("--config is required for a new run")
+    plan["config"] = str(plan["config"])
+    _validate_plan(plan)
+    return plan
+
+
+def _lengths(text: str, name: str) -> list[int]:
+    try:
+        values = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--{name}: comma-separated token counts expected, got {text!r}") from None
+    bad = [v for v in values if v < data.BLOCK or v % data.BLOCK]
+    if not values or bad:
+        raise ValueError(f"--{name}: lengths must be multiples of {data.BLOCK} (>= {data.BLOCK}), got {text!r}")
+    return values
+
+
+def _task_weights(text: str) -> tuple[tuple[str, float], ...]:
+    out = []
+    for item in str(text).split(","):
+        name, _, w = item.partition("=")
+        try:
+            out.append((name.strip(), float(w)))
+        except ValueError:
+            raise ValueError(f"--task-weights: name=weight pairs expected, got {text!r}") from None
+    return tuple(out)
+
+
+def _validate_plan(plan: dict) -> None:
+    if not 0 <= plan["dense_steps"] <= plan["steps"]:
+        raise ValueError(f"--dense-steps must be in [0, --steps={plan['steps']}], got {plan['dense_steps']}")
+    if plan["short_steps"] < 0:
+        raise ValueError(f"--short-steps must be >= 0, got {plan['short_steps']}")
+    for name in ("short_lengths", "long_lengths"):
+        for n in _lengths(plan[name], name.replace("_", "-")):
+            if n > plan["token_budget"]:
+                raise ValueError(f"--{name.replace('_', '-')}: {n} exceeds --token-budget {plan['token_budget']}")
+    _spec(plan, 0)  # task weights and row counts
+
+
+def _spec(plan: dict, step: int) -> data.BatchSpec:
+    """The batch spec of ``step``: the length list of its curriculum phase."""
+    lengths = _lengths(plan["short_lengths"] if step < plan["short_steps"] else plan["long_lengths"], "lengths")
+    return data.BatchSpec(tuple(lengths), plan["token_budget"], _task_weights(plan["task_weights"]),
+                          plan["lm_rows"], plan["kl_rows"])
+
+
+def stage(plan: dict, step: int) -> str:
+    return "dense" if step < plan["dense_steps"] else "sparse"
+
+
+def learning_rate(plan: dict, step: int) -> float:
+    """Linear warm-up to ``lr`` over ``warmup_steps``, then cosine to ``min_lr_frac * lr`` at ``steps``."""
+    lr, warm, total = plan["lr"], plan["warmup_steps"], plan["steps"]
+    if step < warm:
+        return lr * (step + 1) / warm
+    t = min(1.0, (step - warm) / max(1, total - warm))
+    floor = plan["min_lr_frac"] * lr
+    return floor + (lr - floor) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+# -- model, optimizer, checkpoints ---------------------------------------------------------------------
+def build_model(plan: dict, device) -> tuple:
+    from training.model import MSAConfig, MSAForCausalLM
+
+    config_dict = json.loads(Path(plan["config"]).read_text())
+    cfg = MSAConfig.from_dict(config_dict)
+    tok = data.load_tokenizer(plan["tokenizer"] or data.TOKENIZER_DIR)
+    if tok.get_vocab_size() > cfg.vocab_size:
+        raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens, config vocab_size is {cfg.vocab_size}")
+    if cfg.block_size != data.BLOCK:
+        raise ValueError(f"config block size {cfg.block_size} != the data's block {data.BLOCK}")
+    model = MSAForCausalLM(cfg)
+    model.init_weights(plan["seed"])
+    return model.to(device), cfg, config_dict, tok
+
+
+def build_optimizer(model, plan: dict) -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": plan["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=plan["lr"], betas=(0.9, plan["beta2"]), eps=1e-8)
+
+
+def save_state(path: Path, model, opt, plan: dict, step: int, trained_s: float) -> None:
+    """Atomically writes the exact-resume state (``step`` = the next step to run)."""
+    path.mkdir(parents=True, exist_ok=True)
+    state = {
+        "model": model.state_dict(), "optimizer": opt.state_dict(), "plan": plan, "step": step,
+        "trained_s": trained_s, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+    tmp = path / (STATE_FILE + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path / STATE_FILE)
+
+
+def find_resume(resume: str) -> tuple[str, Path]:
+    """``("exact", state.pt)`` or ``("weights", export dir)`` for ``--resume``."""
+    root = Path(resume)
+    for cand in (root / "ckpt" / STATE_FILE, root / STATE_FILE):
+        if cand.is_file():
+            return "exact", cand
+    for cand in (root / "export", root):
+        if (cand / TRAINER_STATE).is_file() and (cand / "config.json").is_file():
+            return "weights", cand
+    raise ValueError(f"--resume {resume}: no ckpt/{STATE_FILE}, {STATE_FILE}, or export with {TRAINER_STATE} there")
+
+
+# -- metrics -------------------------------------------------------------------------------------------
+def batch_losses(logits: torch.Tensor, batch: data.Batch) -> dict:
+    """Per-batch answer CE (mean over answer tokens), LM CE (mean over sampled prompt rows) and
+    answer-token accuracy; tensors, no host sync."""
+    ce = F.cross_entropy(logits.flatten(0, 1), batch.loss_targets.flatten(), reduction="none").view_as(batch.loss_targets)
+    ans = batch.answer_mask.float()
+    lm = batch.lm_mask.float()
+    correct = (logits.argmax(-1) == batch.loss_targets).float()
+    return {
+        "answer_loss": (ce * ans).sum() / ans.sum().clamp_min(1.0),
+        "lm_loss": (ce * lm).sum() / lm.sum().clamp_min(1.0),
+        "answer_acc": (correct * ans).sum() / ans.sum().clamp_min(1.0),
+    }
+
+
+@torch.no_grad()
+def evaluate(model, batches: list[data.Batch], cfg, device, autocast_dtype) -> dict:
+    """Teacher-forced greedy exact match per (mode, task, length) and, in sparse mode, the recall of
+    each sample's evidence blocks in the first answer row's selection, per sparse layer."""
+    was_training = model.training
+    model.eval()
+    out: dict = {}
+    for mode in ("dense", "sparse"):
+        for cpu_batch in batches:
+            batch = cpu_batch.to(device)
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                logits, aux = model(batch.input_ids, attention=mode, logit_rows=batch.loss_rows,
+                                    return_selection=mode == "sparse")
+            correct = (logits.argmax(-1) == batch.loss_targets) | ~batch.answer_mask
+            exact = correct.all(-1).float().cpu()
+            T = batch.input_ids.shape[1]
+            for i, task in enumerate(cpu_batch.tasks):
+                key = f"{mode}/{task}/{T}"
+                out.setdefault(key, []).append(float(exact[i]))
+                if mode == "sparse":
+                    for layer, sel in aux["selected"].items():
+                        row = sel[i, :, int(cpu_batch.first_answer_row[i])].cpu()  # [Hkv, topk]
+                        want = cpu_batch.evidence_blocks[i]
+                        hits = [sum(b in set(h.tolist()) for b in want) / max(1, len(want)) for h in row]
+                        out.setdefault(f"recall/L{layer}/{task}/{T}", []).append(sum(hits) / len(hits))
+    model.train(was_training)
+    return {k: sum(v) / len(v) for k, v in sorted(out.items())}
+
+
+def summarize_eval(result: dict) -> list[str]:
+    """Log lines: exact match per mode and length (over tasks), recall per layer and length."""
+    lines = []
+    groups: dict = {}
+    for k, v in result.items():
+        head, task, T = k.rsplit("/", 2)
+        groups.setdefault((head, T), []).append(f"{task}={v:.2f}")
+    for (head, T), items in sorted(groups.items(), key=lambda x: (x[0][0], int(x[0][1]))):
+        lines.append(f"eval {head:<10} T={T:>6} " + " ".join(items))
+    return lines
+
+
+def heldout_batches(plan: dict, tok, lengths: list[int], tasks: list[str], per: int) -> list[data.Batch]:
+    """Fixed held-out samples (``HELDOUT_HAYSTACK_SEED``), one batch per (length, task)."""
+    gen = data.TaskGenerator(tok, data.HELDOUT_HAYSTACK_SEED, num_sentences=_pool_sentences(max(lengths)))
+    batches = []
+    for T in lengths:
+        for task in tasks:
+            rng = random.Random(f"heldout-{plan['seed']}-{T}-{task}")
+            samples = [gen.sample(task, rng, T) for _ in range(per)]
+            batches.append(data.collate(samples, T, rng, 0, 0))
+    return batches
+
+
+def _pool_sentences(max_len: int) -> int:
+    """Haystack sentences for windows of ``max_len`` tokens (~17 tokens per sentence, 8 windows' worth)."""
+    return max(4096, 8 * max_len // 16)
+
+
+# -- data prefetch -------------------------------------------------------------------------------------
+class Prefetcher:
+    """Generates ``make_batch(step)`` for the coming steps in a background thread (batches are pure
+    functions of the step, so the order of generation cannot change them)."""
+
+    def __init__(self, gen, plan: dict, start: int, stop: int, depth: int):
+        self.gen, self.plan, self.depth = gen, plan, max(1, depth)
+        self.q: queue.Queue = queue.Queue(maxsize=self.depth)
+        self.error = None
+        self.thread = threading.Thread(target=self._run, args=(start, stop), daemon=True)
+        self.thread.start()
+
+    def _run(self, start, stop):
+        try:
+            for step in range(start, stop):
+                self.q.put((step, data.make_batch(self.gen, _spec(self.plan, step), self.plan["seed"], step)))
+        except BaseException as e:  # surfaced in get()
+            self.error = e
+            self.q.put((None, None))
+
+    def get(self, step: int) -> data.Batch:
+        got, batch = self.q.get()
+        if got is None:
+            raise RuntimeError("batch generation failed") from self.error
+        if got != step:
+            raise RuntimeError(f"prefetcher out of order: expected step {step}, got {got}")
+        return batch
+
+
+# -- main ----------------------------------------------------------------------------------------------
+class Logger:
+    def __init__(self, out: Path):
+        self.log = open(out / "train.log", "a")
+        self.metrics = open(out / "metrics.jsonl", "a")
+
+    def line(self, text: str):
+        print(text, flush=True)
+        self.log.write(text + "\n")
+        self.log.flush()
+
+    def record(self, rec: dict):
+        self.metrics.write(json.dumps(rec) + "\n")
+        self.metrics.flush()
+
+
+def main(argv=None) -> dict:
+    """Runs one call of the plan; returns a summary (last step, losses of every step run)."""
+    t_start = time.time()
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = Logger(out)
+    device = torch.device(args.device)
+    given = _plan_from(args)
+
+    resume_kind, resume_path, saved = None, None, None
+    if args.resume:
+        resume_kind, resume_path = find_resume(args.resume)
+        if resume_kind == "exact":
+            saved = torch.load(resume_path, map_location="cpu", weights_only=False)
+            plan = _check_plan(given, saved["plan"])
+        else:
+            saved = json.loads((resume_path / TRAINER_STATE).read_text())
+            plan = _check_plan(given, saved["plan"])
+    else:
+        plan = _complete_plan(given)
+
+    model, cfg, config_dict, tok = build_model(plan, device)
+    opt = build_optimizer(model, plan)
+    start_step, trained_s = 0, 0.0
+    if resume_kind == "exact":
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        start_step, trained_s = saved["step"], saved["trained_s"]
+        torch.set_rng_state(saved["torch_rng"])
+        random.setstate(saved["python_rng"])
+        if saved.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(saved["cuda_rng"])
+        log.line(f"resume exact from {resume_path} at step {start_step}")
+    elif resume_kind == "weights":
+        from training.export import load_checkpoint
+
+        model.load_state_dict(load_checkpoint(resume_path, device="cpu").state_dict())
+        start_step, trained_s = saved["step"], saved.get("trained_s", 0.0)
+        log.line(f"resume NOT exact from export {resume_path} at step {start_step}: bf16 weights, fresh optimizer")
+    raw_model = model  # checkpoints and exports take the uncompiled module's names
+    if args.compile:
+        model = torch.compile(model)
+    # flex_attention compiles once per sequence shape; the length lists keep the shapes few.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
+    model.train()
+
+    plan_lengths = _lengths(plan["short_lengths"], "short-lengths") + _lengths(plan["long_lengths"], "long-lengths")
+    gen = data.TaskGenerator(tok, data.TRAIN_HAYSTACK_SEED, num_sentences=_pool_sentences(max(plan_lengths)))
+    eval_lengths = _lengths(args.eval_lengths, "eval-lengths")
+    eval_tasks = [t for t in args.eval_tasks.split(",") if t]
+    heldout = heldout_batches(plan, tok, eval_lengths, eval_tasks, args.eval_samples) if args.eval_samples > 0 else []
+    stop = plan["steps"] if args.stop_at_step is None else min(plan["steps"], args.stop_at_step)
+    prefetch = Prefetcher(gen, plan, start_step, stop, args.prefetch)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.line(f"plan {json.dumps(plan)}")
+    log.line(f"model {n_params / 1e6:.2f}M params on {device}; steps {start_step}->{stop} of {plan['steps']}; "
+             f"setup {time.time() - t_start:.1f}s")
+
+    deadline = t_start + args.budget_s - args.reserve_s
+    last_ckpt = time.time()
+    step = start_step
+    losses: list[float] = []
+    window: dict = {}
+    window_tokens, window_t0, step_times = 0, time.time(), []
+
+    def checkpoint():
+        nonlocal last_ckpt
+        save_state(out / "ckpt", raw_model, opt, plan, step, trained_s)
+        last_ckpt = time.time()
+
+    while step < stop:
+        est = (sum(step_times[-5:]) / len(step_times[-5:])) if step_times else 0.0
+        if time.time() + 1.5 * est > deadline:
+            log.line(f"budget: stopping before step {step} ({time.time() - t_start:.0f}s of {args.budget_s:.0f}s used)")
+            break
+        t0 = time.time()
+        batch = prefetch.get(step).to(device)
+        mode = stage(plan, step)
+        for g in opt.param_groups:
+            g["lr"] = learning_rate(plan, step)
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            logits, aux = model(batch.input_ids, attention=mode, kl_rows=batch.kl_rows, logit_rows=batch.loss_rows)
+        m = batch_losses(logits, batch)
+        kl = aux["index_kl"] if aux["index_kl"] is not None else torch.zeros((), device=device)
+        loss = m["answer_loss"] + plan["lm_weight"] * m["lm_loss"] + plan["kl_weight"] * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), plan["grad_clip"])
+        opt.step()
+        m.update(loss=loss.detach(), index_kl=kl.detach(), grad_norm=grad_norm.detach())
+        if aux.get("recall") is not None:
+            m["attn_kept"] = aux["recall"].detach()
+        losses.append(loss.detach())
+        for k, v in m.items():
+            window.setdefault(k, []).append(v.detach())
+        window_tokens += int(batch.lengths.sum())
+        step += 1
+        if device.type == "cuda" and (step % args.log_every == 0 or step == stop):
+            torch.cuda.synchronize()
+        dt = time.time() - t0
+        trained_s += dt
+        step_times.append(dt)
+        if step % args.log_every == 0 or step == stop:
+            vals = {k: float(torch.stack(v).float().mean()) for k, v in window.items()}
+            tps = window_tokens / max(1e-9, time.time() - window_t0)
+            T, B = batch.input_ids.shape[1], batch.input_ids.shape[0]
+            log.line(f"step {step:>6} {mode:<6} T={T:>6}x{B:<3} loss {vals['loss']:.4f} ans {vals['answer_loss']:.4f} "
+                     f"acc {vals['answer_acc']:.3f} lm {vals['lm_loss']:.3f} kl {vals['index_kl']:.4f} "
+                     f"kept {vals.get('attn_kept', float('nan')):.3f} gnorm {vals['grad_norm']:.2f} "
+                     f"lr {learning_rate(plan, step - 1):.2e} tok/s {tps:,.0f} elapsed {time.time() - t_start:.0f}s")
+            log.record({"step": step, "stage": mode, "T": T, "B": B, "tok_s": tps, "elapsed_s": time.time() - t_start,
+                        **vals})
+            window, window_tokens, window_t0 = {}, 0, time.time()
+        if heldout and args.eval_every > 0 and step % args.eval_every == 0 and step < stop:
+            result = evaluate(model, heldout, cfg, device, autocast_dtype)
+            for line in summarize_eval(result):
+                log.line(f"step {step:>6} " + line)
+            log.record({"step": step, "eval": result})
+        if time.time() - last_ckpt > args.ckpt_every_s:
+            checkpoint()
+            log.line(f"checkpoint at step {step}")
+
+    checkpoint()
+    log.line(f"checkpoint at step {step} -> {out / 'ckpt' / STATE_FILE}")
+    if heldout and not args.no_final_eval:
+        result = evaluate(model, heldout, cfg, device, autocast_dtype)
+        for line in summarize_eval(result):
+            log.line(f"step {step:>6} " + line)
+        log.record({"step": step, "eval": result, "final": True})
+    if not args.no_export:
+        from training.export import export_checkpoint
+
+        export_dir = export_checkpoint(raw_model, config_dict, plan["tokenizer"] or data.TOKENIZER_DIR,
+                                       out / "export")
+        (export_dir / TRAINER_STATE).write_text(json.dumps(
+            {"step": step, "trained_s": trained_s, "plan": plan, "stage": stage(plan, max(0, step - 1))}, indent=2) + "\n")
+        log.line(f"exported step {step} to {export_dir}")
+    log.line(f"done: step {step} of {plan['steps']}, {time.time() - t_start:.0f}s this call")
+    return {"step": step, "losses": [float(x) for x in losses], "plan": plan}
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
