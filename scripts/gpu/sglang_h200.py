@@ -284,10 +284,12 @@ def main():
     ap.add_argument("--budget-s", type=float, default=500, help="skip steps that would end past this")
     ap.add_argument("--cpu", action="store_true", help="smoke test of this driver on a CPU (tiny sizes, no graphs)")
     ap.add_argument("--skip-capacity", action="store_true")
-    ap.add_argument("--eager", choices=("alongside", "separate"), default="alongside",
+    ap.add_argument("--graph-bs", default=None,
+                    help="decode CUDA-graph batch sizes (default: the --batches values); each one costs capture time")
+    ap.add_argument("--eager", choices=("alongside", "separate", "skip"), default="alongside",
                     help="alongside: each format's eager server runs next to its graph server (started once the "
                          "graph server's pool is allocated, stopped before any timing); separate: all eager "
-                         "servers first, side by side")
+                         "servers first, side by side; skip: no eager servers (decode timing only)")
     args = ap.parse_args()
 
     t_start = time.monotonic()
@@ -313,8 +315,8 @@ def main():
         base += ["--kv-cache-dtype", "fp8_e4m3", "--attention-backend", "triton", "--sampling-backend", "pytorch",
                  "--grammar-backend", "none"]
     eager_flags = ["--disable-cuda-graph"]
-    graph_flags = [] if args.cpu else ["--disable-piecewise-cuda-graph", "--cuda-graph-bs", "1", "2", "4", "8",
-                                       "16", "32"]
+    graph_bs = sorted({int(x) for x in (args.graph_bs or args.batches).split(",")})
+    graph_flags = [] if args.cpu else ["--disable-piecewise-cuda-graph", "--cuda-graph-bs", *map(str, graph_bs)]
     full_pool = ["--mem-fraction-static", str(args.mem_fraction)]
     if args.cpu:
         full_pool = ["--mem-fraction-static", "0.3", "--max-total-tokens", str(max_bs * (max_ctx + 4 * PAGE) + 4096)]
@@ -369,7 +371,7 @@ def main():
 
     # Phase B: eager servers (all formats side by side): reference outputs + recorded decode inputs.
     eager_out = {}
-    if abort or args.eager == "alongside":
+    if abort or args.eager in ("alongside", "skip"):
         pass
     elif left() < 60:
         results["notes"].append("eager runs skipped (time budget)")
