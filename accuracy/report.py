@@ -1,5 +1,6 @@
 """Tables and plots of a format comparison: per task and context length, accuracy of each format
-and paired statistics of each format against the baseline (the first format)."""
+and paired statistics of each format against the baseline (``build``'s ``baseline``, by default
+the first format)."""
 
 import dataclasses
 from pathlib import Path
@@ -25,13 +26,17 @@ def _pair(base: list[dict], other: list[dict], task: str, fmt: str):
     return a, b
 
 
-def build(per_format: dict, formats: list[str], n_boot: int = 10000, seed: int = 0) -> dict:
+def build(per_format: dict, formats: list[str], n_boot: int = 10000, seed: int = 0, baseline: str | None = None) -> dict:
     """``per_format[fmt][task] -> sample rows`` to ``{"baseline", "formats", "tasks": {task: [group]}}``.
+
+    ``baseline`` (default ``formats[0]``) must be one of ``formats``.
 
     A group is one context length (or ``"all"``): ``{"length", "n", "acc": {fmt: acc},
     "paired": {fmt: PairedResult fields}}`` with ``paired`` for every format but the baseline.
     """
-    base = formats[0]
+    base = formats[0] if baseline is None else baseline
+    if base not in formats:
+        raise ValueError(f"baseline {base!r} must be one of formats {formats}")
     tasks = {}
     for task in per_format[base]:
         rows = per_format[base][task]

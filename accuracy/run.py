@@ -8,8 +8,8 @@ the lm-eval tasks of ``accuracy/tasks`` against it through ``local-completions``
 - ``samples/<format>/<task>.jsonl``: one line per sample (``doc_id, length, depth, target,
   response, score``);
 - ``report.md``: per task and context length, accuracy of each format and paired statistics of
-  each format against the first (agreement, exact McNemar p, paired-bootstrap 95% interval of the
-  accuracy difference);
+  each format against the baseline (``--baseline``: fp8 when it is run, else the first format;
+  agreement, exact McNemar p, paired-bootstrap 95% interval of the accuracy difference);
 - ``results.json``: the same numbers; ``accuracy_vs_length.png``: accuracy against context length.
 
 Examples::
@@ -18,6 +18,13 @@ Examples::
     m3-accuracy --model MiniMaxAI/MiniMax-M3.1 --formats fp8 mxfp4 --out results/m3 -- --tp 8
     # running deployments, one URL per format
     m3-accuracy --model MiniMaxAI/MiniMax-M3.1 --base-url fp8=http://h1:30000 mxfp4=http://h2:30000
+    # dense control (every visible block attended) beside the three index caches
+    m3-accuracy --model ckpt --formats dense bf16 fp8 mxfp4 --lengths 4096 8192 16384 32768 --out results/ckpt
+
+Besides the index-K formats, ``--formats`` takes ``dense``: the same server code path with the bf16
+index cache and ``sparse_topk_blocks`` raised to the blocks of the longest request
+(``dense_topk_blocks``), so every row sees at most ``topk`` blocks and the selector returns all of
+them: exact causal attention. It needs ``--lengths``.
 
 Everything after ``--`` goes to ``python -m sglang.launch_server`` as is.
 """
@@ -34,9 +41,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from m3_kernels.formats import parse_format
+from m3_kernels.formats import PAGE_SIZE, parse_format
 
 from . import report
+from .needle import GEN_TOKENS
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 LONG_TASKS = ("m3_niah_single", "m3_niah_multikey")
@@ -44,20 +52,69 @@ SHORT_TASKS = ("m3_short_arith",)
 MIN_LENGTH = 1024
 OVERRIDE_FLAG = "--json-model-override-args"
 RUNNER_OWNED_FLAGS = ("--model-path", "--model", "--host", "--port")
+DENSE = "dense"  # control variant: every visible block attended (see format_launch_args)
+DENSE_INDEX_FORMAT = "bf16"
+DEFAULT_BASELINE = "fp8"
 
 
 # ---------------------------------------------------------------------------------------------
 # The format switch (the one place that knows how a server is told its index-K format)
 
 
-def format_launch_args(fmt: str, launch_args: list[str]) -> list[str]:
-    """``launch_args`` with the index-K format set to ``fmt``.
+def parse_variant(name: str, what: str = "format") -> str:
+    """``"dense"`` or the canonical name of an index-K format; ValueError naming ``what`` otherwise."""
+    if str(name).lower() == DENSE:
+        return DENSE
+    try:
+        return parse_format(name, what).value
+    except ValueError as e:
+        raise ValueError(f"{e} (or {DENSE!r}, the dense-attention control)") from None
 
-    The sglang_m3 plugin reads ``index_k_format`` from the model config, and SGLang applies
-    ``--json-model-override-args`` to it; an override dict already in ``launch_args`` is merged
-    (our key wins), so other overrides pass through.
+
+def dense_topk_blocks(max_tokens: int) -> int:
+    """``sparse_topk_blocks`` of the dense control for requests of at most ``max_tokens`` tokens:
+    ``ceil(max_tokens / PAGE_SIZE)``, the blocks such a request's last row sees."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    return -(-int(max_tokens) // PAGE_SIZE)
+
+
+def dense_max_tokens(lengths, max_gen_toks: int | None = None) -> int:
+    """Longest request the dense control must cover: the longest needle context (prompt budget plus
+    ``GEN_TOKENS``), the generation past that budget (``max_gen_toks``), and one spare block for a
+    BOS token or a chat template the context budget does not count."""
+    extra_gen = max(0, (GEN_TOKENS if max_gen_toks is None else int(max_gen_toks)) - GEN_TOKENS)
+    return max(int(n) for n in lengths) + extra_gen + PAGE_SIZE
+
+
+def model_sparse_config(model: str) -> dict:
+    """The ``sparse_attention_config`` dict of ``model``'s ``config.json`` (local dir or hub id).
+
+    Raises NotImplementedError when it sits under ``text_config`` (an override would have to
+    replace the whole text config) and ValueError when there is none.
     """
-    fmt = parse_format(fmt, "format").value
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        from huggingface_hub import hf_hub_download
+
+        path = Path(hf_hub_download(model, "config.json"))
+    cfg = json.loads(path.read_text())
+    if "sparse_attention_config" in cfg:
+        return cfg["sparse_attention_config"]
+    if "sparse_attention_config" in cfg.get("text_config", {}):
+        raise NotImplementedError(f"{model}: sparse_attention_config is under text_config; the dense control "
+                                  "overrides a top-level sparse_attention_config only")
+    raise ValueError(f"{model}: config.json has no sparse_attention_config (not a MiniMax-M3 sparse model?)")
+
+
+def dense_sparse_config(sparse_config: dict, max_tokens: int) -> dict:
+    """``sparse_config`` with ``sparse_topk_blocks`` raised to ``dense_topk_blocks(max_tokens)``."""
+    topk = max(dense_topk_blocks(max_tokens), int(sparse_config["sparse_topk_blocks"]))
+    return {**sparse_config, "sparse_topk_blocks": topk}
+
+
+def _split_overrides(launch_args: list[str]) -> tuple[list[str], dict]:
+    """``launch_args`` without ``--json-model-override-args``, and the merged override dicts."""
     args, overrides = [], {}
     i = 0
     while i < len(launch_args):
@@ -73,8 +130,43 @@ def format_launch_args(fmt: str, launch_args: list[str]) -> list[str]:
         else:
             args.append(arg)
         i += 1
+    return args, overrides
+
+
+def format_launch_args(fmt: str, launch_args: list[str], sparse_config: dict | None = None,
+                       max_tokens: int | None = None) -> list[str]:
+    """``launch_args`` with the index-K format set to ``fmt`` (a format or ``"dense"``).
+
+    The sglang_m3 plugin reads ``index_k_format`` from the model config, and SGLang applies
+    ``--json-model-override-args`` to it; an override dict already in ``launch_args`` is merged
+    (our keys win), so other overrides pass through.
+
+    ``"dense"`` sets the bf16 format and overrides ``sparse_attention_config`` (SGLang replaces the
+    whole dict, so the model's ``sparse_config`` is needed) with ``sparse_topk_blocks =
+    dense_topk_blocks(max_tokens)``: a row sees at most that many blocks, and the selector returns
+    every visible block for such rows (``m3_kernels.ops.select``), so attention is exactly causal.
+    """
+    fmt = parse_variant(fmt)
+    args, overrides = _split_overrides(launch_args)
+    if fmt == DENSE:
+        if sparse_config is None or max_tokens is None:
+            raise ValueError("the dense control needs the model's sparse_config and the longest request's max_tokens")
+        overrides["sparse_attention_config"] = dense_sparse_config(
+            {**sparse_config, **overrides.get("sparse_attention_config", {})}, max_tokens)
+        fmt = DENSE_INDEX_FORMAT
     overrides["index_k_format"] = fmt
     return args + [OVERRIDE_FLAG, json.dumps(overrides)]
+
+
+def resolve_baseline(baseline: str | None, formats: list[str]) -> str:
+    """The paired statistics' baseline: ``baseline`` if given (must be run), else fp8 when it is
+    among ``formats``, else the first format."""
+    if baseline is None:
+        return DEFAULT_BASELINE if DEFAULT_BASELINE in formats else formats[0]
+    baseline = parse_variant(baseline, "--baseline")
+    if baseline not in formats:
+        raise ValueError(f"--baseline {baseline!r} must be one of --formats {formats}")
+    return baseline
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,7 +346,7 @@ def _parse_base_urls(values: list[str] | None, formats: list[str]) -> dict[str, 
         fmt, sep, url = value.partition("=")
         if not sep:
             raise ValueError(f"--base-url entries must be fmt=URL when there are several, got {value!r}")
-        urls[parse_format(fmt, "--base-url format").value] = url
+        urls[parse_variant(fmt, "--base-url format")] = url
     return urls
 
 
@@ -265,7 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model path or hub id given to --model-path")
     p.add_argument("--tokenizer", default=None, help="tokenizer path or id (default: --model)")
     p.add_argument("--formats", nargs="+", default=["fp8", "mxfp4"],
-                   help="index-K formats; the first is the baseline of the paired statistics")
+                   help="index-K formats (bf16 fp8 mxfp4 mxfp4_rot) and/or dense, the dense-attention control "
+                        "(bf16 index cache, top-k = every block of the longest request; needs --lengths)")
+    p.add_argument("--baseline", default=None,
+                   help="format the paired statistics compare against (default: fp8 if run, else the first format)")
     p.add_argument("--base-url", nargs="+", default=None,
                    help="running deployments instead of starting servers: fmt=URL per format "
                         "(or one URL for one format)")
@@ -300,9 +395,10 @@ def compare_formats(argv=None) -> dict:
         cut = argv.index("--")
         argv, launch_args = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
-    formats = [parse_format(f, "--formats").value for f in args.formats]
+    formats = [parse_variant(f, "--formats") for f in args.formats]
     if len(set(formats)) != len(formats):
         raise ValueError(f"--formats must not repeat, got {formats}")
+    baseline = resolve_baseline(args.baseline, formats)
     urls = _parse_base_urls(args.base_url, formats)
     if urls and set(urls) != set(formats):
         raise ValueError(f"--base-url names formats {sorted(urls)} but --formats is {formats}")
@@ -313,6 +409,12 @@ def compare_formats(argv=None) -> dict:
     if owned:
         raise ValueError(f"launch arguments {owned} are set by the runner (one free local port per server); "
                          "drop them, or start the servers yourself and pass --base-url")
+    dense = {}
+    if DENSE in formats and DENSE not in urls:
+        if not args.lengths:
+            raise ValueError("--formats dense needs --lengths (its top-k covers the longest evaluated context)")
+        dense = {"sparse_config": model_sparse_config(args.model),
+                 "max_tokens": dense_max_tokens(args.lengths, args.max_gen_toks)}
     tokenizer = args.tokenizer or args.model
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -323,15 +425,16 @@ def compare_formats(argv=None) -> dict:
         if fmt in urls:
             per_format[fmt], lengths = _evaluate(urls[fmt], tokenizer, lengths, args)
         else:
-            server = SGLangServer(args.model, format_launch_args(fmt, launch_args), args.out / f"server-{fmt}.log",
-                                  timeout_s=args.launch_timeout)
+            server = SGLangServer(args.model, format_launch_args(fmt, launch_args, **(dense if fmt == DENSE else {})),
+                                  args.out / f"server-{fmt}.log", timeout_s=args.launch_timeout)
             with server:
                 per_format[fmt], lengths = _evaluate(server.base_url, tokenizer, lengths, args)
         write_samples(args.out, fmt, per_format[fmt])
-    summary = report.build(per_format, formats, n_boot=args.bootstrap, seed=args.seed)
-    summary["run"] = {"model": args.model, "formats": formats, "tasks": args.tasks, "lengths": lengths,
-                      "samples": args.samples, "depths": args.depths, "limit": args.limit, "api": args.api,
-                      "launch_args": launch_args}
+    summary = report.build(per_format, formats, n_boot=args.bootstrap, seed=args.seed, baseline=baseline)
+    summary["run"] = {"model": args.model, "formats": formats, "baseline": baseline, "tasks": args.tasks,
+                      "lengths": lengths, "samples": args.samples, "depths": args.depths, "limit": args.limit,
+                      "api": args.api, "launch_args": launch_args,
+                      "dense_topk_blocks": dense_sparse_config(**dense)["sparse_topk_blocks"] if dense else None}
     (args.out / "results.json").write_text(json.dumps(summary, indent=1))
     (args.out / "report.md").write_text(report.markdown(summary))
     report.plot(summary, args.out / "accuracy_vs_length.png")

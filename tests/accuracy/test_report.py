@@ -45,3 +45,18 @@ def test_mismatched_data_is_refused():
     b = _rows({1024: [1, 0]}, targets="y")
     with pytest.raises(ValueError, match="target differs"):
         report.build({"fp8": {"t": a}, "mxfp4": {"t": b}}, ["fp8", "mxfp4"])
+
+
+def test_baseline_need_not_be_first():
+    per_format = {
+        "dense": {"m3_niah_single": _rows({1024: [1, 1, 1, 1]})},
+        "fp8": {"m3_niah_single": _rows({1024: [1, 1, 0, 0]})},
+        "mxfp4": {"m3_niah_single": _rows({1024: [1, 0, 0, 0]})},
+    }
+    summary = report.build(per_format, ["dense", "fp8", "mxfp4"], n_boot=200, baseline="fp8")
+    group = summary["tasks"]["m3_niah_single"][0]
+    assert summary["baseline"] == "fp8" and set(group["paired"]) == {"dense", "mxfp4"}
+    assert group["paired"]["mxfp4"]["diff"] == -0.25 and group["paired"]["dense"]["diff"] == 0.5
+    assert "mxfp4 vs fp8" in report.markdown(summary) and "dense vs fp8" in report.markdown(summary)
+    with pytest.raises(ValueError, match="baseline"):
+        report.build(per_format, ["dense", "fp8"], baseline="bf16")

@@ -54,3 +54,48 @@ def test_cli_validates_before_starting_anything(tmp_path):
                   "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="set by the runner"):
         run.compare_formats(["--model", "m", "--out", str(tmp_path), "--", "--tp", "2", "--port=9000"])
+
+
+TINY_SPARSE = {"sparse_topk_blocks": 16, "sparse_block_size": 128, "sparse_local_block": 1, "sparse_init_block": 0}
+
+
+def test_dense_control_raises_topk_to_every_block():
+    assert run.dense_topk_blocks(1) == 1 and run.dense_topk_blocks(128) == 1 and run.dense_topk_blocks(129) == 2
+    assert run.dense_topk_blocks(32768) == 256
+    # The longest needle context, one spare block; generation past the needle budget adds to it.
+    assert run.dense_max_tokens([4096, 32768]) == 32768 + 128
+    assert run.dense_max_tokens([4096], max_gen_toks=100) == 4096 + 100 - 24 + 128
+    user = json.dumps({"rope_theta": 1.0, "sparse_attention_config": {"sparse_local_block": 2}})
+    args = run.format_launch_args("dense", ["--tp", "2", run.OVERRIDE_FLAG, user], sparse_config=TINY_SPARSE,
+                                  max_tokens=32768 + 128)
+    overrides = json.loads(args[-1])
+    assert overrides["index_k_format"] == "bf16" and overrides["rope_theta"] == 1.0
+    # SGLang replaces the whole dict: every model key is carried, the user's keys merged, top-k raised.
+    assert overrides["sparse_attention_config"] == {**TINY_SPARSE, "sparse_local_block": 2, "sparse_topk_blocks": 257}
+    # Never below the model's own top-k.
+    small = run.format_launch_args("dense", [], sparse_config=TINY_SPARSE, max_tokens=300)
+    assert json.loads(small[-1])["sparse_attention_config"]["sparse_topk_blocks"] == 16
+    with pytest.raises(ValueError, match="sparse_config"):
+        run.format_launch_args("dense", [])
+
+
+def test_model_sparse_config_reads_the_tiny_config():
+    from pathlib import Path
+
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "minimax-m3.1-tiny"
+    assert run.model_sparse_config(str(tiny))["sparse_topk_blocks"] == 16
+
+
+def test_baseline_defaults_to_fp8():
+    assert run.resolve_baseline(None, ["dense", "bf16", "fp8", "mxfp4"]) == "fp8"
+    assert run.resolve_baseline(None, ["bf16", "mxfp4"]) == "bf16"
+    assert run.resolve_baseline("mxfp4", ["fp8", "mxfp4"]) == "mxfp4"
+    with pytest.raises(ValueError, match="--baseline"):
+        run.resolve_baseline("bf16", ["fp8", "mxfp4"])
+    with pytest.raises(ValueError, match="dense"):
+        run.parse_variant("fp4")
+
+
+def test_dense_needs_lengths(tmp_path):
+    with pytest.raises(ValueError, match="--lengths"):
+        run.compare_formats(["--model", "m", "--formats", "dense", "fp8", "--out", str(tmp_path)])
