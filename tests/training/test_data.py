@@ -1,0 +1,213 @@
+"""training.data: tokenizer properties, sample formats and answers (checked by re-deriving them from
+the text), token assembly against plain encoding, batch contents, bad input."""
+
+import random
+import re
+from itertools import islice
+
+import pytest
+import torch
+
+from accuracy import needle
+from accuracy.haystack import sentences
+from training import data
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return data.load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def gen(tok):
+    return data.TaskGenerator(tok, data.TRAIN_HAYSTACK_SEED, num_sentences=4096)
+
+
+@pytest.fixture
+def rng(gen):
+    seed = random.SystemRandom().randrange(2**31)
+    print(f"rng seed {seed}")
+    return random.Random(seed)
+
+
+# -- tokenizer -----------------------------------------------------------------------------------------
+def test_numbers_are_one_token_per_digit(tok, rng):
+    digit_ids = {tok.token_to_id(str(d)) for d in range(10)}
+    space = tok.token_to_id("Ġ")
+    for _ in range(200):
+        value = str(rng.randrange(10**6, 10**7))
+        ids = tok.encode(f" is {value}.").ids
+        assert ids[1] == space and ids[2:9] == [tok.token_to_id(c) for c in value], (value, ids)
+        assert set(ids[2:9]) <= digit_ids and len(ids) == 10
+
+
+def test_haystack_words_are_whole_tokens(tok):
+    for s in islice(sentences(11), 2000):
+        for piece, _ in tok.pre_tokenizer.pre_tokenize_str(" " + s):
+            assert len(tok.model.tokenize(piece)) == 1, (piece, s)
+
+
+def test_pad_is_zero_and_no_special_tokens_added(tok):
+    assert tok.token_to_id("<pad>") == data.PAD_ID
+    assert tok.encode("Answer: the value is").ids == tok.encode("Answer: the value is", add_special_tokens=False).ids
+
+
+def test_eval_prompt_tokenizes_like_training(tok, rng):
+    """The evaluation's own generator (accuracy.needle) with this tokenizer: prompt ends in ' is',
+    and the target digits follow as ' ' + one token per digit, exactly as training supervises."""
+
+    def hf_like(texts, add_special_tokens=False):
+        texts = [texts] if isinstance(texts, str) else texts
+        ids = [e.ids for e in tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        return {"input_ids": ids if len(ids) > 1 else ids[0]}
+
+    class Adapter:
+        __call__ = staticmethod(hf_like)
+
+    pool = needle._Pool(Adapter())
+    doc = needle.make_sample(Adapter(), pool, 1024, 50.0, 4, rng, 0)
+    ids = tok.encode(doc["input"]).ids
+    assert tok.id_to_token(ids[-1]) == "Ġis" and len(ids) == doc["tokens"]
+    assert tok.encode(doc["input"] + f" {doc['target']}.").ids[len(ids):] == tok.encode(f" {doc['target']}.").ids
+
+
+# -- samples -------------------------------------------------------------------------------------------
+LENGTHS = [256, 383, 1024, 4096]  # 383: not a block multiple
+
+
+def _check_common(tok, s: data.Sample, length: int):
+    assert tok.encode(s.text).ids == s.input_ids  # assembly == encoding the joined text
+    assert len(s.input_ids) <= length
+    if length >= 1024:
+        assert len(s.input_ids) >= length - 64  # filled up to a sentence or so
+    assert 0 < s.answer_start < len(s.input_ids)
+    assert s.answer_rows() == list(range(s.answer_start - 1, len(s.input_ids) - 1))
+    assert s.evidence and all(0 <= a < b <= s.answer_start for a, b in s.evidence)
+
+
+@pytest.mark.parametrize("n_keys", [1, 2, 8])
+@pytest.mark.parametrize("length", LENGTHS)
+def test_needle_samples_have_the_eval_format(tok, gen, rng, n_keys, length):
+    s = gen.needles(rng, length, n_keys)
+    _check_common(tok, s, length)
+    head, tail = needle.PROMPT.split("{context}")
+    m = re.fullmatch(re.escape(head) + r"(?P<ctx>.*)" + re.escape(tail).replace(r"\{key\}", r"(?P<key>[a-z-]+)", 1)
+                     .replace(r"\{key\}", r"(?P=key)") + r"(?P<ans>.*)", s.text, re.S)
+    assert m, s.text[-300:]
+    found = re.findall(r'The special number for "([a-z-]+)" is (\d{7})\.', m["ctx"])
+    assert len(found) == n_keys and len({k for k, _ in found}) == n_keys
+    value = dict(found)[m["key"]]
+    assert m["ans"] == f" {value}." and tok.decode(s.input_ids[s.answer_start:]) == f" {value}."
+    assert [tok.decode(s.input_ids[a:b]) for a, b in s.evidence] == [f" {value}."]
+    # context = sentences and needles joined by single spaces, as accuracy.needle joins them
+    assert not re.search(r"\s\s|^\s|\s$", m["ctx"])
+    assert s.task == ("single" if n_keys == 1 else "multikey")
+
+
+@pytest.mark.parametrize("depth", [0.0, 25.0, 50.0, 100.0])
+def test_needle_depth(tok, gen, rng, depth):
+    s = gen.needles(rng, 4096, 1, depth=depth)
+    head = len(tok.encode(needle.PROMPT.split("{context}")[0]).ids)
+    tail = len(tok.encode(needle.PROMPT.split("{context}")[1].format(key="x")).ids)
+    ctx = s.answer_start - head - tail
+    pos = (s.evidence[0][0] - head) / ctx * 100.0
+    assert abs(pos - depth) < 2.0, (pos, depth)
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_kv_samples(tok, gen, rng, length):
+    s = gen.kv(rng, length)
+    _check_common(tok, s, length)
+    lines = dict(re.findall(r'^"([a-z-]+)": (\d{7})$', s.text, re.M))
+    key = re.search(r'the value of "([a-z-]+)" is$', s.text[: len(s.text) - 9]).group(1)
+    assert len(lines) >= 4 and key in lines
+    assert s.text.endswith(f'Answer: the value of "{key}" is {lines[key]}.')
+    assert [tok.decode(s.input_ids[a:b]) for a, b in s.evidence] == [f" {lines[key]}"]
+
+
+def _run_vt(text: str) -> dict:
+    """Values of the variables after executing the context's statements in order."""
+    env = {}
+    for name, src in re.findall(r"VAR ([A-Z]{5}) = (VAR [A-Z]{5}|\d{5})\.", text):
+        env[name] = env[src[4:]] if src.startswith("VAR ") else src
+    return env
+
+
+@pytest.mark.parametrize("ask", ["members", "last"])
+@pytest.mark.parametrize("length", LENGTHS)
+def test_vt_answers_follow_from_the_statements(tok, gen, rng, ask, length):
+    s = gen.vt(rng, length, ask=ask)
+    _check_common(tok, s, length)
+    question = s.text.split("Question: ")[1]
+    env = _run_vt(s.text.split("Question: ")[0])
+    answer = tok.decode(s.input_ids[s.answer_start:])
+    if ask == "members":
+        value = re.search(r"the value (\d{5}) in", question).group(1)
+        order = [n for n in re.findall(r"VAR ([A-Z]{5}) = ", s.text) if env[n] == value]
+        assert answer == " " + ", ".join(order) + "."
+    else:
+        name = re.search(r"value of VAR ([A-Z]{5}) in", question).group(1)
+        assert answer == f" {env[name]}."
+    evidence = [tok.decode(s.input_ids[a:b]).strip() for a, b in s.evidence]
+    assert all(e.startswith("VAR ") for e in evidence) and len(evidence) >= 2
+
+
+def test_every_task_at_32k(tok, gen, rng):
+    for task in data.TASKS:
+        s = gen.sample(task, rng, 32768)
+        _check_common(tok, s, 32768)
+        assert s.task == task
+        assert all(b < 32768 // data.BLOCK for b in s.evidence_blocks())
+
+
+# -- batches -------------------------------------------------------------------------------------------
+def test_make_batch_is_a_function_of_seed_and_step(gen):
+    spec = data.BatchSpec((512, 1024), 2048, lm_rows=8, kl_random_rows=8)
+    a, b = data.make_batch(gen, spec, 3, 17), data.make_batch(gen, spec, 3, 17)
+    for k, v in a.__dict__.items():
+        assert (torch.equal(v, b.__dict__[k]) if isinstance(v, torch.Tensor) else v == b.__dict__[k]), k
+    c = data.make_batch(gen, spec, 3, 18)
+    assert not (a.input_ids.shape == c.input_ids.shape and torch.equal(a.input_ids, c.input_ids))
+
+
+def test_batch_rows_and_masks(gen):
+    spec = data.BatchSpec((1024,), 4096, lm_rows=32, kl_random_rows=40)
+    for step in range(4):
+        b = data.make_batch(gen, spec, 0, step)
+        B, T = b.input_ids.shape
+        assert (B, T) == (4, 1024)
+        for i in range(B):
+            n = int(b.lengths[i])
+            assert (b.input_ids[i, n:] == data.PAD_ID).all()
+            rows, tgt = b.loss_rows[i], b.loss_targets[i]
+            valid = b.answer_mask[i] | b.lm_mask[i]
+            assert not (b.answer_mask[i] & b.lm_mask[i]).any()
+            assert torch.equal(tgt[valid], b.input_ids[i, rows[valid] + 1])
+            ans_rows = rows[b.answer_mask[i]]
+            assert int(ans_rows[0]) == int(b.first_answer_row[i]) and int(ans_rows[-1]) == n - 2
+            assert (rows[b.lm_mask[i]] < b.first_answer_row[i]).all() and int(b.lm_mask[i].sum()) == 32
+            kl = b.kl_rows[i]
+            assert (kl >= 0).all() and (kl < n).all()
+            assert torch.equal(kl[: len(ans_rows)], ans_rows)
+
+
+def test_bad_input(tok, gen, rng):
+    with pytest.raises(ValueError, match="task"):
+        gen.sample("nope", rng, 1024)
+    with pytest.raises(ValueError, match="too short"):
+        gen.needles(rng, 40, 1)
+    with pytest.raises(ValueError, match="ask"):
+        gen.vt(rng, 1024, ask="first")
+    with pytest.raises(ValueError, match="seed"):
+        data.Haystack(tok, needle._POOL_SEED, 16)
+    with pytest.raises(ValueError, match="too small"):
+        gen.hay.window(rng, gen.hay.cum[-1])
+    with pytest.raises(ValueError, match="multiples"):
+        data.BatchSpec((1000,), 4096)
+    with pytest.raises(ValueError, match="token_budget"):
+        data.BatchSpec((4096,), 1024)
+    with pytest.raises(ValueError, match="task_weights"):
+        data.BatchSpec((1024,), 4096, task_weights=(("nope", 1.0),))
+    with pytest.raises(ValueError, match="seq_len"):
+        data.collate([gen.needles(rng, 1024, 1)], 512, rng, 0, 0)
+    assert data.TRAIN_HAYSTACK_SEED != needle._POOL_SEED and data.HELDOUT_HAYSTACK_SEED != needle._POOL_SEED
