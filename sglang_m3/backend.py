@@ -174,7 +174,8 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
                                     meta.seq_lens, meta.prefix_lens, meta.cu_seqlens_q, meta.max_seqlen_q, positions,
                                     selected, self.block_size_k, layer.scaling)
         if self.recorder is not None:
-            self.recorder.record("extend", layer.layer_id, positions, n_visible, selected, scores)
+            self.recorder.record("extend", layer.layer_id, positions, n_visible, selected, scores,
+                                 seq_lens=meta.seq_lens, cu_rows=meta.cu_seqlens_q)
         o = o.reshape(n, -1)
         if padded_tokens > n:
             o = torch.cat([o, o.new_zeros(padded_tokens - n, o.shape[1])])

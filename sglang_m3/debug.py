@@ -12,6 +12,10 @@ attention tensor parallelism each rank holds its own index-query heads and write
 ``<path>.rank<attn_tp_rank>``; concatenating the ranks' ``selected`` in ``heads`` order gives what
 one rank would select with every head.
 
+``index_k_debug_rows`` (an int N, default unset = every row) keeps only the extend rows among the
+last N tokens of their request at that forward (``position >= seq_len - N``: the end of the prompt
+at its last chunk); decode rows are always last rows. Long prompts then record a bounded tail.
+
 It copies tensors to the host, so it records eager forwards only: prefill always, decode on the CPU
 or with ``--disable-cuda-graph``; decode steps inside CUDA-graph capture are skipped (replays do
 not call it).
@@ -39,10 +43,13 @@ def index_heads_of_rank(total_heads: int, tp_size: int, tp_rank: int) -> list[in
 class SelectionRecorder:
     """Appends selections (and the first sparse layer's scores) to ``path``."""
 
-    def __init__(self, path: str, score_layer: int, heads: list[int]):
+    def __init__(self, path: str, score_layer: int, heads: list[int], last_rows: int | None = None):
+        if last_rows is not None and (isinstance(last_rows, bool) or not isinstance(last_rows, int) or last_rows < 1):
+            raise ValueError(f"index_k_debug_rows must be an int >= 1 (or unset for every row), got {last_rows!r}")
         self.path = path
         self.score_layer = score_layer
         self.heads = heads
+        self.last_rows = last_rows
 
     @classmethod
     def from_config(cls, hf_config, sparse_layer_ids):
@@ -56,12 +63,24 @@ class SelectionRecorder:
         total = get_minimax_sparse_attention_config(hf_config)["sparse_num_index_heads"]
         if tp_size > 1:
             path = f"{path}.rank{tp_rank}"
-        return cls(path, min(sparse_layer_ids), index_heads_of_rank(total, tp_size, tp_rank))
+        return cls(path, min(sparse_layer_ids), index_heads_of_rank(total, tp_size, tp_rank),
+                   getattr(hf_config, "index_k_debug_rows", None))
 
     def record(self, mode: str, layer_id: int, positions: torch.Tensor, n_visible: torch.Tensor,
-               selected: torch.Tensor, scores: torch.Tensor) -> None:
+               selected: torch.Tensor, scores: torch.Tensor, seq_lens: torch.Tensor | None = None,
+               cu_rows: torch.Tensor | None = None) -> None:
+        """One line for a forward's ``rows``: ``positions``/``n_visible [rows]``, ``selected [H, rows, topk]``,
+        ``scores [H, rows, nb]``; with ``last_rows`` set, extend forwards pass ``seq_lens [batch]`` and
+        ``cu_rows [batch + 1]`` (request ``b`` owns rows ``cu_rows[b]:cu_rows[b+1]``) to pick the rows kept."""
         if selected.is_cuda and torch.cuda.is_current_stream_capturing():
             return
+        if self.last_rows is not None and seq_lens is not None:
+            row_seq_len = torch.repeat_interleave(seq_lens.long(), (cu_rows[1:] - cu_rows[:-1]).long())
+            keep = torch.nonzero(positions.long() >= row_seq_len - self.last_rows).squeeze(1)
+            if keep.numel() == 0:
+                return
+            positions, n_visible = positions[keep], n_visible[keep]
+            selected, scores = selected[:, keep], scores[:, keep]
         entry = {
             "mode": mode,
             "layer": layer_id,

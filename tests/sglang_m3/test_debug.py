@@ -29,3 +29,27 @@ def test_record_line_holds_heads_and_first_layer_scores(tmp_path):
     assert first == {"mode": "decode", "layer": 1, "positions": [129], "heads": [2, 3], "n_visible": [2],
                      "selected": [[[0, -1]], [[0, 1]]], "scores": [[[0.5, None]], [[0.25, 1.0]]]}
     assert "scores" not in second and second["heads"] == [2, 3]
+
+
+def test_last_rows_keeps_the_tail_of_each_request(tmp_path):
+    path = tmp_path / "sel.jsonl"
+    rec = SelectionRecorder(str(path), score_layer=1, heads=[0], last_rows=2)
+    # Two requests in one extend: a 3-row chunk ending at seq_len 5, and a 4-row prompt (seq_len 4).
+    positions = torch.tensor([2, 3, 4, 0, 1, 2, 3])
+    cu_rows = torch.tensor([0, 3, 7], dtype=torch.int32)
+    seq_lens = torch.tensor([5, 4], dtype=torch.int32)
+    selected = positions.to(torch.int32).view(1, -1, 1)
+    scores = torch.rand(1, 7, 1)
+    rec.record("extend", 1, positions, torch.ones(7, dtype=torch.int64), selected, scores, seq_lens, cu_rows)
+    rec.record("extend", 2, torch.tensor([0]), torch.ones(1, dtype=torch.int64), selected[:, :1], scores[:, :1],
+               torch.tensor([9]), torch.tensor([0, 1]))  # no row in its last 2: no line
+    rec.record("decode", 2, torch.tensor([8, 3]), torch.ones(2, dtype=torch.int64), selected[:, :2], scores[:, :2])
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["mode"], r["positions"]) for r in lines] == [("extend", [3, 4, 2, 3]), ("decode", [8, 3])]
+    assert lines[0]["selected"] == [[[3], [4], [2], [3]]] and len(lines[0]["scores"][0]) == 4
+
+
+@pytest.mark.parametrize("bad", [0, -1, "last 4", 2.5, True])
+def test_last_rows_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="index_k_debug_rows"):
+        SelectionRecorder("x", score_layer=1, heads=[0], last_rows=bad)
