@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # On a CUDA GPU: the gpu-marked kernel tests, then the scorer/writer benchmark (correctness first).
 #   scripts/run_gpu_tests.sh [bench args...]     logs and tables go to $OUT (default ./out)
+#   scripts/run_gpu_tests.sh --multi-gpu         only the 2-GPU context-parallel scorer test (NCCL,
+#                                                 NVLink multicast off), log in $OUT/pytest_multi_gpu.log
 # Wheels for packages the machine lacks (sglang for the peer baseline) are installed from
 # $WHEELS (a folder of .whl files) when it is set.
 set -uo pipefail
@@ -14,6 +16,12 @@ if [ -n "${WHEELS:-}" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
         && export PYTHONPATH="$SITE"${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}
+if [ "${1:-}" = "--multi-gpu" ]; then
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+        tests/kernels/ops/score/test_cp_multigpu.py ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_multi_gpu.log"
+    exit ${PIPESTATUS[0]}
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/ops/write/test_triton.py \
     tests/kernels/ops/score/test_triton.py tests/kernels/ops/select/test_triton.py ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"

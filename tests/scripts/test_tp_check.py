@@ -117,8 +117,8 @@ def test_head_mapping_finds_swapped_heads():
 
 
 def _body(ids, tops, prompt_lp):
-    return {"output_ids": ids, "meta_info": {"output_top_logprobs": tops,
-                                             "input_token_logprobs": [[None, 5, None]] + [[x, 5, None] for x in prompt_lp]}}
+    prompt = [[None, 5, None]] + [[x, 5, None] for x in prompt_lp]
+    return {"output_ids": ids, "meta_info": {"output_top_logprobs": tops, "input_token_logprobs": prompt}}
 
 
 def test_token_comparison_and_near_tie_verdict():

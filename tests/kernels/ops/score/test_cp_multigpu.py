@@ -199,7 +199,8 @@ def run_rank(rank: int, world: int, device_kind: str, seed: int, out_path: str |
 def check_rank0(case, scores, selected, n_vis, fmt, S, device, backend, same_everywhere, n_local,
                 score_decode, score_decode_ref, select_blocks_ref) -> dict:
     """Combined scores vs the float64 oracle and vs one-rank scoring; selection vs the oracle's."""
-    kc, ks, table, seq = case["k_cache"], case["k_scale"], case["table"], torch.tensor(case["seq_lens"], dtype=torch.int32)
+    kc, ks, table = case["k_cache"], case["k_scale"], case["table"]
+    seq = torch.tensor(case["seq_lens"], dtype=torch.int32)
     nb, q, sm = case["max_block"], case["q"], case["sm_scale"]
     name = f"{fmt} S={S}"
     ref = score_decode_ref(q, kc, ks, table.clamp(min=0), seq, S, sm, nb)
