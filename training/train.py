@@ -103,7 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-lengths", default="4096,16384,32768")
-    p.add_argument("--eval-samples", type=int, default=2, help="held-out samples per task and length")
+    p.add_argument("--eval-samples", type=int, default=2,
+                   help="held-out samples per task and length (at least; rounded up to whole batches)")
     p.add_argument("--eval-tasks", default=",".join(data.TASKS))
     p.add_argument("--no-final-eval", action="store_true")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -300,14 +301,17 @@ def summarize_eval(result: dict) -> list[str]:
 
 
 def heldout_batches(plan: dict, tok, lengths: list[int], tasks: list[str], per: int) -> list[data.Batch]:
-    """Fixed held-out samples (``HELDOUT_HAYSTACK_SEED``), one batch per (length, task)."""
+    """Fixed held-out samples (``HELDOUT_HAYSTACK_SEED``): per length ``T``, at least ``per`` samples
+    of each task (cycling over ``tasks``), in batches of the training batch size ``token_budget // T``
+    (the same shapes as training, so no new compiled attention kernels)."""
     gen = data.TaskGenerator(tok, data.HELDOUT_HAYSTACK_SEED, num_sentences=_pool_sentences(max(lengths)))
     batches = []
     for T in lengths:
-        for task in tasks:
-            rng = random.Random(f"heldout-{plan['seed']}-{T}-{task}")
-            samples = [gen.sample(task, rng, T) for _ in range(per)]
-            batches.append(data.collate(samples, T, rng, 0, 0))
+        size = max(1, plan["token_budget"] // T)
+        n = -(-len(tasks) * per // size) * size
+        rng = random.Random(f"heldout-{plan['seed']}-{T}")
+        samples = [gen.sample(tasks[i % len(tasks)], rng, T) for i in range(n)]
+        batches += [data.collate(samples[i:i + size], T, rng, 0, 0) for i in range(0, n, size)]
     return batches
 
 
@@ -426,15 +430,30 @@ def main(argv=None) -> dict:
     step = start_step
     losses: list[float] = []
     window: dict = {}
-    window_tokens, window_t0, step_times = 0, time.time(), []
+    window_tokens, window_t0, step_ends = 0, time.time(), []
 
     def checkpoint():
         nonlocal last_ckpt
         save_state(out / "ckpt", raw_model, opt, plan, step, trained_s)
         last_ckpt = time.time()
 
+    def flush(mode, batch):
+        """One log line and metrics record for the steps since the last one."""
+        nonlocal window, window_tokens, window_t0
+        vals = {k: float(torch.stack(v).float().mean()) for k, v in window.items()}
+        tps = window_tokens / max(1e-9, time.time() - window_t0)
+        T, B = batch.input_ids.shape[1], batch.input_ids.shape[0]
+        log.line(f"step {step:>6} {mode:<6} T={T:>6}x{B:<3} loss {vals['loss']:.4f} ans {vals['answer_loss']:.4f} "
+                 f"acc {vals['answer_acc']:.3f} lm {vals['lm_loss']:.3f} kl {vals['index_kl']:.4f} "
+                 f"kept {vals.get('attn_kept', float('nan')):.3f} gnorm {vals['grad_norm']:.2f} "
+                 f"lr {learning_rate(plan, step - 1):.2e} tok/s {tps:,.0f} elapsed {time.time() - t_start:.0f}s")
+        log.record({"step": step, "stage": mode, "T": T, "B": B, "tok_s": tps, "elapsed_s": time.time() - t_start, **vals})
+        window, window_tokens, window_t0 = {}, 0, time.time()
+
     while step < stop:
-        est = (sum(step_times[-5:]) / len(step_times[-5:])) if step_times else 0.0
+        # wall time per step over the last steps (GPU work is asynchronous; timestamps average it out)
+        recent = step_ends[-21:]
+        est = (recent[-1] - recent[0]) / (len(recent) - 1) if len(recent) > 1 else 0.0
         if time.time() + 1.5 * est > deadline:
             log.line(f"budget: stopping before step {step} ({time.time() - t_start:.0f}s of {args.budget_s:.0f}s used)")
             break
@@ -462,29 +481,23 @@ def main(argv=None) -> dict:
         step += 1
         if device.type == "cuda" and (step % args.log_every == 0 or step == stop):
             torch.cuda.synchronize()
-        dt = time.time() - t0
-        trained_s += dt
-        step_times.append(dt)
+        trained_s += time.time() - t0
+        step_ends.append(time.time())
         if step % args.log_every == 0 or step == stop:
-            vals = {k: float(torch.stack(v).float().mean()) for k, v in window.items()}
-            tps = window_tokens / max(1e-9, time.time() - window_t0)
-            T, B = batch.input_ids.shape[1], batch.input_ids.shape[0]
-            log.line(f"step {step:>6} {mode:<6} T={T:>6}x{B:<3} loss {vals['loss']:.4f} ans {vals['answer_loss']:.4f} "
-                     f"acc {vals['answer_acc']:.3f} lm {vals['lm_loss']:.3f} kl {vals['index_kl']:.4f} "
-                     f"kept {vals.get('attn_kept', float('nan')):.3f} gnorm {vals['grad_norm']:.2f} "
-                     f"lr {learning_rate(plan, step - 1):.2e} tok/s {tps:,.0f} elapsed {time.time() - t_start:.0f}s")
-            log.record({"step": step, "stage": mode, "T": T, "B": B, "tok_s": tps, "elapsed_s": time.time() - t_start,
-                        **vals})
-            window, window_tokens, window_t0 = {}, 0, time.time()
+            flush(mode, batch)
         if heldout and args.eval_every > 0 and step % args.eval_every == 0 and step < stop:
             result = evaluate(model, heldout, cfg, device, autocast_dtype)
             for line in summarize_eval(result):
                 log.line(f"step {step:>6} " + line)
             log.record({"step": step, "eval": result})
+            window_t0 = time.time()
         if time.time() - last_ckpt > args.ckpt_every_s:
             checkpoint()
             log.line(f"checkpoint at step {step}")
+            window_t0 = time.time()
 
+    if window:
+        flush(mode, batch)
     checkpoint()
     log.line(f"checkpoint at step {step} -> {out / 'ckpt' / STATE_FILE}")
     if heldout and not args.no_final_eval:

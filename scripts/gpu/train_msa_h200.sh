@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Train the small MSA model (training/train.py, config training/configs/msa-small.json) on an H200.
+#
+# Runs on the GPU machine from the repo root. Needs torch, tokenizers and safetensors: the image has
+# them; if not, the carried SGLang wheel bundle (.whl1/, see build_wheel_bundle.sh) is unpacked by
+# scripts/gpu/bundle_env.sh. The run directory $RUN_DIR (default build/msa-train, git-ignored, so
+# it stays on the machine between calls while the machine is held) gets the exact-resume
+# checkpoint ckpt/state.pt (about 190 MB for msa-small: too big to come back), train.log,
+# metrics.jsonl and export/. Into $OUT (default out/msa-train) go: train.log (this call's output),
+# metrics.jsonl (the whole run so far), and the export (bf16 safetensors + config + tokenizer +
+# trainer_state.json) as a tar in 15 MiB parts export.tar.part-aa, -ab, ... (rebuild with
+# `cat export.tar.part-* | tar -x`, giving export/).
+#
+#   scripts/gpu/train_msa_h200.sh [train.py args]               # a new run (plan args go here)
+#   RESUME=build/msa-train scripts/gpu/train_msa_h200.sh        # exact: same machine, still held
+#   RESUME=<dir with export/> scripts/gpu/train_msa_h200.sh     # from a returned export: plan and
+#                                                               # step continue, optimizer restarts
+# Env: BUDGET_S (default 540: seconds this script may take; the trainer checkpoints, evaluates and
+# exports before that), CONFIG, RUN_DIR, OUT.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+t0=$(date +%s)
+OUT="${OUT:-out/msa-train}"
+RUN_DIR="${RUN_DIR:-build/msa-train}"
+BUDGET_S="${BUDGET_S:-540}"
+CONFIG="${CONFIG:-training/configs/msa-small.json}"
+mkdir -p "$OUT" "$RUN_DIR"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+
+if ! python3 -c "import torch, tokenizers, safetensors" 2>/dev/null; then
+    echo "tokenizers/safetensors missing: using the carried bundle"
+    source scripts/gpu/bundle_env.sh || exit 1
+fi
+export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+python3 -c "import torch, tokenizers, safetensors, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
+'tokenizers', tokenizers.__version__, 'safetensors', safetensors.__version__, 'cuda', torch.cuda.is_available())" || exit 1
+
+args=(--out "$RUN_DIR" --budget-s "$(( BUDGET_S - ($(date +%s) - t0) - 15 ))")
+if [ -n "${RESUME:-}" ]; then
+    args+=(--resume "$RESUME")
+else
+    args+=(--config "$CONFIG")
+fi
+python3 -m training.train "${args[@]}" "$@" 2>&1 | tee "$OUT/train.log"
+rc=${PIPESTATUS[0]}
+
+cp "$RUN_DIR/metrics.jsonl" "$OUT/" 2>/dev/null || true
+if [ -d "$RUN_DIR/export" ]; then
+    tar -C "$RUN_DIR" -cf - export | split -b 15m - "$OUT/export.tar.part-"
+fi
+ls -l "$OUT"
+echo "train_msa_h200: exit $rc after $(( $(date +%s) - t0 )) s"
+exit "$rc"
