@@ -119,7 +119,7 @@ def compare_format(work: Path, names: tuple, prompt_ids: list, bodies: dict, fir
         last_decode = None if j is None else len(ids) + j - 1
         sel = tp_check.compare_selections(rows_ref, rows_got, TOPK_BLOCKS, last_decode)
         cmp["record_keys_only_tp1"], cmp["record_keys_only_tpn"] = sel["keys_only_in_ref"], sel["keys_only_in_got"]
-        hm = tp_check.head_mapping(rows_ref, rows_got, first_sparse)
+        hm = tp_check.head_mapping(rows_ref, rows_got, first_sparse, row_stride=8)
         res["head_mapping"].append({k: hm[k] for k in ("heads", "closest", "ok")} | {
             "diag_mean_abs_diff": max((hm["mean_abs_diff"][k][k] for k in range(len(hm["heads"]))), default=None),
             "offdiag_min_mean_abs_diff": min((hm["mean_abs_diff"][a][b] for a in range(len(hm["heads"]))

@@ -238,14 +238,15 @@ def compare_selections(ref: dict, got: dict, topk: int, last_decode_pos: int | N
     return {"layers": layers, "keys_only_in_ref": only_ref, "keys_only_in_got": only_got}
 
 
-def head_mapping(ref: dict, got: dict, layer: int) -> dict:
+def head_mapping(ref: dict, got: dict, layer: int, row_stride: int = 1) -> dict:
     """Which ``ref`` head each ``got`` head's scores are closest to (mean |difference| over the
-    visible blocks of every extend row of ``layer`` both record scores for). A correct TP split
-    maps every head to itself; a rank scoring with another rank's index-query heads does not."""
+    visible blocks of the extend rows of ``layer`` both record scores for; every
+    ``row_stride``-th position). A correct TP split maps every head to itself; a rank scoring
+    with another rank's index-query heads does not."""
     heads = None
     dist = {}
     for key in ref:
-        if key[0] != "extend" or key[1] != layer or key not in got:
+        if key[0] != "extend" or key[1] != layer or key not in got or key[2] % row_stride:
             continue
         a, b = ref[key], got[key]
         if a["scores"] is None or b["scores"] is None:
