@@ -125,8 +125,9 @@ def compare_format(work: Path, names: tuple, prompt_ids: list, bodies: dict, fir
             "offdiag_min_mean_abs_diff": min((hm["mean_abs_diff"][a][b] for a in range(len(hm["heads"]))
                                               for b in range(len(hm["heads"])) if a != b), default=None)})
         for layer, st in sel["layers"].items():
-            acc = res["layers"].setdefault(layer, {k: 0 for k in st if isinstance(st[k], int)})
-            for k in acc:
+            counts = [k for k, v in st.items() if isinstance(v, int)]
+            acc = res["layers"].setdefault(layer, dict.fromkeys(counts, 0))
+            for k in counts:
                 acc[k] += st[k]
             acc["max_score_diff"] = max(acc.get("max_score_diff", 0.0), st["max_score_diff"])
             acc["max_score_diff_rel"] = max(acc.get("max_score_diff_rel", 0.0), st["max_score_diff_rel"])
