@@ -92,14 +92,16 @@ def move_records(path: Path, dest: Path) -> None:
         f.rename(dest.parent / (dest.name + f.name[len(path.name):]))
 
 
-def run_server_prompts(server, rec: Path, prompt_ids: list, new_tokens: int, work: Path) -> list:
-    """Prompts one at a time; returns the response bodies. Prompt i's records end up in
-    ``<work>/<server>.p<i>.jsonl[.rank<r>]``."""
+def run_server_prompts(server, rec: Path, prompt_ids: list, new_tokens: int, work: Path, left) -> list:
+    """Prompts one at a time, each within ``left()`` seconds; returns the response bodies. Prompt
+    i's records end up in ``<work>/<server>.p<i>.jsonl[.rank<r>]``."""
     settle(rec)
     move_records(rec, work / f"{server.name}.startup.jsonl")
     bodies = []
     for i, ids in enumerate(prompt_ids):
-        bodies.append(generate(server, ids, new_tokens))
+        if left() < 5:
+            raise TimeoutError(f"no time left for prompt {i} (see --end-by)")
+        bodies.append(generate(server, ids, new_tokens, timeout=left()))
         settle(rec)
         move_records(rec, work / f"{server.name}.p{i}.jsonl")
     return bodies
@@ -186,12 +188,15 @@ def main():
     ap.add_argument("--tie-margin", type=float, default=0.1, help="nats: a token divergence within it is a near tie")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (decode selections are recorded too)")
     ap.add_argument("--budget-s", type=float, default=330, help="give up waiting for servers past this")
+    ap.add_argument("--end-by", type=float, help="unix time by which the driver must have written its table: "
+                    "requests are cut off 40 s before (default: no limit)")
     ap.add_argument("--cpu", action="store_true", help="smoke test on a CPU (tiny sizes, torch paths)")
     ap.add_argument("--cp-log", type=Path, help="pytest log of test_cp_multigpu.py to summarise in table.md")
     args = ap.parse_args()
 
     t_start = time.monotonic()
     left = lambda: args.budget_s - (time.monotonic() - t_start)  # noqa: E731
+    requests_left = lambda: (args.end_by - 40 - time.time()) if args.end_by else 1800.0  # noqa: E731
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="m3-tp2-"))
@@ -245,10 +250,10 @@ def main():
     def serve(name):
         server, rec, fmt = servers[name]
         r = results["formats"][fmt].setdefault("servers", {}).setdefault(name, {})
-        r["ready_s"] = server.wait_ready(max(30.0, left()))
+        r["ready_s"] = server.wait_ready(max(10.0, min(left(), requests_left())))
         h200.log(f"{name}: ready after {r['ready_s']:.0f} s")
         t = time.perf_counter()
-        bodies[name] = run_server_prompts(server, rec, prompt_ids, args.new_tokens, work)
+        bodies[name] = run_server_prompts(server, rec, prompt_ids, args.new_tokens, work, requests_left)
         r["prompts_s"] = time.perf_counter() - t
         h200.log(f"{name}: {len(prompt_ids)} prompts in {r['prompts_s']:.1f} s")
 
