@@ -37,8 +37,10 @@ function of the step, so that is the data state) every ``ckpt_every_s`` seconds 
 ends; the call ends ``reserve_s`` before ``budget_s`` (or at ``stop_at_step``, or after ``steps``).
 ``--resume <dir>`` continues exactly from ``<dir>/ckpt/state.pt``; given only an export
 (``<dir>/export`` or ``<dir>`` holding ``trainer_state.json``) it continues the plan from the
-exported bf16 weights with a fresh optimizer, which is not exact and says so. Each call ends with
-an export (``training.export.export_checkpoint``) into ``<out>/export``, plus ``trainer_state.json``.
+exported bf16 weights with a fresh optimizer, which is not exact and says so. Each call ends with the
+checkpoint, an export (``training.export.export_checkpoint``) into ``<out>/export`` plus
+``trainer_state.json``, then the held-out evaluation (last: in sparse mode it may compile attention
+kernels for new shapes).
 
 Log: one line every ``log_every`` steps (step, stage, seq len x batch, loss, answer loss, answer-token
 accuracy, LM loss, index KL, attention mass kept by the selection, lr, tokens/s, elapsed) to stdout
@@ -455,7 +457,7 @@ def main(argv=None) -> dict:
         recent = step_ends[-21:]
         est = (recent[-1] - recent[0]) / (len(recent) - 1) if len(recent) > 1 else 0.0
         if time.time() + 1.5 * est > deadline:
-            log.line(f"budget: stopping before step {step} ({time.time() - t_start:.0f}s of {args.budget_s:.0f}s used)")
+            log.line(f"budget: stopping after step {step} ({time.time() - t_start:.0f}s of {args.budget_s:.0f}s used)")
             break
         t0 = time.time()
         batch = prefetch.get(step).to(device)
@@ -500,11 +502,6 @@ def main(argv=None) -> dict:
         flush(mode, batch)
     checkpoint()
     log.line(f"checkpoint at step {step} -> {out / 'ckpt' / STATE_FILE}")
-    if heldout and not args.no_final_eval:
-        result = evaluate(model, heldout, cfg, device, autocast_dtype)
-        for line in summarize_eval(result):
-            log.line(f"step {step:>6} " + line)
-        log.record({"step": step, "eval": result, "final": True})
     if not args.no_export:
         from training.export import export_checkpoint
 
@@ -513,6 +510,11 @@ def main(argv=None) -> dict:
         (export_dir / TRAINER_STATE).write_text(json.dumps(
             {"step": step, "trained_s": trained_s, "plan": plan, "stage": stage(plan, max(0, step - 1))}, indent=2) + "\n")
         log.line(f"exported step {step} to {export_dir}")
+    if heldout and not args.no_final_eval:
+        result = evaluate(model, heldout, cfg, device, autocast_dtype)
+        for line in summarize_eval(result):
+            log.line(f"step {step:>6} " + line)
+        log.record({"step": step, "eval": result, "final": True})
     log.line(f"done: step {step} of {plan['steps']}, {time.time() - t_start:.0f}s this call")
     return {"step": step, "losses": [float(x) for x in losses], "plan": plan}
 

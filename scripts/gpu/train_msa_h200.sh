@@ -15,8 +15,9 @@
 #   RESUME=build/msa-train scripts/gpu/train_msa_h200.sh        # exact: same machine, still held
 #   RESUME=<dir with export/> scripts/gpu/train_msa_h200.sh     # from a returned export: plan and
 #                                                               # step continue, optimizer restarts
-# Env: BUDGET_S (default 540: seconds this script may take; the trainer checkpoints, evaluates and
-# exports before that), CONFIG, RUN_DIR, OUT.
+# Env: BUDGET_S (default 540: seconds for this script; the trainer stops stepping 60 s before its
+# share ends, then checkpoints, exports and evaluates; a hard timeout at BUDGET_S + 10 s keeps the
+# packing step; call it with a 600 s limit), CONFIG, RUN_DIR, OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 t0=$(date +%s)
@@ -36,13 +37,16 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 python3 -c "import torch, tokenizers, safetensors, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
 'tokenizers', tokenizers.__version__, 'safetensors', safetensors.__version__, 'cuda', torch.cuda.is_available())" || exit 1
 
-args=(--out "$RUN_DIR" --budget-s "$(( BUDGET_S - ($(date +%s) - t0) - 15 ))")
+left=$(( BUDGET_S - ($(date +%s) - t0) ))
+args=(--out "$RUN_DIR" --budget-s "$(( left - 15 ))")
 if [ -n "${RESUME:-}" ]; then
     args+=(--resume "$RESUME")
 else
     args+=(--config "$CONFIG")
 fi
-python3 -m training.train "${args[@]}" "$@" 2>&1 | tee "$OUT/train.log"
+# The hard stop leaves time to pack the results even if the trainer overruns its own budget.
+timeout --signal=TERM --kill-after=10 "$(( left + 10 ))" python3 -m training.train "${args[@]}" "$@" 2>&1 \
+    | tee "$OUT/train.log"
 rc=${PIPESTATUS[0]}
 
 cp "$RUN_DIR/metrics.jsonl" "$OUT/" 2>/dev/null || true
