@@ -70,9 +70,12 @@ from training import data
 # Arguments that define the run; a resumed run must keep them (``_check_plan``).
 PLAN_DEFAULTS = {
     "config": None,
-    "steps": 2000,
-    "dense_steps": 500,
-    "short_steps": 300,
+    # ~1500 steps of 64k tokens: about three 8-minute calls if an H200 does ~0.3 s per step (unmeasured;
+    # the first call's tok/s says). Short lengths (<= 16 blocks: sparse == dense) teach retrieval first;
+    # the dense stage runs into the long lengths so the indexer warms up on attention that can miss.
+    "steps": 1500,
+    "dense_steps": 800,
+    "short_steps": 600,
     "short_lengths": "1024,2048,4096",
     "long_lengths": "4096,8192,16384,32768",
     "token_budget": 65536,
