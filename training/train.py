@@ -71,7 +71,7 @@ from training import data
 PLAN_DEFAULTS = {
     "config": None,
     # ~1500 steps of 64k tokens: about three 8-minute calls if an H200 does ~0.3 s per step (unmeasured;
-    # the first call's tok/s says). Short lengths (<= 16 blocks: sparse == dense) teach retrieval first;
+    # the first call's tok/s says). Short lengths (up to 2048 tokens top-16 keeps every block) teach retrieval;
     # the dense stage runs into the long lengths so the indexer warms up on attention that can miss.
     "steps": 1500,
     "dense_steps": 800,
