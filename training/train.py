@@ -98,7 +98,8 @@ TRAINER_STATE = "trainer_state.json"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="run directory: ckpt/, export/, train.log, metrics.jsonl")
     p.add_argument("--resume", help="run directory (or export) to continue from")
     p.add_argument("--budget-s", type=float, default=540.0, help="wall seconds this call may take")
@@ -253,7 +254,8 @@ def find_resume(resume: str) -> tuple[str, Path]:
 def batch_losses(logits: torch.Tensor, batch: data.Batch) -> dict:
     """Per-batch answer CE (mean over answer tokens), LM CE (mean over sampled prompt rows) and
     answer-token accuracy; tensors, no host sync."""
-    ce = F.cross_entropy(logits.flatten(0, 1), batch.loss_targets.flatten(), reduction="none").view_as(batch.loss_targets)
+    targets = batch.loss_targets
+    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
     ans = batch.answer_mask.float()
     lm = batch.lm_mask.float()
     correct = (logits.argmax(-1) == batch.loss_targets).float()
@@ -265,7 +267,7 @@ def batch_losses(logits: torch.Tensor, batch: data.Batch) -> dict:
 
 
 @torch.no_grad()
-def evaluate(model, batches: list[data.Batch], cfg, device, autocast_dtype) -> dict:
+def evaluate(model, batches: list[data.Batch], device, autocast_dtype) -> dict:
     """Teacher-forced greedy exact match per (mode, task, length) and, in sparse mode, the recall of
     each sample's evidence blocks in the first answer row's selection, per sparse layer."""
     was_training = model.training
@@ -452,7 +454,8 @@ def main(argv=None) -> dict:
                  f"acc {vals['answer_acc']:.3f} lm {vals['lm_loss']:.3f} kl {vals['index_kl']:.4f} "
                  f"kept {vals.get('attn_kept', float('nan')):.3f} gnorm {vals['grad_norm']:.2f} "
                  f"lr {learning_rate(plan, step - 1):.2e} tok/s {tps:,.0f} elapsed {time.time() - t_start:.0f}s")
-        log.record({"step": step, "stage": mode, "T": T, "B": B, "tok_s": tps, "elapsed_s": time.time() - t_start, **vals})
+        log.record({"step": step, "stage": mode, "T": T, "B": B, "tok_s": tps,
+                    "elapsed_s": time.time() - t_start, **vals})
         window, window_tokens, window_t0 = {}, 0, time.time()
 
     while step < stop:
@@ -491,7 +494,7 @@ def main(argv=None) -> dict:
         if step % args.log_every == 0 or step == stop:
             flush(mode, batch)
         if heldout and args.eval_every > 0 and step % args.eval_every == 0 and step < stop:
-            result = evaluate(model, heldout, cfg, device, autocast_dtype)
+            result = evaluate(model, heldout, device, autocast_dtype)
             for line in summarize_eval(result):
                 log.line(f"step {step:>6} " + line)
             log.record({"step": step, "eval": result})
@@ -510,11 +513,11 @@ def main(argv=None) -> dict:
 
         export_dir = export_checkpoint(raw_model, config_dict, plan["tokenizer"] or data.TOKENIZER_DIR,
                                        out / "export")
-        (export_dir / TRAINER_STATE).write_text(json.dumps(
-            {"step": step, "trained_s": trained_s, "plan": plan, "stage": stage(plan, max(0, step - 1))}, indent=2) + "\n")
+        trainer_state = {"step": step, "trained_s": trained_s, "plan": plan, "stage": stage(plan, max(0, step - 1))}
+        (export_dir / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2) + "\n")
         log.line(f"exported step {step} to {export_dir}")
     if heldout and not args.no_final_eval:
-        result = evaluate(model, heldout, cfg, device, autocast_dtype)
+        result = evaluate(model, heldout, device, autocast_dtype)
         for line in summarize_eval(result):
             log.line(f"step {step:>6} " + line)
         log.record({"step": step, "eval": result, "final": True})

@@ -34,8 +34,9 @@ if ! python3 -c "import torch, tokenizers, safetensors" 2>/dev/null; then
 fi
 export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-python3 -c "import torch, tokenizers, safetensors, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
-'tokenizers', tokenizers.__version__, 'safetensors', safetensors.__version__, 'cuda', torch.cuda.is_available())" || exit 1
+python3 -c "import torch, tokenizers, safetensors, triton; print('torch', torch.__version__, 'triton', \
+triton.__version__, 'tokenizers', tokenizers.__version__, 'safetensors', safetensors.__version__, \
+'cuda', torch.cuda.is_available())" || exit 1
 
 left=$(( BUDGET_S - ($(date +%s) - t0) ))
 args=(--out "$RUN_DIR" --budget-s "$(( left - 15 ))")
