@@ -128,6 +128,8 @@ class MSAConfig:
             raise ValueError("num_local_experts is missing: SGLang's load_weights reads it even with no MoE layer")
         if d.get("tie_word_embeddings", False):
             raise ValueError("tie_word_embeddings must be false: SGLang's M3 loads lm_head.weight and never ties it")
+        if d.get("rope_parameters") is not None:
+            raise ValueError("rope_parameters is not read by this model: give rope_theta (and no rope_scaling)")
         if d.get("rope_scaling") is not None:
             raise ValueError(f"rope_scaling must be null (plain RoPE), got {d['rope_scaling']}")
         if d.get("qk_norm_type", "per_layer") != "per_head":
@@ -309,9 +311,6 @@ class MSAAttention(nn.Module):
     def _index_kl(self, q, k, iq, ik, kl_rows, sel, scale):
         """Indexer KL and recall at rows ``kl_rows [B, R]`` (see the module docstring)."""
         cfg = self.cfg
-        T = q.shape[2]
-        if kl_rows.dim() != 2 or kl_rows.shape[0] != q.shape[0]:
-            raise ValueError(f"kl_rows must be [B={q.shape[0]}, R], got {tuple(kl_rows.shape)}")
         rows = kl_rows.long()
         with torch.autocast(q.device.type, enabled=False):
             s = row_block_scores(iq, ik, rows, cfg.block_size, cfg.index_dim**-0.5)  # [B, H, R, nb], grad
@@ -516,7 +515,7 @@ def row_block_attention(q, k, rows, block_size: int, scale: float) -> torch.Tens
     kf = k.float()
     for r0 in range(0, R, chunk):
         r = rows[:, r0 : r0 + chunk]
-        qr = q.float().gather(2, r[:, None, :, None].expand(-1, hq, -1, D)).view(B, hkv, g, r.shape[1], D)
+        qr = q.gather(2, r[:, None, :, None].expand(-1, hq, -1, D)).float().view(B, hkv, g, r.shape[1], D)
         logits = torch.einsum("bkgrd,bktd->bkgrt", qr, kf) * scale
         logits.masked_fill_(torch.arange(T, device=q.device) > r[:, None, None, :, None], float("-inf"))
         p = F.pad(torch.softmax(logits, -1), (0, nb * block_size - T))
