@@ -74,6 +74,11 @@ PLAN_DEFAULTS = {
     # the first call's tok/s says). Short lengths (up to 2048 tokens top-16 keeps every block) teach retrieval;
     # the dense stage runs into the long lengths so the indexer warms up on attention that can miss.
     "steps": 1500,
+    # > 0: a time plan. Stages, curriculum and the cosine run on trained seconds / train_s instead of
+    # step / steps (dense_steps / steps and short_steps / steps become fractions; steps is a cap), so
+    # one GPU call of unknown speed still reaches the sparse stage. Resume continues from the saved
+    # trained seconds; where a phase switch falls then depends on timing, so it is not bitwise exact.
+    "train_s": 0.0,
     "dense_steps": 800,
     "short_steps": 600,
     "short_lengths": "1024,2048,4096",
@@ -172,6 +177,8 @@ def _task_weights(text: str) -> tuple[tuple[str, float], ...]:
 def _validate_plan(plan: dict) -> None:
     if not 0 <= plan["dense_steps"] <= plan["steps"]:
         raise ValueError(f"--dense-steps must be in [0, --steps={plan['steps']}], got {plan['dense_steps']}")
+    if plan.get("train_s", 0) < 0:
+        raise ValueError(f"--train-s must be >= 0 (0 = a step plan), got {plan['train_s']}")
     if plan["short_steps"] < 0:
         raise ValueError(f"--short-steps must be >= 0, got {plan['short_steps']}")
     for name in ("short_lengths", "long_lengths"):
@@ -181,23 +188,40 @@ def _validate_plan(plan: dict) -> None:
     _spec(plan, 0)  # task weights and row counts
 
 
-def _spec(plan: dict, step: int) -> data.BatchSpec:
-    """The batch spec of ``step``: the length list of its curriculum phase."""
-    lengths = _lengths(plan["short_lengths"] if step < plan["short_steps"] else plan["long_lengths"], "lengths")
+def progress(plan: dict, step: int, trained_s: float = 0.0) -> float:
+    """Fraction of the plan done: ``trained_s / train_s`` for a time plan, else ``step / steps``."""
+    if plan.get("train_s", 0) > 0:
+        return trained_s / plan["train_s"]
+    return step / plan["steps"]
+
+
+def phase(plan: dict, step: int, trained_s: float = 0.0) -> str:
+    """Curriculum phase: ``short`` lengths before ``short_steps / steps`` of the plan, then ``long``."""
+    return "short" if progress(plan, step, trained_s) < plan["short_steps"] / plan["steps"] else "long"
+
+
+def _spec(plan: dict, step: int, trained_s: float = 0.0, which: str | None = None) -> data.BatchSpec:
+    """The batch spec of ``step``: the length list of its curriculum phase (or of phase ``which``)."""
+    which = which or phase(plan, step, trained_s)
+    lengths = _lengths(plan["short_lengths"] if which == "short" else plan["long_lengths"], "lengths")
     return data.BatchSpec(tuple(lengths), plan["token_budget"], _task_weights(plan["task_weights"]),
                           plan["lm_rows"], plan["kl_rows"])
 
 
-def stage(plan: dict, step: int) -> str:
-    return "dense" if step < plan["dense_steps"] else "sparse"
+def stage(plan: dict, step: int, trained_s: float = 0.0) -> str:
+    return "dense" if progress(plan, step, trained_s) < plan["dense_steps"] / plan["steps"] else "sparse"
 
 
-def learning_rate(plan: dict, step: int) -> float:
-    """Linear warm-up to ``lr`` over ``warmup_steps``, then cosine to ``min_lr_frac * lr`` at ``steps``."""
+def learning_rate(plan: dict, step: int, trained_s: float = 0.0) -> float:
+    """Linear warm-up to ``lr`` over ``warmup_steps``, then cosine to ``min_lr_frac * lr`` at the
+    end of the plan (``steps``, or ``train_s`` seconds for a time plan)."""
     lr, warm, total = plan["lr"], plan["warmup_steps"], plan["steps"]
     if step < warm:
         return lr * (step + 1) / warm
-    t = min(1.0, (step - warm) / max(1, total - warm))
+    if plan.get("train_s", 0) > 0:
+        t = min(1.0, progress(plan, step, trained_s))
+    else:
+        t = min(1.0, (step - warm) / max(1, total - warm))
     floor = plan["min_lr_frac"] * lr
     return floor + (lr - floor) * 0.5 * (1.0 + math.cos(math.pi * t))
 
@@ -330,10 +354,13 @@ def _pool_sentences(max_len: int) -> int:
 # -- data prefetch -------------------------------------------------------------------------------------
 class Prefetcher:
     """Generates ``make_batch(step)`` for the coming steps in a background thread (batches are pure
-    functions of the step, so the order of generation cannot change them)."""
+    functions of the step and curriculum phase, so the order of generation cannot change them).
+    The thread draws for ``self.phase``; ``get`` remakes a batch drawn for a stale phase (a time
+    plan's switch to long lengths wastes at most ``depth`` batches)."""
 
-    def __init__(self, gen, plan: dict, start: int, stop: int, depth: int):
+    def __init__(self, gen, plan: dict, start: int, stop: int, depth: int, phase_now: str):
         self.gen, self.plan, self.depth = gen, plan, max(1, depth)
+        self.phase = phase_now
         self.q: queue.Queue = queue.Queue(maxsize=self.depth)
         self.error = None
         self.thread = threading.Thread(target=self._run, args=(start, stop), daemon=True)
@@ -342,17 +369,22 @@ class Prefetcher:
     def _run(self, start, stop):
         try:
             for step in range(start, stop):
-                self.q.put((step, data.make_batch(self.gen, _spec(self.plan, step), self.plan["seed"], step)))
+                which = self.phase
+                spec = _spec(self.plan, step, which=which)
+                self.q.put((step, which, data.make_batch(self.gen, spec, self.plan["seed"], step)))
         except BaseException as e:  # surfaced in get()
             self.error = e
-            self.q.put((None, None))
+            self.q.put((None, None, None))
 
-    def get(self, step: int) -> data.Batch:
-        got, batch = self.q.get()
+    def get(self, step: int, which: str) -> data.Batch:
+        self.phase = which
+        got, got_phase, batch = self.q.get()
         if got is None:
             raise RuntimeError("batch generation failed") from self.error
         if got != step:
             raise RuntimeError(f"prefetcher out of order: expected step {step}, got {got}")
+        if got_phase != which:
+            batch = data.make_batch(self.gen, _spec(self.plan, step, which=which), self.plan["seed"], step)
         return batch
 
 
@@ -426,7 +458,7 @@ def main(argv=None) -> dict:
     eval_tasks = [t for t in args.eval_tasks.split(",") if t]
     heldout = heldout_batches(plan, tok, eval_lengths, eval_tasks, args.eval_samples) if args.eval_samples > 0 else []
     stop = plan["steps"] if args.stop_at_step is None else min(plan["steps"], args.stop_at_step)
-    prefetch = Prefetcher(gen, plan, start_step, stop, args.prefetch)
+    prefetch = Prefetcher(gen, plan, start_step, stop, args.prefetch, phase(plan, start_step, trained_s))
     n_params = sum(p.numel() for p in model.parameters())
     log.line(f"plan {json.dumps(plan)}")
     log.line(f"model {n_params / 1e6:.2f}M params on {device}; steps {start_step}->{stop} of {plan['steps']}; "
@@ -453,12 +485,12 @@ def main(argv=None) -> dict:
         log.line(f"step {step:>6} {mode:<6} T={T:>6}x{B:<3} loss {vals['loss']:.4f} ans {vals['answer_loss']:.4f} "
                  f"acc {vals['answer_acc']:.3f} lm {vals['lm_loss']:.3f} kl {vals['index_kl']:.4f} "
                  f"kept {vals.get('attn_kept', float('nan')):.3f} gnorm {vals['grad_norm']:.2f} "
-                 f"lr {learning_rate(plan, step - 1):.2e} tok/s {tps:,.0f} elapsed {time.time() - t_start:.0f}s")
+                 f"lr {learning_rate(plan, step - 1, trained_s):.2e} tok/s {tps:,.0f} elapsed {time.time() - t_start:.0f}s")
         log.record({"step": step, "stage": mode, "T": T, "B": B, "tok_s": tps,
                     "elapsed_s": time.time() - t_start, **vals})
         window, window_tokens, window_t0 = {}, 0, time.time()
 
-    while step < stop:
+    while step < stop and not (plan.get("train_s", 0) > 0 and trained_s >= plan["train_s"]):
         # wall time per step over the last steps (GPU work is asynchronous; timestamps average it out)
         recent = step_ends[-21:]
         est = (recent[-1] - recent[0]) / (len(recent) - 1) if len(recent) > 1 else 0.0
@@ -466,10 +498,10 @@ def main(argv=None) -> dict:
             log.line(f"budget: stopping after step {step} ({time.time() - t_start:.0f}s of {args.budget_s:.0f}s used)")
             break
         t0 = time.time()
-        batch = prefetch.get(step).to(device)
-        mode = stage(plan, step)
+        batch = prefetch.get(step, phase(plan, step, trained_s)).to(device)
+        mode = stage(plan, step, trained_s)
         for g in opt.param_groups:
-            g["lr"] = learning_rate(plan, step)
+            g["lr"] = learning_rate(plan, step, trained_s)
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             logits, aux = model(batch.input_ids, attention=mode, kl_rows=batch.kl_rows, logit_rows=batch.loss_rows)
         m = batch_losses(logits, batch)
@@ -513,7 +545,7 @@ def main(argv=None) -> dict:
 
         export_dir = export_checkpoint(raw_model, config_dict, plan["tokenizer"] or data.TOKENIZER_DIR,
                                        out / "export")
-        trainer_state = {"step": step, "trained_s": trained_s, "plan": plan, "stage": stage(plan, max(0, step - 1))}
+        trainer_state = {"step": step, "trained_s": trained_s, "plan": plan, "stage": stage(plan, max(0, step - 1), trained_s)}
         (export_dir / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2) + "\n")
         log.line(f"exported step {step} to {export_dir}")
     if heldout and not args.no_final_eval:

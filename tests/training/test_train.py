@@ -87,3 +87,25 @@ def test_schedule():
     assert train.learning_rate(plan, 110) == pytest.approx(0.1)
     assert [train.stage(plan, s) for s in (0, 29, 30, 109)] == ["dense", "dense", "sparse", "sparse"]
     assert data.BLOCK == 128
+
+
+def test_time_plan_schedule():
+    """A time plan runs stages, curriculum and cosine on trained seconds, whatever the step."""
+    plan = {"lr": 1.0, "warmup_steps": 10, "steps": 100, "min_lr_frac": 0.1, "dense_steps": 60,
+            "short_steps": 25, "train_s": 200.0}
+    assert train.learning_rate(plan, 5, trained_s=150.0) == pytest.approx(0.6)  # warm-up is by step
+    assert train.learning_rate(plan, 50, trained_s=100.0) == pytest.approx(0.55)
+    assert train.learning_rate(plan, 5000, trained_s=200.0) == pytest.approx(0.1)
+    assert [train.stage(plan, 10**6, t) for t in (0.0, 119.0, 120.0)] == ["dense", "dense", "sparse"]
+    assert [train.phase(plan, 0, t) for t in (49.0, 50.0)] == ["short", "long"]
+
+
+def test_time_plan_run_stops_on_trained_seconds(config, tmp_path):
+    """--train-s ends the run on trained seconds, before --steps, and reaches the sparse stage."""
+    out = train.main(["--config", config, "--out", str(tmp_path), "--steps", "10000", "--dense-steps", "5000",
+                      "--short-steps", "100", "--train-s", "3", "--short-lengths", "256", "--long-lengths", "512",
+                      "--token-budget", "512", "--warmup-steps", "2", "--no-export", "--no-final-eval",
+                      "--eval-samples", "0", "--log-every", "1", "--lm-rows", "16", "--kl-rows", "16"])
+    assert 0 < out["step"] < 10000
+    log = (tmp_path / "train.log").read_text()
+    assert " sparse " in log and " dense " in log
