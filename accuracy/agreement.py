@@ -219,7 +219,8 @@ def chance_recall(n_visible: int, needle_blocks, topk: int, local_blocks: int = 
 def row_kinds(doc: dict, n_answer: int, prompt_rows: int) -> dict:
     """Position ranges ``[first, end)`` of the row kinds of ``doc`` with ``n_answer`` answer rows."""
     p = doc["prompt_len"]
-    return {"prompt": (max(0, p - prompt_rows), p), "question": (doc["question_start"], p), "answer": (p - 1, p - 1 + n_answer)}
+    return {"prompt": (max(0, p - prompt_rows), p), "question": (doc["question_start"], p),
+            "answer": (p - 1, p - 1 + n_answer)}
 
 
 def answer_rows_in_step(out_a: list[int], out_b: list[int]) -> int:
@@ -299,7 +300,8 @@ class Measures:
     def summary(self) -> dict:
         return {
             "agreement": self.agree.table({"identical": ("identical", "n"), "overlap": ("overlap", "n")}),
-            "recall": self.recall.table({"recall": ("all", "n"), "recall_any": ("any", "n"), "chance": ("chance", "n")}),
+            "recall": self.recall.table({"recall": ("all", "n"), "recall_any": ("any", "n"),
+                                         "chance": ("chance", "n")}),
             "dense": self.dense.table({"all_visible": ("full", "n")}),
         }
 
@@ -376,7 +378,8 @@ def markdown(summary: dict) -> str:
     run = summary["run"]
     lines = [f"Model `{run['model']}`; formats {', '.join(run['formats'])}; {run['samples']} samples per length; "
              f"last {run['prompt_rows']} prompt rows and {run['gen_tokens']} generated tokens recorded.", ""]
-    pairs = sorted({r["name"] for r in summary["agreement"]}, key=lambda p: summary["run"]["formats"].index(p.split("/")[0]))
+    pairs = sorted({r["name"] for r in summary["agreement"]},
+                   key=lambda pair: [run["formats"].index(f) for f in pair.split("/")])
     if pairs:
         lines += ["### Top-k block agreement between formats (identical sets % / mean overlap %)", ""]
         head = ["length", "layer"] + [f"{p} {k}" for p in pairs for k in AGREEMENT_ROWS]
@@ -388,7 +391,7 @@ def markdown(summary: dict) -> str:
             lines.append("| " + " | ".join([str(length), str(layer)] + [c.get((p, k), "-") for p in pairs
                                                                           for k in AGREEMENT_ROWS]) + " |")
         lines.append("")
-    fmts = [f for f in run["formats"]]
+    fmts = run["formats"]
     lines += ["### Needle-block recall (% of head-row selections holding every needle block; chance in brackets)", ""]
     head = ["length", "layer"] + [f"{f} {k}" for f in fmts for k in RECALL_ROWS]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -460,7 +463,8 @@ def main(argv=None) -> dict:
     docs = [prepare(tokenizer, doc, i) for i, doc in enumerate(raw)]
     too_long = [d["doc_id"] for d in docs if d["prompt_len"] - d["question_start"] > args.prompt_rows]
     if too_long:
-        raise ValueError(f"--prompt-rows {args.prompt_rows} does not cover the question of docs {too_long[:5]}; raise it")
+        raise ValueError(f"--prompt-rows {args.prompt_rows} does not cover the question of docs {too_long[:5]}; "
+                         "raise it")
     sparse_cfg = model_sparse_config(args.model)
     max_tokens = dense_max_tokens(args.lengths, args.gen_tokens)
     dense = {"sparse_config": sparse_cfg, "max_tokens": max_tokens}

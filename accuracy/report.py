@@ -26,7 +26,8 @@ def _pair(base: list[dict], other: list[dict], task: str, fmt: str):
     return a, b
 
 
-def build(per_format: dict, formats: list[str], n_boot: int = 10000, seed: int = 0, baseline: str | None = None) -> dict:
+def build(per_format: dict, formats: list[str], n_boot: int = 10000, seed: int = 0,
+          baseline: str | None = None) -> dict:
     """``per_format[fmt][task] -> sample rows`` to ``{"baseline", "formats", "tasks": {task: [group]}}``.
 
     ``baseline`` (default ``formats[0]``) must be one of ``formats``.
