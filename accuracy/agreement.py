@@ -333,9 +333,10 @@ def _generate(base_url: str, input_ids: list[int], max_new_tokens: int, timeout:
         return json.loads(r.read())["output_ids"]
 
 
-def run_format(fmt: str, model: str, docs: list[dict], launch_args: list[str], args, dense: dict, on_doc) -> None:
+def run_format(fmt: str, model: str, docs: list[dict], launch_args: list[str], args, dense: dict, on_doc) -> int:
     """Serve ``docs`` one at a time on one ``fmt`` server; ``on_doc(doc, sel, out)`` gets each prompt's
-    selections (as ``Measures``) and generated token ids."""
+    selections (as ``Measures``) and generated token ids. Returns the rows the prompts' records held
+    (all layers)."""
     record = (args.out / f"records-{fmt}.jsonl").resolve()
     for stale in [record, *record.parent.glob(record.name + ".rank*")]:
         stale.unlink(missing_ok=True)
@@ -344,11 +345,13 @@ def run_format(fmt: str, model: str, docs: list[dict], launch_args: list[str], a
     launch = format_launch_args(fmt, [*launch_args, *extra, OVERRIDE_FLAG, json.dumps(recorder)],
                                 **(dense if fmt == DENSE else {}))
     reader = RecordReader(record)
+    recorded = 0
     with SGLangServer(model, launch, args.out / f"server-{fmt}.log", timeout_s=args.launch_timeout) as server:
         reader.take()  # the health probe's forwards
         for doc in docs:
             out = _generate(server.base_url, doc["input_ids"], args.gen_tokens, args.request_timeout)
             records = reader.take()
+            recorded += sum(len(rec["positions"]) for rec in records)
             kinds = row_kinds(doc, len(out), args.prompt_rows)
             lo, hi = min(r[0] for r in kinds.values()), max(r[1] for r in kinds.values())
             rows = request_rows(records, lo, hi)
@@ -363,6 +366,7 @@ def run_format(fmt: str, model: str, docs: list[dict], launch_args: list[str], a
         reader.take()
     for f in [record, *record.parent.glob(record.name + ".rank*")]:
         f.unlink(missing_ok=True)
+    return recorded
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,6 +413,10 @@ def markdown(summary: dict) -> str:
             if r["layer"] == ALL_LAYERS:
                 lines.append(f"| {r['length']} | {r['layer']} | {r['rows']} | {r['n']} | {_pct(r['all_visible'])} |")
         lines.append("")
+    if summary.get("docs"):
+        right = {f: sum(d["correct"][f] for d in summary["docs"]) for f in fmts}
+        lines += ["Answers holding the target: " + ", ".join(f"{f} {right[f]:.0f}/{len(summary['docs'])}" for f in fmts)
+                  + ".", ""]
     lines.append("Rows: prompt = the last recorded prompt rows; question = the question at the end of the prompt; "
                  "answer = the rows producing the generated tokens (for agreement, only while both formats "
                  "generated the same tokens). Counts are over (index head, row) selections.")
@@ -474,6 +482,7 @@ def main(argv=None) -> dict:
 
     measures = Measures(sparse_cfg.get("sparse_local_block", LOCAL_BLOCKS), sparse_cfg.get("sparse_init_block", 0))
     selections, outputs = defaultdict(dict), defaultdict(dict)  # sparse formats' selections kept for the pairs
+    recorded = {}
     for fmt in formats:
         print(f"[agreement] {fmt}: {len(docs)} prompts", flush=True)
 
@@ -483,7 +492,7 @@ def main(argv=None) -> dict:
             if fmt != DENSE:
                 selections[fmt][doc["doc_id"]] = sel
 
-        run_format(fmt, args.model, docs, launch_args, args, dense, on_doc)
+        recorded[fmt] = run_format(fmt, args.model, docs, launch_args, args, dense, on_doc)
     sparse = [f for f in formats if f != DENSE]
     for doc in docs:
         for a, b in itertools.combinations(sparse, 2):
@@ -492,7 +501,8 @@ def main(argv=None) -> dict:
     summary = measures.summary()
     summary["run"] = {"model": args.model, "formats": formats, "lengths": sorted(args.lengths), "samples": args.samples,
                       "depths": args.depths, "keys": args.keys, "gen_tokens": args.gen_tokens,
-                      "prompt_rows": args.prompt_rows, "topk": topk, "launch_args": launch_args}
+                      "prompt_rows": args.prompt_rows, "topk": topk, "recorded_rows": recorded,
+                      "launch_args": launch_args}
     summary["docs"] = [
         {**{k: d[k] for k in ("doc_id", "length", "depth", "target", "prompt_len", "needle_blocks")},
          "answers": {f: tokenizer.decode(outputs[f][d["doc_id"]]) for f in formats},

@@ -159,5 +159,7 @@ def test_measure_on_a_constructed_case():
 
     summary["run"] = {"model": "m", "formats": ["dense", "fp8", "mxfp4", "fp8_again"], "samples": 1, "prompt_rows": 2,
                       "gen_tokens": 3}
+    summary["docs"] = [{"correct": {"dense": 1.0, "fp8": 1.0, "mxfp4": 0.0, "fp8_again": 1.0}}]
     text = agreement.markdown(summary)
     assert "| 2688 | 1 | 75.0 / " in text and "fp8/mxfp4 prompt" in text and "83.3 (" in text
+    assert "dense 1/1, fp8 1/1, mxfp4 0/1" in text

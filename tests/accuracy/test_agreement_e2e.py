@@ -38,6 +38,10 @@ def test_dense_fp8_mxfp4_on_the_tiny_server(tmp_path):
     assert {r["rows"]: r["n"] for r in dense} == {"prompt": 3 * 4 * 96, "answer": 3 * 4 * GEN}
     assert all(r["all_visible"] == 1.0 for r in dense)
     assert doc["prompt_len"] > 16 * 128
+    # The recorder kept the prompts' tails (index_k_debug_rows): per layer, the last 96 rows of each
+    # 2048-token prefill chunk and the decode rows, not all ~2300 rows.
+    for fmt in ("dense", "fp8", "mxfp4"):
+        assert 3 * (96 + GEN - 1) <= summary["run"]["recorded_rows"][fmt] <= 3 * (2 * 96 + GEN - 1)
     recall = {(r["name"], r["rows"], r["layer"]): r for r in summary["recall"]}
     assert recall[("dense", "answer", agreement.ALL_LAYERS)]["recall"] == 1.0
     for fmt in ("fp8", "mxfp4"):
