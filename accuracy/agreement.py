@@ -20,8 +20,9 @@ recorded selections, per sparse layer and context length:
 - for ``dense`` (the control), ``all_visible``: the fraction of selections holding every visible
   block (1 when the server really attends densely); its recall is 1 by construction.
 
-Writes ``agreement.json``, ``agreement.md``, ``server-<fmt>.log``; the raw records are deleted as
-they are read (they grow with rows x layers x topk). Example::
+Writes ``agreement.json``, ``agreement.md``, ``server-<fmt>.log`` and each format's selections under
+``formats/`` (``--reuse`` loads them instead of serving that format again, so the formats can be
+served in separate calls); the raw records are deleted as they are read. Example::
 
     python -m accuracy.agreement --model ckpt --formats dense bf16 fp8 mxfp4 \\
         --lengths 4096 8192 16384 32768 --samples 10 --out out/agreement
@@ -32,6 +33,7 @@ Everything after ``--`` goes to ``python -m sglang.launch_server``; the tool add
 """
 
 import argparse
+import hashlib
 import itertools
 import json
 import math
@@ -50,6 +52,7 @@ from .run import (DENSE, OVERRIDE_FLAG, RUNNER_OWNED_FLAGS, SGLangServer, dense_
 
 EAGER_FLAGS = ("--disable-cuda-graph", "--disable-overlap-schedule")
 ALL_LAYERS = "all"
+ROW_KINDS = ("prompt", "question", "answer")  # see row_kinds
 AGREEMENT_ROWS = ("prompt", "answer")
 RECALL_ROWS = ("question", "answer")
 
@@ -369,6 +372,49 @@ def run_format(fmt: str, model: str, docs: list[dict], launch_args: list[str], a
     return recorded
 
 
+def _settings_digest(settings: dict, docs: list[dict]) -> str:
+    """Digest of the run settings and the prompts' token ids (what a saved format must match)."""
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for d in docs:
+        h.update(np.asarray(d["input_ids"], dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
+def save_format(folder: Path, fmt: str, digest: str, selections: dict, outputs: dict, recorded: int) -> None:
+    """``<folder>/<fmt>.npz`` (selections and visible counts per prompt, kind and layer) and
+    ``<fmt>.json`` (settings digest, generated token ids, rows recorded)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    arrays = {}
+    for d, sel in selections.items():
+        for kind in ROW_KINDS:
+            for layer, a in sel[kind].items():
+                arrays[f"{d}/{kind}/{layer}"] = a.astype(np.int32)
+                arrays[f"{d}/n_visible/{kind}/{layer}"] = sel["n_visible"][kind][layer]
+    np.savez_compressed(folder / f"{fmt}.npz", **arrays)
+    meta = {"digest": digest, "outputs": {str(d): o for d, o in outputs.items()}, "recorded_rows": recorded}
+    (folder / f"{fmt}.json").write_text(json.dumps(meta))
+
+
+def load_format(folder: Path, fmt: str, digest: str) -> tuple[dict, dict, int] | None:
+    """``(selections, outputs, recorded)`` saved by ``save_format``; None if absent; ValueError if it
+    was made with other settings or prompts."""
+    meta_path = folder / f"{fmt}.json"
+    if not meta_path.is_file():
+        return None
+    meta = json.loads(meta_path.read_text())
+    if meta["digest"] != digest:
+        raise ValueError(f"{meta_path} was made with other settings or prompts; use another --out or drop --reuse")
+    selections = defaultdict(lambda: {"n_visible": defaultdict(dict), **{k: {} for k in ROW_KINDS}})
+    with np.load(folder / f"{fmt}.npz") as z:
+        for key in z.files:
+            parts = key.split("/")
+            if parts[1] == "n_visible":
+                selections[int(parts[0])]["n_visible"][parts[2]][int(parts[3])] = z[key]
+            else:
+                selections[int(parts[0])][parts[1]][int(parts[2])] = z[key]
+    return dict(selections), {int(d): o for d, o in meta["outputs"].items()}, meta["recorded_rows"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Report
 
@@ -445,6 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=1800.0)
     p.add_argument("--launch-timeout", type=float, default=1800.0)
     p.add_argument("--out", type=Path, default=Path("out/agreement"))
+    p.add_argument("--reuse", action="store_true",
+                   help="load formats already served into --out/formats (same settings and prompts) instead of "
+                        "serving them again: run one format per call, then all of them to get the pairs")
     return p
 
 
@@ -480,19 +529,30 @@ def main(argv=None) -> dict:
             for f in formats}
     args.out.mkdir(parents=True, exist_ok=True)
 
+    settings = {k: getattr(args, k) for k in ("model", "tokenizer", "lengths", "samples", "depths", "keys", "seed",
+                                              "gen_tokens", "prompt_rows")}
+    saved_dir = args.out / "formats"
     measures = Measures(sparse_cfg.get("sparse_local_block", LOCAL_BLOCKS), sparse_cfg.get("sparse_init_block", 0))
-    selections, outputs = defaultdict(dict), defaultdict(dict)  # sparse formats' selections kept for the pairs
-    recorded = {}
+    selections, outputs, recorded = {}, {}, {}
     for fmt in formats:
-        print(f"[agreement] {fmt}: {len(docs)} prompts", flush=True)
+        digest = _settings_digest({**settings, "topk": topk[fmt]}, docs)
+        loaded = load_format(saved_dir, fmt, digest) if args.reuse else None
+        if loaded is not None:
+            print(f"[agreement] {fmt}: loaded from {saved_dir}", flush=True)
+            sel, outputs[fmt], recorded[fmt] = loaded
+        else:
+            print(f"[agreement] {fmt}: {len(docs)} prompts", flush=True)
+            sel, outputs[fmt] = {}, {}
 
-        def on_doc(doc, sel, out, fmt=fmt):
-            measures.add_format(doc, fmt, sel, topk[fmt])
-            outputs[fmt][doc["doc_id"]] = out
-            if fmt != DENSE:
-                selections[fmt][doc["doc_id"]] = sel
+            def on_doc(doc, s, out, fmt=fmt, sel=sel):
+                sel[doc["doc_id"]], outputs[fmt][doc["doc_id"]] = s, out
 
-        recorded[fmt] = run_format(fmt, args.model, docs, launch_args, args, dense, on_doc)
+            recorded[fmt] = run_format(fmt, args.model, docs, launch_args, args, dense, on_doc)
+            save_format(saved_dir, fmt, digest, sel, outputs[fmt], recorded[fmt])
+        for doc in docs:
+            measures.add_format(doc, fmt, sel[doc["doc_id"]], topk[fmt])
+        if fmt != DENSE:  # the dense selections are not paired: let them go
+            selections[fmt] = sel
     sparse = [f for f in formats if f != DENSE]
     for doc in docs:
         for a, b in itertools.combinations(sparse, 2):

@@ -321,13 +321,31 @@ def run_lm_eval(base_url: str, model_id: str, tokenizer: str, tasks: list[str], 
     return rows
 
 
-def write_samples(out: Path, fmt: str, rows: dict):
+def write_samples(out: Path, fmt: str, rows: dict, settings: dict | None = None):
+    """``samples/<fmt>/<task>.jsonl``, and ``samples/<fmt>/run.json`` holding ``settings``."""
     folder = out / "samples" / fmt
     folder.mkdir(parents=True, exist_ok=True)
     for task, samples in rows.items():
         with (folder / f"{task}.jsonl").open("w") as f:
             for s in samples:
                 f.write(json.dumps(s) + "\n")
+    if settings is not None:
+        (folder / "run.json").write_text(json.dumps(settings))
+
+
+def read_samples(out: Path, fmt: str, settings: dict) -> tuple[dict, list[int]] | None:
+    """``(rows, lengths)`` written by ``write_samples`` for ``fmt``, or None if absent. ``settings``
+    must match the saved ones (its ``lengths`` may be None: any); ValueError otherwise."""
+    folder = out / "samples" / fmt
+    if not (folder / "run.json").is_file():
+        return None
+    saved = json.loads((folder / "run.json").read_text())
+    differ = [k for k, v in settings.items() if saved.get(k) != v and not (k == "lengths" and v is None)]
+    if differ:
+        raise ValueError(f"{folder} was run with other {differ}; use another --out or drop --reuse")
+    rows = {task: [json.loads(line) for line in (folder / f"{task}.jsonl").read_text().splitlines()]
+            for task in saved["tasks"]}
+    return rows, saved["lengths"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap", type=int, default=10000, help="paired-bootstrap resamples")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/accuracy"))
+    p.add_argument("--reuse", action="store_true",
+                   help="load formats already evaluated into --out/samples (same settings) instead of running them "
+                        "again: one format per call, then all of them for the report")
     return p
 
 
@@ -422,6 +443,15 @@ def compare_formats(argv=None) -> dict:
 
     per_format, lengths = {}, args.lengths
     for fmt in tqdm(formats, desc="formats", unit="fmt"):
+        settings = {"model": args.model, "tokenizer": tokenizer, "tasks": args.tasks, "lengths": lengths,
+                    "samples": args.samples, "depths": args.depths, "seed": args.seed, "limit": args.limit,
+                    "max_gen_toks": args.max_gen_toks, "api": args.api,
+                    "dense_topk_blocks": dense_sparse_config(**dense)["sparse_topk_blocks"] if fmt == DENSE and dense
+                    else None}
+        saved = read_samples(args.out, fmt, settings) if args.reuse else None
+        if saved is not None:
+            per_format[fmt], lengths = saved
+            continue
         if fmt in urls:
             per_format[fmt], lengths = _evaluate(urls[fmt], tokenizer, lengths, args)
         else:
@@ -429,7 +459,7 @@ def compare_formats(argv=None) -> dict:
                                   args.out / f"server-{fmt}.log", timeout_s=args.launch_timeout)
             with server:
                 per_format[fmt], lengths = _evaluate(server.base_url, tokenizer, lengths, args)
-        write_samples(args.out, fmt, per_format[fmt])
+        write_samples(args.out, fmt, per_format[fmt], {**settings, "lengths": lengths})
     summary = report.build(per_format, formats, n_boot=args.bootstrap, seed=args.seed, baseline=baseline)
     summary["run"] = {"model": args.model, "formats": formats, "baseline": baseline, "tasks": args.tasks,
                       "lengths": lengths, "samples": args.samples, "depths": args.depths, "limit": args.limit,

@@ -163,3 +163,18 @@ def test_measure_on_a_constructed_case():
     text = agreement.markdown(summary)
     assert "| 2688 | 1 | 75.0 / " in text and "fp8/mxfp4 prompt" in text and "83.3 (" in text
     assert "dense 1/1, fp8 1/1, mxfp4 0/1" in text
+
+
+def test_saved_format_round_trip(tmp_path):
+    sel = _kinds({"prompt": {1: [[[0, 1, 2], [0, 1, 3]]], 2: [[[4, 5, 6], [0, 1, 3]]]},
+                  "question": {1: [[[0, 1, 2]]], 2: [[[4, 5, 6]]]}, "answer": {1: [[[7, 8, 9]]], 2: [[[7, 8, 9]]]}})
+    agreement.save_format(tmp_path, "fp8", "abc", {3: sel}, {3: [5, 6]}, recorded=12)
+    loaded, outputs, recorded = agreement.load_format(tmp_path, "fp8", "abc")
+    assert outputs == {3: [5, 6]} and recorded == 12
+    for kind in agreement.ROW_KINDS:
+        for layer in (1, 2):
+            assert np.array_equal(loaded[3][kind][layer], sel[kind][layer])
+            assert np.array_equal(loaded[3]["n_visible"][kind][layer], sel["n_visible"][kind][layer])
+    assert agreement.load_format(tmp_path, "mxfp4", "abc") is None
+    with pytest.raises(ValueError, match="other settings"):
+        agreement.load_format(tmp_path, "fp8", "abd")

@@ -20,9 +20,14 @@ GEN = 3
 @pytest.mark.timeout(900)
 def test_dense_fp8_mxfp4_on_the_tiny_server(tmp_path):
     out = tmp_path / "agr"
-    summary = agreement.main(["--model", str(TINY), "--formats", "dense", "fp8", "mxfp4", "--lengths", str(LENGTH),
-                              "--samples", "1", "--depths", "1", "--gen-tokens", str(GEN), "--prompt-rows", "96",
-                              "--launch-timeout", "600", "--out", str(out), "--", *CPU_LAUNCH])
+    argv = ["--model", str(TINY), "--formats", "dense", "fp8", "mxfp4", "--lengths", str(LENGTH), "--samples", "1",
+            "--depths", "1", "--gen-tokens", str(GEN), "--prompt-rows", "96", "--launch-timeout", "600",
+            "--out", str(out), "--", *CPU_LAUNCH]
+    summary = agreement.main(argv)
+    # Saved per format: a second call with --reuse serves nothing and gives the same numbers.
+    logs = {p: p.stat().st_mtime_ns for p in out.glob("server-*.log")}
+    again = agreement.main(["--reuse", *argv])
+    assert again == summary and logs == {p: p.stat().st_mtime_ns for p in out.glob("server-*.log")}
     assert json.loads((out / "agreement.json").read_text())["run"]["formats"] == ["dense", "fp8", "mxfp4"]
     assert "### Needle-block recall" in (out / "agreement.md").read_text()
     assert not list(out.glob("records-*")), "raw records are deleted"

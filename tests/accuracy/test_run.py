@@ -99,3 +99,21 @@ def test_baseline_defaults_to_fp8():
 def test_dense_needs_lengths(tmp_path):
     with pytest.raises(ValueError, match="--lengths"):
         run.compare_formats(["--model", "m", "--formats", "dense", "fp8", "--out", str(tmp_path)])
+
+
+def test_reuse_builds_the_report_from_saved_formats(tmp_path):
+    settings = {"model": "m", "tokenizer": "m", "tasks": ["m3_niah_single"], "lengths": [1024], "samples": 20,
+                "depths": 10, "seed": 0, "limit": None, "max_gen_toks": None, "api": "completions",
+                "dense_topk_blocks": None}
+    for fmt, scores in (("fp8", [1, 1, 0, 0]), ("mxfp4", [1, 0, 0, 0])):
+        rows = [{"doc_id": i, "length": 1024, "depth": 0.0, "target": str(i), "response": "", "score": s}
+                for i, s in enumerate(scores)]
+        run.write_samples(tmp_path, fmt, {"m3_niah_single": rows}, settings)
+    argv = ["--model", "m", "--formats", "fp8", "mxfp4", "--tasks", "m3_niah_single", "--lengths", "1024",
+            "--bootstrap", "100", "--out", str(tmp_path), "--reuse"]
+    summary = run.compare_formats(argv)  # no server: both formats are loaded
+    assert summary["tasks"]["m3_niah_single"][0]["paired"]["mxfp4"]["diff"] == -0.25
+    assert (tmp_path / "report.md").is_file()
+    with pytest.raises(ValueError, match=r"other \['samples'\]"):
+        run.compare_formats([*argv[:-3], "--samples", "5", "--out", str(tmp_path), "--reuse"])
+    assert run.read_samples(tmp_path, "bf16", settings) is None
