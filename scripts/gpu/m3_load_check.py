@@ -6,7 +6,8 @@ parameters the checkpoint never filled (they keep their uninitialised memory). W
 
     {"pid": int, "rank": int, "checkpoint_tensors": int, "params": int, "missing": [names]}
 
-``missing``: model parameters that no checkpoint tensor was loaded into. Registered by
+``missing``: parameters of the model as constructed that no checkpoint tensor was loaded into
+(parameters ``load_weights`` derives at its end from loaded ones are not counted). Registered by
 ``scripts/gpu/bundle_env.sh`` (GPU) and by ``tests/sglang_m3/test_tp.py`` (CPU); does nothing
 unless the variable is set.
 """
@@ -26,8 +27,10 @@ def _wrap(original):
                 seen.append(name)
                 yield name, tensor
 
-        loaded = original(self, counted())
+        # Parameters as constructed: load_weights may add derived ones at its end (MiniMax-M3's
+        # fused_qkv_index_proj, concatenated from the loaded qkv_proj and index_qkv_proj).
         params = set(dict(self.named_parameters()))
+        loaded = original(self, counted())
         try:
             import torch.distributed as dist
 
