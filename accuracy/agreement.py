@@ -37,7 +37,6 @@ import hashlib
 import itertools
 import json
 import math
-import sys
 import urllib.request
 from collections import defaultdict
 from pathlib import Path
@@ -48,7 +47,7 @@ from m3_kernels.formats import LOCAL_BLOCKS, PAGE_SIZE
 
 from . import needle
 from .run import (DENSE, OVERRIDE_FLAG, RUNNER_OWNED_FLAGS, SGLangServer, dense_max_tokens, dense_sparse_config,
-                  format_launch_args, model_sparse_config, parse_variant)
+                  format_launch_args, model_sparse_config, parse_command_line)
 
 EAGER_FLAGS = ("--disable-cuda-graph", "--disable-overlap-schedule")
 ALL_LAYERS = "all"
@@ -499,15 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> dict:
     """Run the study for command-line ``argv``; returns the summary written to agreement.json."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    launch_args = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, launch_args = argv[:cut], argv[cut + 1 :]
-    args = build_parser().parse_args(argv)
-    formats = [parse_variant(f, "--formats") for f in args.formats]
-    if len(set(formats)) != len(formats):
-        raise ValueError(f"--formats must not repeat, got {formats}")
+    args, formats, launch_args = parse_command_line(build_parser(), argv)
     if args.gen_tokens < 1 or args.prompt_rows < 1:
         raise ValueError(f"--gen-tokens and --prompt-rows must be >= 1, got {args.gen_tokens}, {args.prompt_rows}")
     owned = [a for a in launch_args if a.split("=")[0] in RUNNER_OWNED_FLAGS]

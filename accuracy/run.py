@@ -71,6 +71,21 @@ def parse_variant(name: str, what: str = "format") -> str:
         raise ValueError(f"{e} (or {DENSE!r}, the dense-attention control)") from None
 
 
+def parse_command_line(parser: argparse.ArgumentParser, argv=None) -> tuple:
+    """``(args, formats, launch_args)`` of a tool's command line: the part before ``--`` parsed by
+    ``parser`` (which has ``--formats``), formats canonical and distinct, what follows ``--`` as is."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    launch_args = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, launch_args = argv[:cut], argv[cut + 1 :]
+    args = parser.parse_args(argv)
+    formats = [parse_variant(f, "--formats") for f in args.formats]
+    if len(set(formats)) != len(formats):
+        raise ValueError(f"--formats must not repeat, got {formats}")
+    return args, formats, launch_args
+
+
 def dense_topk_blocks(max_tokens: int) -> int:
     """``sparse_topk_blocks`` of the dense control for requests of at most ``max_tokens`` tokens:
     ``ceil(max_tokens / PAGE_SIZE)``, the blocks such a request's last row sees."""
@@ -410,15 +425,7 @@ def main(argv=None) -> None:
 
 def compare_formats(argv=None) -> dict:
     """Run the comparison for command-line ``argv``; returns the summary written to results.json."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    launch_args = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, launch_args = argv[:cut], argv[cut + 1 :]
-    args = build_parser().parse_args(argv)
-    formats = [parse_variant(f, "--formats") for f in args.formats]
-    if len(set(formats)) != len(formats):
-        raise ValueError(f"--formats must not repeat, got {formats}")
+    args, formats, launch_args = parse_command_line(build_parser(), argv)
     baseline = resolve_baseline(args.baseline, formats)
     urls = _parse_base_urls(args.base_url, formats)
     if urls and set(urls) != set(formats):

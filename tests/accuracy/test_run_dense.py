@@ -7,7 +7,6 @@ under the interpreter on CPU and compiled on a GPU) and the attention over the s
 against a float64 causal-attention oracle.
 """
 
-import importlib
 import os
 
 import pytest
@@ -20,21 +19,14 @@ from accuracy.run import dense_max_tokens, dense_topk_blocks  # noqa: E402
 from m3_kernels.formats import PAGE_SIZE  # noqa: E402
 from m3_kernels.ops.select import select_blocks, visible_blocks  # noqa: E402
 from m3_kernels.ops.select.naive import select_blocks_ref  # noqa: E402
+from m3_kernels.testing import triton_module  # noqa: E402
 from sglang_m3.sparse_attention import sparse_attention_torch  # noqa: E402
 
 HEAD_DIM = 128
 
 
 def _triton_select():
-    import m3_kernels.ops.select.triton as mod
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return mod.select_blocks_triton
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(mod._select_kernel, InterpretedFunction):
-        mod = importlib.reload(mod)
-    return mod.select_blocks_triton
+    return triton_module("m3_kernels.ops.select.triton", "_select_kernel").select_blocks_triton
 
 
 def _dense_rows(n_visible, topk):

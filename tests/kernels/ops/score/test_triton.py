@@ -9,7 +9,6 @@ Tolerance: ``|got - ref| <= 1e-5 * bound`` with ``bound`` the same score compute
 pattern equal, and no NaN.
 """
 
-import importlib
 import math
 import os
 
@@ -30,6 +29,7 @@ from m3_kernels.formats import (  # noqa: E402
 )
 from m3_kernels.ops.score import decode_supported, score_decode, score_prefill  # noqa: E402
 from m3_kernels.ops.score.naive import score_decode_ref, score_prefill_ref  # noqa: E402
+from m3_kernels.testing import triton_module  # noqa: E402
 
 CPU = pytest.param("cpu", id="cpu")
 GPU = pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)
@@ -42,15 +42,7 @@ def _on(device):
 
 
 def _kernels():
-    import m3_kernels.ops.score.triton as mod
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return mod
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(mod._score_kernel, InterpretedFunction):
-        mod = importlib.reload(mod)
-    return mod
+    return triton_module("m3_kernels.ops.score.triton", "_score_kernel")
 
 
 def random_cache(gen, fmt, pages, device, single_region=True, scale_lo=122, scale_hi=127):

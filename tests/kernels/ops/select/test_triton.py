@@ -5,7 +5,6 @@ Scores are drawn from a few integers so ties are frequent (ties go to the lower 
 Triton interpreter; the GPU cases (``-m gpu``) add large block counts and CUDA-graph replay.
 """
 
-import importlib
 import os
 
 import pytest
@@ -18,18 +17,11 @@ import triton  # noqa: E402
 
 from m3_kernels.ops.select import check_select_args, select_blocks  # noqa: E402
 from m3_kernels.ops.select.naive import select_blocks_ref  # noqa: E402
+from m3_kernels.testing import triton_module  # noqa: E402
 
 
 def _select():
-    import m3_kernels.ops.select.triton as mod
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return mod.select_blocks_triton
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(mod._select_kernel, InterpretedFunction):
-        mod = importlib.reload(mod)
-    return mod.select_blocks_triton
+    return triton_module("m3_kernels.ops.select.triton", "_select_kernel").select_blocks_triton
 
 
 def random_scores(gen, H, rows, nb):

@@ -8,7 +8,6 @@ boundary (for a code) or of a scale boundary (for a group's scale); the test com
 float64 and fails on any other difference. CPU cases run under the Triton interpreter.
 """
 
-import importlib
 import math
 import os
 
@@ -32,6 +31,7 @@ from m3_kernels.formats import (  # noqa: E402
 )
 from m3_kernels.formats.mxfp4 import sanitize_fp32  # noqa: E402
 from m3_kernels.ops.write import write_index_k  # noqa: E402
+from m3_kernels.testing import triton_module  # noqa: E402
 
 CPU = pytest.param("cpu", id="cpu")
 GPU = pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)
@@ -44,15 +44,7 @@ def _on(device):
 
 
 def _writer():
-    import m3_kernels.ops.write.triton as mod
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return mod.write_index_k_triton
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(mod._write_index_k_kernel, InterpretedFunction):
-        mod = importlib.reload(mod)
-    return mod.write_index_k_triton
+    return triton_module("m3_kernels.ops.write.triton", "_write_index_k_kernel").write_index_k_triton
 
 
 def write(k, loc, k_cache, k_scale, fmt, rule, seed=None):
