@@ -249,13 +249,21 @@ def timed_generate(server: Server, ids, new_tokens: int) -> float:
 
 
 def measure_decode(server: Server, ids, decode_tokens: int, repeats: int) -> dict:
+    """Time per output token from ``repeats`` pairs of requests generating 1 and 1 + ``decode_tokens``
+    tokens (the prompt is radix-cached, so the difference is decode only). One warm-up pair first
+    (the first request of a row pays one-off costs: 0.5-4 s were seen). ``tpot_spread_ms``: the
+    spread of the per-pair estimates (max - min), the noise to compare format differences with."""
+    timed_generate(server, ids, 1)
+    timed_generate(server, ids, 1 + decode_tokens)
     short, long_ = [], []
     for _ in range(repeats):
         short.append(timed_generate(server, ids, 1))
         long_.append(timed_generate(server, ids, 1 + decode_tokens))
     dt = statistics.median(long_) - statistics.median(short)
     tpot = dt / decode_tokens
-    return {"tpot_ms": tpot * 1e3, "tok_s": len(ids) / tpot, "t_short_s": short, "t_long_s": long_}
+    pairs = [(b - a) / decode_tokens for a, b in zip(short, long_)]
+    return {"tpot_ms": tpot * 1e3, "tok_s": len(ids) / tpot, "tpot_spread_ms": (max(pairs) - min(pairs)) * 1e3,
+            "t_short_s": short, "t_long_s": long_}
 
 
 # ---- main ------------------------------------------------------------------------------------
@@ -266,8 +274,8 @@ def main():
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--contexts", default="65536,131072", help="decode context lengths (tokens)")
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--decode-tokens", type=int, default=64, help="D: timed decode steps per measurement")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=256, help="D: timed decode steps per measurement")
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--small-dense", type=int, default=1, help="dense layers of the throughput config")
     ap.add_argument("--small-sparse", type=int, default=19, help="sparse layers of the throughput config")
     ap.add_argument("--hidden", type=int, default=512)
@@ -566,7 +574,8 @@ def render_table(results, contexts, batches, nd, ns) -> str:
             for fmt, r in fr.items():
                 d = r.get("decode", {}).get(key, {})
                 if "tok_s" in d:
-                    cells.append(f"{d['tok_s']:.0f} | {d['tpot_ms']:.3f}")
+                    spread = f" ±{d['tpot_spread_ms'] / 2:.3f}" if "tpot_spread_ms" in d else ""
+                    cells.append(f"{d['tok_s']:.0f} | {d['tpot_ms']:.3f}{spread}")
                 else:
                     cells.append(f"{d.get('skipped', 'not run')[:40]} | -")
             ratios = []
