@@ -133,18 +133,34 @@ class Piece:
 
 @dataclass
 class Sample:
-    """``input_ids`` = prompt + answer; the answer is ``input_ids[answer_start:]``. ``evidence`` holds
-    the ``[start, end)`` token spans of the facts the answer is read from (the queried needle's value,
-    the queried line's value, the queried chain's statements)."""
+    """``input_ids`` = prompt + answer(s). ``answers`` holds the ``[start, end)`` token spans of the
+    answers, in order; the last ends the sample; ``answer_start`` is the first one's start (one query:
+    the answer is ``input_ids[answer_start:]``). ``evidence`` holds the ``[start, end)`` token spans of
+    the facts the first answer is read from (the queried needle's value, the queried line's value, the
+    queried chain's statements)."""
     input_ids: list[int]
     answer_start: int
     evidence: list[tuple[int, int]]
     task: str
     text: str = field(repr=False, default="")
+    answers: list[tuple[int, int]] = field(default_factory=list)
+    query_start: int = -1  # first token after the context (the first question's); -1: unknown
+
+    def __post_init__(self):
+        if not self.answers:
+            self.answers = [(self.answer_start, len(self.input_ids))]
+
+    def query_rows(self) -> list[int]:
+        """Rows whose next-token prediction is a question token after the context (the question and
+        answer lead, e.g. the asked key, which a model can copy from the context); no answer rows."""
+        if self.query_start < 0:
+            return []
+        answer = set(self.answer_rows())
+        return [r for r in range(self.query_start - 1, len(self.input_ids) - 1) if r not in answer]
 
     def answer_rows(self) -> list[int]:
-        """Rows whose next-token prediction is an answer token."""
-        return list(range(self.answer_start - 1, len(self.input_ids) - 1))
+        """Rows whose next-token prediction is an answer token (of any query), ascending."""
+        return [r for a, b in self.answers for r in range(a - 1, b - 1)]
 
     def evidence_blocks(self, block: int = BLOCK) -> list[int]:
         """Sparse-attention blocks (``block`` tokens) overlapping an evidence span."""
@@ -182,7 +198,8 @@ class TaskGenerator:
         head, tail = prompt.split("{context}")
         return head, tail.format(**fields)
 
-    def _assemble(self, head: str, pieces: list[Piece], tail: str, answer: str, task: str) -> Sample:
+    def _assemble(self, head: str, pieces: list[Piece], qa: list[tuple[str, str]], task: str) -> Sample:
+        """``head`` + pieces + for each ``(tail, answer)`` of ``qa``: the tail (question), then its answer."""
         chunks: list[list[int] | None] = []  # per piece: cached ids, or None (encoded below)
         texts: list[str] = []
         prev_line, first = True, True  # the head ends with a newline: the first piece gets no separator
@@ -197,8 +214,9 @@ class TaskGenerator:
             texts.append(sep + body)
             chunks.append(self.hay.ids[piece.pool] if piece.pool >= 0 and sep == " " else None)
         literal = [i for i, c in enumerate(chunks) if c is None]
-        encoded = self.tok.encode_batch([head, tail, answer] + [texts[i] for i in literal], add_special_tokens=False)
-        for i, e in zip(literal, encoded[3:]):
+        flat_qa = [t for pair in qa for t in pair]
+        encoded = self.tok.encode_batch([head] + flat_qa + [texts[i] for i in literal], add_special_tokens=False)
+        for i, e in zip(literal, encoded[1 + len(flat_qa):]):
             chunks[i] = e.ids
         ids = list(encoded[0].ids)
         evidence = []
@@ -206,10 +224,13 @@ class TaskGenerator:
             if piece.evidence:
                 evidence.append((len(ids), len(ids) + len(chunk)))
             ids.extend(chunk)
-        ids.extend(encoded[1].ids)
-        answer_start = len(ids)
-        ids.extend(encoded[2].ids)
-        return Sample(ids, answer_start, evidence, task, head + "".join(texts) + tail + answer)
+        answers, query_start = [], len(ids)
+        for k in range(len(qa)):
+            ids.extend(encoded[1 + 2 * k].ids)
+            answers.append((len(ids), len(ids) + len(encoded[2 + 2 * k].ids)))
+            ids.extend(encoded[2 + 2 * k].ids)
+        text = head + "".join(texts) + "".join(t + a for t, a in qa)
+        return Sample(ids, answers[0][0], evidence, task, text, answers, query_start)
 
     def _place(self, rng: random.Random, length: int, fixed_tokens: int, depth: float,
                facts: list[list[Piece]]) -> list[Piece]:
@@ -249,38 +270,42 @@ class TaskGenerator:
         return sum(len(e.ids) for e in self.tok.encode_batch(texts, add_special_tokens=False))
 
     # -- tasks ------------------------------------------------------------------------------------------
-    def needles(self, rng: random.Random, length: int, n_keys: int, depth: float | None = None) -> Sample:
-        """``accuracy.needle`` format: ``n_keys`` needles, the first asked."""
+    def needles(self, rng: random.Random, length: int, n_keys: int, depth: float | None = None,
+                queries: int = 1) -> Sample:
+        """``accuracy.needle`` format: ``n_keys`` needles; the first ``min(queries, n_keys)`` keys are
+        asked in turn (question, answer, next question, ...), the first at ``depth``."""
         depth = rng.uniform(0.0, 100.0) if depth is None else depth
         keys = _keys(rng, n_keys, needle._KEY_A, needle._KEY_B)
         values = [_value7(rng) for _ in keys]
-        head, tail = self._frame(needle.PROMPT, key=keys[0])
+        head, _ = self._frame(needle.PROMPT, key=keys[0])
+        qa = [(self._frame(needle.PROMPT, key=k)[1], f" {v}.") for k, v in list(zip(keys, values))[:_queries(queries)]]
         facts = []
         for i, (k, v) in enumerate(zip(keys, values)):
             key_part, value_part = needle.NEEDLE.format(key=k, value=v).rsplit(" ", 1)
             facts.append([Piece(text=key_part), Piece(text=value_part, cont=True, evidence=i == 0)])
-        answer = f" {values[0]}."
-        fixed = self._count([head, tail, answer]) + self._count([" " + " ".join(p.text for p in f) for f in facts])
+        fixed = self._count([head] + [t for pair in qa for t in pair]) + self._count(
+            [" " + " ".join(p.text for p in f) for f in facts])
         task = "single" if n_keys == 1 else "multikey"
         return self._fit(lambda slack: self._assemble(
-            head, self._place(random.Random(rng.random()), length, fixed + slack, depth, facts), tail, answer, task),
+            head, self._place(random.Random(rng.random()), length, fixed + slack, depth, facts), qa, task),
             length)
 
-    def kv(self, rng: random.Random, length: int, n_pairs: int | None = None, depth: float | None = None) -> Sample:
-        """``"key": value`` lines in the prose, one asked."""
+    def kv(self, rng: random.Random, length: int, n_pairs: int | None = None, depth: float | None = None,
+           queries: int = 1) -> Sample:
+        """``"key": value`` lines in the prose; the first ``min(queries, n_pairs)`` keys are asked in turn."""
         depth = rng.uniform(0.0, 100.0) if depth is None else depth
         if n_pairs is None:
             n_pairs = rng.randint(4, max(4, min(MAX_KV_PAIRS, length // 48)))
         keys = _keys(rng, n_pairs, _KV_A, _KV_B)
         values = [_value7(rng) for _ in keys]
-        head, tail = self._frame(KV_PROMPT, key=keys[0])
+        head, _ = self._frame(KV_PROMPT, key=keys[0])
+        qa = [(self._frame(KV_PROMPT, key=k)[1], f" {v}.") for k, v in list(zip(keys, values))[:_queries(queries)]]
         facts = [[Piece(text=KV_LINE_KEY.format(key=k), line=True), Piece(text=v, cont=True, evidence=i == 0)]
                  for i, (k, v) in enumerate(zip(keys, values))]
-        answer = f" {values[0]}."
-        fixed = self._count([head, tail, answer]) + self._count(
+        fixed = self._count([head] + [t for pair in qa for t in pair]) + self._count(
             ["\n" + KV_LINE_KEY.format(key=k) + " " + v + "\n" for k, v in zip(keys, values)]) - n_pairs
         return self._fit(lambda slack: self._assemble(
-            head, self._place(random.Random(rng.random()), length, fixed + slack, depth, facts), tail, answer, "kv"),
+            head, self._place(random.Random(rng.random()), length, fixed + slack, depth, facts), qa, "kv"),
             length)
 
     def vt(self, rng: random.Random, length: int, n_chains: int | None = None, hops: int | None = None,
@@ -322,21 +347,28 @@ class TaskGenerator:
 
         def build(slack):
             pieces = self._place(random.Random(rng.random()), length, fixed + slack, rng.uniform(0.0, 100.0), facts)
-            return self._assemble(head, _order_chains(pieces, statements), tail, answer, "vt")
+            return self._assemble(head, _order_chains(pieces, statements), [(tail, answer)], "vt")
 
         return self._fit(build, length)
 
-    def sample(self, task: str, rng: random.Random, length: int) -> Sample:
-        """One sample of ``task`` (``TASKS``) of at most ``length`` tokens, parameters drawn from ``rng``."""
+    def sample(self, task: str, rng: random.Random, length: int, queries: int = 1) -> Sample:
+        """One sample of ``task`` (``TASKS``) of at most ``length`` tokens, parameters drawn from ``rng``;
+        ``multikey`` and ``kv`` ask up to ``queries`` of their keys (``single`` and ``vt`` ask one)."""
         if task == "single":
             return self.needles(rng, length, 1)
         if task == "multikey":
-            return self.needles(rng, length, rng.randint(*MULTIKEY_RANGE))
+            return self.needles(rng, length, rng.randint(*MULTIKEY_RANGE), queries=queries)
         if task == "kv":
-            return self.kv(rng, length)
+            return self.kv(rng, length, queries=queries)
         if task == "vt":
             return self.vt(rng, length)
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+
+
+def _queries(queries: int) -> int:
+    if queries < 1:
+        raise ValueError(f"queries must be >= 1, got {queries}")
+    return queries
 
 
 def _order_chains(pieces: list[Piece], statements: list[tuple[int, int, str]]) -> list[Piece]:
@@ -360,9 +392,10 @@ def _order_chains(pieces: list[Piece], statements: list[tuple[int, int, str]]) -
 class Batch:
     """A padded batch. Rows index positions of ``input_ids``; row r predicts ``input_ids[:, r+1]``.
 
-    ``input_ids`` int64 [B, T]; ``loss_rows`` / ``loss_targets`` int64 [B, R]; ``answer_mask`` and
-    ``lm_mask`` bool [B, R] (answer rows, then sampled prompt rows for the light LM loss; padding rows
-    have both False); ``kl_rows`` int64 [B, K] (answer rows, then random rows); ``first_answer_row``
+    ``input_ids`` int64 [B, T]; ``loss_rows`` / ``loss_targets`` int64 [B, R]; ``answer_mask``,
+    ``query_mask`` and ``lm_mask`` bool [B, R] (answer rows, then the question rows after the context
+    (``Sample.query_rows``; none unless ``query_rows``), then sampled context rows for the light LM
+    loss; padding rows have all three False); ``kl_rows`` int64 [B, K] (answer rows, then random rows); ``first_answer_row``
     int64 [B]; ``evidence_blocks`` list of B lists; ``lengths`` int64 [B] (tokens before padding);
     ``tasks`` list of B names."""
     input_ids: torch.Tensor
@@ -370,6 +403,7 @@ class Batch:
     loss_targets: torch.Tensor
     answer_mask: torch.Tensor
     lm_mask: torch.Tensor
+    query_mask: torch.Tensor
     kl_rows: torch.Tensor
     first_answer_row: torch.Tensor
     evidence_blocks: list[list[int]]
@@ -387,12 +421,16 @@ class BatchSpec:
     """What a batch is drawn from: a sequence length uniformly from ``lengths`` (multiples of
     ``BLOCK``; few distinct shapes keep compiled attention kernels few), ``token_budget // length``
     samples, tasks by ``task_weights``, up to ``lm_rows`` prompt rows per sample for the LM loss and
-    ``kl_random_rows`` random rows per sample (besides the answer rows) for the index KL."""
+    ``kl_random_rows`` random rows per sample (besides the answer rows) for the index KL; ``multikey``
+    and ``kv`` samples ask up to ``queries`` of their keys (each answer supervised); ``query_rows``:
+    supervise the question rows after the context too (``Batch.query_mask``)."""
     lengths: tuple[int, ...]
     token_budget: int
     task_weights: tuple[tuple[str, float], ...] = tuple(DEFAULT_TASK_WEIGHTS.items())
     lm_rows: int = 256
     kl_random_rows: int = 256
+    queries: int = 1
+    query_rows: bool = False
 
     def __post_init__(self):
         bad = [n for n in self.lengths if n < BLOCK or n % BLOCK]
@@ -406,28 +444,33 @@ class BatchSpec:
                 raise ValueError(f"task_weights: {name!r}={w}: names must be in {TASKS}, weights >= 0")
         if sum(w for _, w in self.task_weights) <= 0:
             raise ValueError("task_weights: at least one weight must be > 0")
+        if self.queries < 1:
+            raise ValueError(f"queries must be >= 1, got {self.queries}")
         if self.lm_rows < 0 or self.kl_random_rows < 0:
             raise ValueError(f"lm_rows and kl_random_rows must be >= 0, got {self.lm_rows}, {self.kl_random_rows}")
 
 
-def collate(samples: list[Sample], seq_len: int, rng: random.Random, lm_rows: int, kl_random_rows: int) -> Batch:
+def collate(samples: list[Sample], seq_len: int, rng: random.Random, lm_rows: int, kl_random_rows: int,
+            query_rows: bool = False) -> Batch:
     """Pads ``samples`` (each at most ``seq_len`` tokens) into a ``Batch`` (see its doc)."""
     b = len(samples)
     ids = torch.full((b, seq_len), PAD_ID, dtype=torch.long)
-    rows_l, targets_l, answer_l, lm_l, kl_l = [], [], [], [], []
+    rows_l, targets_l, answer_l, lm_l, query_l, kl_l = [], [], [], [], [], []
     for i, s in enumerate(samples):
         n = len(s.input_ids)
         if n > seq_len:
             raise ValueError(f"sample {i} has {n} tokens, more than seq_len {seq_len}")
         ids[i, :n] = torch.tensor(s.input_ids)
         ans = s.answer_rows()
-        prompt_rows = range(0, s.answer_start - 1)
+        qr = s.query_rows() if query_rows else []
+        prompt_rows = range(0, qr[0] if qr else s.answer_start - 1)
         lm = sorted(rng.sample(prompt_rows, min(lm_rows, len(prompt_rows))))
-        rows = ans + lm
+        rows = ans + qr + lm
         rows_l.append(rows)
         targets_l.append([s.input_ids[r + 1] for r in rows])
-        answer_l.append([True] * len(ans) + [False] * len(lm))
-        lm_l.append([False] * len(ans) + [True] * len(lm))
+        answer_l.append([True] * len(ans) + [False] * (len(qr) + len(lm)))
+        query_l.append([False] * len(ans) + [True] * len(qr) + [False] * len(lm))
+        lm_l.append([False] * (len(ans) + len(qr)) + [True] * len(lm))
         others = [r for r in rng.sample(range(n), min(kl_random_rows + len(ans), n)) if r not in set(ans)]
         kl_l.append(ans + sorted(others[:kl_random_rows]))
     width = max(len(r) for r in rows_l)
@@ -444,6 +487,7 @@ def collate(samples: list[Sample], seq_len: int, rng: random.Random, lm_rows: in
         loss_targets=torch.tensor(pad(targets_l, PAD_ID, width)),
         answer_mask=torch.tensor(pad(answer_l, False, width)),
         lm_mask=torch.tensor(pad(lm_l, False, width)),
+        query_mask=torch.tensor(pad(query_l, False, width)),
         kl_rows=torch.tensor(kl_padded),
         first_answer_row=torch.tensor([s.answer_start - 1 for s in samples]),
         evidence_blocks=[s.evidence_blocks() for s in samples],
@@ -458,6 +502,6 @@ def make_batch(gen: TaskGenerator, spec: BatchSpec, seed: int, step: int) -> Bat
     seq_len = rng.choice(spec.lengths)
     names = [n for n, _ in spec.task_weights]
     weights = [w for _, w in spec.task_weights]
-    samples = [gen.sample(rng.choices(names, weights)[0], rng, seq_len)
+    samples = [gen.sample(rng.choices(names, weights)[0], rng, seq_len, spec.queries)
                for _ in range(max(1, spec.token_budget // seq_len))]
-    return collate(samples, seq_len, rng, spec.lm_rows, spec.kl_random_rows)
+    return collate(samples, seq_len, rng, spec.lm_rows, spec.kl_random_rows, spec.query_rows)

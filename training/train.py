@@ -95,6 +95,8 @@ PLAN_DEFAULTS = {
     "kl_weight": 1.0,
     "lm_rows": 256,
     "kl_rows": 256,
+    "queries": 1,
+    "query_weight": 0.0,
     "seed": 0,
     "tokenizer": "",  # "" = training/tokenizer
 }
@@ -205,7 +207,8 @@ def _spec(plan: dict, step: int, trained_s: float = 0.0, which: str | None = Non
     which = which or phase(plan, step, trained_s)
     lengths = _lengths(plan["short_lengths"] if which == "short" else plan["long_lengths"], "lengths")
     return data.BatchSpec(tuple(lengths), plan["token_budget"], _task_weights(plan["task_weights"]),
-                          plan["lm_rows"], plan["kl_rows"])
+                          plan["lm_rows"], plan["kl_rows"], plan.get("queries", 1),
+                          plan.get("query_weight", 0.0) > 0)
 
 
 def stage(plan: dict, step: int, trained_s: float = 0.0) -> str:
@@ -282,10 +285,12 @@ def batch_losses(logits: torch.Tensor, batch: data.Batch) -> dict:
     ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
     ans = batch.answer_mask.float()
     lm = batch.lm_mask.float()
+    query = batch.query_mask.float()
     correct = (logits.argmax(-1) == batch.loss_targets).float()
     return {
         "answer_loss": (ce * ans).sum() / ans.sum().clamp_min(1.0),
         "lm_loss": (ce * lm).sum() / lm.sum().clamp_min(1.0),
+        "query_loss": (ce * query).sum() / query.sum().clamp_min(1.0),
         "answer_acc": (correct * ans).sum() / ans.sum().clamp_min(1.0),
     }
 
@@ -483,7 +488,7 @@ def main(argv=None) -> dict:
         tps = window_tokens / max(1e-9, time.time() - window_t0)
         T, B = batch.input_ids.shape[1], batch.input_ids.shape[0]
         log.line(f"step {step:>6} {mode:<6} T={T:>6}x{B:<3} loss {vals['loss']:.4f} ans {vals['answer_loss']:.4f} "
-                 f"acc {vals['answer_acc']:.3f} lm {vals['lm_loss']:.3f} kl {vals['index_kl']:.4f} "
+                 f"acc {vals['answer_acc']:.3f} lm {vals['lm_loss']:.3f} q {vals['query_loss']:.3f} kl {vals['index_kl']:.4f} "
                  f"kept {vals.get('attn_kept', float('nan')):.3f} gnorm {vals['grad_norm']:.2f} "
                  f"lr {learning_rate(plan, step - 1, trained_s):.2e} tok/s {tps:,.0f} elapsed {time.time() - t_start:.0f}s")
         log.record({"step": step, "stage": mode, "T": T, "B": B, "tok_s": tps,
@@ -506,7 +511,8 @@ def main(argv=None) -> dict:
             logits, aux = model(batch.input_ids, attention=mode, kl_rows=batch.kl_rows, logit_rows=batch.loss_rows)
         m = batch_losses(logits, batch)
         kl = aux["index_kl"] if aux["index_kl"] is not None else torch.zeros((), device=device)
-        loss = m["answer_loss"] + plan["lm_weight"] * m["lm_loss"] + plan["kl_weight"] * kl
+        loss = (m["answer_loss"] + plan["lm_weight"] * m["lm_loss"] + plan.get("query_weight", 0.0) * m["query_loss"]
+                + plan["kl_weight"] * kl)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), plan["grad_clip"])

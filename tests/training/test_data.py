@@ -125,6 +125,33 @@ def test_kv_samples(tok, gen, rng, length):
     assert [tok.decode(s.input_ids[a:b]) for a, b in s.evidence] == [f" {lines[key]}"]
 
 
+@pytest.mark.parametrize("task", ["multikey", "kv"])
+@pytest.mark.parametrize("length", [512, 2048])
+def test_several_queries_each_answer_from_the_context(tok, gen, rng, task, length):
+    """queries > 1: questions follow the context one after another, each followed by its answer;
+    every answer is the value the context gives its key; answer and question rows are disjoint and
+    together cover every row after the context."""
+    s = gen.sample(task, rng, length, queries=6)
+    assert tok.encode(s.text).ids == s.input_ids and len(s.input_ids) <= length
+    if task == "kv":
+        facts = dict(re.findall(r'^"([a-z-]+)": (\d{7})$', s.text, re.M))
+        asked = re.findall(r'Answer: the value of "([a-z-]+)" is( \d{7}\.)', s.text)
+    else:
+        facts = dict(re.findall(r'The special number for "([a-z-]+)" is (\d{7})\.', s.text))
+        asked = re.findall(r'Answer: the special number for "([a-z-]+)" is( \d{7}\.)', s.text)
+    assert len(asked) == min(6, len(facts)) == len(s.answers) and len({k for k, _ in asked}) == len(asked)
+    assert s.answers[-1][1] == len(s.input_ids) and s.answers[0][0] == s.answer_start
+    for (key, text), (a, b) in zip(asked, s.answers):
+        assert text == f" {facts[key]}." and tok.decode(s.input_ids[a:b]) == text
+    assert s.answer_rows() == [r for a, b in s.answers for r in range(a - 1, b - 1)]
+    assert tok.decode(s.input_ids[s.query_start:]).startswith("\n\nQuestion: ")
+    assert s.evidence[0][1] <= s.query_start
+    after = set(range(s.query_start - 1, len(s.input_ids) - 1))
+    assert set(s.query_rows()) | set(s.answer_rows()) == after and not set(s.query_rows()) & set(s.answer_rows())
+    first = gen.sample(task, random.Random(7), length, queries=1)
+    assert len(first.answers) == 1 and first.answer_rows() == list(range(first.answer_start - 1, len(first.input_ids) - 1))
+
+
 def _run_vt(text: str) -> dict:
     """Values of the variables after executing the context's statements in order."""
     env = {}
@@ -181,7 +208,7 @@ def test_batch_rows_and_masks(gen):
             assert (b.input_ids[i, n:] == data.PAD_ID).all()
             rows, tgt = b.loss_rows[i], b.loss_targets[i]
             valid = b.answer_mask[i] | b.lm_mask[i]
-            assert not (b.answer_mask[i] & b.lm_mask[i]).any()
+            assert not (b.answer_mask[i] & b.lm_mask[i]).any() and not b.query_mask[i].any()
             assert torch.equal(tgt[valid], b.input_ids[i, rows[valid] + 1])
             ans_rows = rows[b.answer_mask[i]]
             assert int(ans_rows[0]) == int(b.first_answer_row[i]) and int(ans_rows[-1]) == n - 2
@@ -191,6 +218,24 @@ def test_batch_rows_and_masks(gen):
             assert torch.equal(kl[: len(ans_rows)], ans_rows)
 
 
+def test_batch_with_queries_supervises_every_answer_and_question_row(gen):
+    spec = data.BatchSpec((512,), 2048, (("kv", 1.0), ("multikey", 1.0)), lm_rows=8, kl_random_rows=8, queries=4,
+                          query_rows=True)
+    b = data.make_batch(gen, spec, 1, 2)
+    for i in range(b.input_ids.shape[0]):
+        n = int(b.lengths[i])
+        masks = b.answer_mask[i].int() + b.query_mask[i].int() + b.lm_mask[i].int()
+        assert (masks <= 1).all()
+        rows, tgt = b.loss_rows[i], b.loss_targets[i]
+        assert torch.equal(tgt[masks == 1], b.input_ids[i, rows[masks == 1] + 1])
+        ans, query = rows[b.answer_mask[i]].tolist(), rows[b.query_mask[i]].tolist()
+        assert len(ans) >= 2 * 9  # at least two 9-token answers (every kv / multikey sample has >= 2 keys)
+        after = sorted(ans + query)
+        assert after == list(range(after[0], n - 1)) and after[0] < int(b.first_answer_row[i]) == ans[0]
+        assert (rows[b.lm_mask[i]] < after[0]).all()
+        assert torch.equal(b.kl_rows[i, : len(ans)], torch.tensor(ans))
+
+
 def test_bad_input(tok, gen, rng):
     with pytest.raises(ValueError, match="task"):
         gen.sample("nope", rng, 1024)
@@ -198,6 +243,10 @@ def test_bad_input(tok, gen, rng):
         gen.needles(rng, 40, 1)
     with pytest.raises(ValueError, match="ask"):
         gen.vt(rng, 1024, ask="first")
+    with pytest.raises(ValueError, match="queries"):
+        gen.kv(rng, 1024, queries=0)
+    with pytest.raises(ValueError, match="queries"):
+        data.BatchSpec((512,), 1024, queries=0)
     with pytest.raises(ValueError, match="seed"):
         data.Haystack(tok, needle._POOL_SEED, 16)
     with pytest.raises(ValueError, match="too small"):
