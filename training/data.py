@@ -56,6 +56,7 @@ TRAIN_HAYSTACK_SEED = 20261   # training samples read this haystack stream
 HELDOUT_HAYSTACK_SEED = 40961  # held-out samples (training-time evaluation) read this one
 MAX_KV_PAIRS = 512
 MULTIKEY_RANGE = (2, 8)
+QUERY_TOKENS = 128  # a sample of T tokens asks at most T // QUERY_TOKENS distinct keys (~40 tokens each)
 
 KV_PROMPT = (
     "Some keys and their values are listed in the chronicle below. Remember them: you will be asked for one.\n\n"
@@ -273,12 +274,12 @@ class TaskGenerator:
     def needles(self, rng: random.Random, length: int, n_keys: int, depth: float | None = None,
                 queries: int = 1) -> Sample:
         """``accuracy.needle`` format: ``n_keys`` needles; the first ``min(queries, n_keys)`` keys are
-        asked in turn (question, answer, next question, ...), the first at ``depth``."""
+        asked in turn (question, answer, next question, ...; see ``_asked``), the first at ``depth``."""
         depth = rng.uniform(0.0, 100.0) if depth is None else depth
         keys = _keys(rng, n_keys, needle._KEY_A, needle._KEY_B)
         values = [_value7(rng) for _ in keys]
         head, _ = self._frame(needle.PROMPT, key=keys[0])
-        qa = [(self._frame(needle.PROMPT, key=k)[1], f" {v}.") for k, v in list(zip(keys, values))[:_queries(queries)]]
+        qa = [(self._frame(needle.PROMPT, key=keys[i])[1], f" {values[i]}.") for i in _asked(rng, n_keys, queries, length)]
         facts = []
         for i, (k, v) in enumerate(zip(keys, values)):
             key_part, value_part = needle.NEEDLE.format(key=k, value=v).rsplit(" ", 1)
@@ -292,14 +293,14 @@ class TaskGenerator:
 
     def kv(self, rng: random.Random, length: int, n_pairs: int | None = None, depth: float | None = None,
            queries: int = 1) -> Sample:
-        """``"key": value`` lines in the prose; the first ``min(queries, n_pairs)`` keys are asked in turn."""
+        """``"key": value`` lines in the prose; the first ``min(queries, n_pairs)`` keys are asked in turn (``_asked``)."""
         depth = rng.uniform(0.0, 100.0) if depth is None else depth
         if n_pairs is None:
             n_pairs = rng.randint(4, max(4, min(MAX_KV_PAIRS, length // 48)))
         keys = _keys(rng, n_pairs, _KV_A, _KV_B)
         values = [_value7(rng) for _ in keys]
         head, _ = self._frame(KV_PROMPT, key=keys[0])
-        qa = [(self._frame(KV_PROMPT, key=k)[1], f" {v}.") for k, v in list(zip(keys, values))[:_queries(queries)]]
+        qa = [(self._frame(KV_PROMPT, key=keys[i])[1], f" {values[i]}.") for i in _asked(rng, n_pairs, queries, length)]
         facts = [[Piece(text=KV_LINE_KEY.format(key=k), line=True), Piece(text=v, cont=True, evidence=i == 0)]
                  for i, (k, v) in enumerate(zip(keys, values))]
         fixed = self._count([head] + [t for pair in qa for t in pair]) + self._count(
@@ -365,10 +366,16 @@ class TaskGenerator:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
 
 
-def _queries(queries: int) -> int:
+def _asked(rng: random.Random, n_keys: int, queries: int, length: int) -> list[int]:
+    """Indices of the keys asked, in order: keys ``0 .. k - 1`` with ``k = min(queries, n_keys,
+    max(1, length // QUERY_TOKENS))`` (questions fill at most about a third of the sample), then (only
+    when ``k > 1``) ``k // 2`` of them, drawn at random, asked again. A repeated question's answer can be
+    copied from its first answer a few lines up (the same prefix: a plain induction copy of a digit
+    string), which teaches the digit-copying step that every answer needs."""
     if queries < 1:
         raise ValueError(f"queries must be >= 1, got {queries}")
-    return queries
+    first = list(range(min(queries, n_keys, max(1, length // QUERY_TOKENS))))
+    return first + (rng.sample(first, len(first) // 2) if len(first) > 1 else [])
 
 
 def _order_chains(pieces: list[Piece], statements: list[tuple[int, int, str]]) -> list[Piece]:

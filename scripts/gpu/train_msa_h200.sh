@@ -6,10 +6,12 @@
 # scripts/gpu/bundle_env.sh. The run directory $RUN_DIR (default build/msa-train, git-ignored, so
 # it stays on the machine between calls while the machine is held) gets the exact-resume
 # checkpoint ckpt/state.pt (about 190 MB for msa-small: too big to come back), train.log,
-# metrics.jsonl and export/. Into $OUT (default out/msa-train) go: train.log (this call's output),
-# metrics.jsonl (the whole run so far), and the export (bf16 safetensors + config + tokenizer +
-# trainer_state.json) as a tar in 15 MiB parts export.tar.part-aa, -ab, ... (rebuild with
-# `cat export.tar.part-* | tar -x`, giving export/).
+# metrics.jsonl and export/. The device returns at most 8 files of at most 16 MiB (64 MiB in all), so
+# $OUT (default out/msa-train) gets at most 8: call.log (everything this call printed, the trainer's
+# log lines included), metrics.jsonl (the whole run so far; its last 15 MiB if longer), and the
+# export (bf16 safetensors + config + tokenizer + trainer_state.json) as a gzipped tar in 15 MiB parts
+# export.tgz.part-aa, -ab, ... (at most 6; rebuild with `cat export.tgz.part-* | tar -xz`, giving
+# export/). If the export would need more parts it is left out and call.log says so.
 #
 #   scripts/gpu/train_msa_h200.sh [train.py args]               # a new run (plan args go here)
 #   RESUME=build/msa-train scripts/gpu/train_msa_h200.sh        # exact: same machine, still held
@@ -26,6 +28,7 @@ RUN_DIR="${RUN_DIR:-build/msa-train}"
 BUDGET_S="${BUDGET_S:-540}"
 CONFIG="${CONFIG:-training/configs/msa-small.json}"
 mkdir -p "$OUT" "$RUN_DIR"
+exec > >(tee -a "$OUT/call.log") 2>&1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
 if ! python3 -c "import torch, tokenizers, safetensors" 2>/dev/null; then
@@ -46,14 +49,24 @@ else
     args+=(--config "$CONFIG")
 fi
 # The hard stop leaves time to pack the results even if the trainer overruns its own budget.
-timeout --signal=TERM --kill-after=10 "$(( left + 10 ))" python3 -m training.train "${args[@]}" "$@" 2>&1 \
-    | tee "$OUT/train.log"
-rc=${PIPESTATUS[0]}
+timeout --signal=TERM --kill-after=10 "$(( left + 10 ))" python3 -m training.train "${args[@]}" "$@"
+rc=$?
 
-cp "$RUN_DIR/metrics.jsonl" "$OUT/" 2>/dev/null || true
+if [ -f "$RUN_DIR/metrics.jsonl" ]; then
+    tail -c 15728640 "$RUN_DIR/metrics.jsonl" > "$OUT/metrics.jsonl"
+fi
 if [ -d "$RUN_DIR/export" ]; then
-    tar -C "$RUN_DIR" -cf - export | split -b 15m - "$OUT/export.tar.part-"
+    tmp=$(mktemp -d)
+    tar -C "$RUN_DIR" -czf - export | split -b 15m - "$tmp/export.tgz.part-"
+    parts=$(ls "$tmp" | wc -l)
+    if [ "$parts" -le 6 ]; then
+        mv "$tmp"/export.tgz.part-* "$OUT/"
+    else
+        echo "export needs $parts parts of 15 MiB (at most 6 fit the 8 returned files): left out"
+    fi
+    rm -rf "$tmp"
 fi
 ls -l "$OUT"
-echo "train_msa_h200: exit $rc after $(( $(date +%s) - t0 )) s"
+n=$(ls "$OUT" | wc -l)
+echo "train_msa_h200: exit $rc after $(( $(date +%s) - t0 )) s; $n files in \$OUT (at most 8 come back)"
 exit "$rc"
