@@ -16,8 +16,9 @@ only the indexer learns, by KL against the main attention summed over heads and 
 then sparse training of all parameters with the KL restricted to the selected tokens and the
 indexer's input detached so that it learns only from the KL):
 
-1. dense stage, steps ``[0, dense_steps)``: every layer attends densely. Loss = answer CE
-   + ``lm_weight`` x prompt CE (sampled rows) + ``kl_weight`` x index KL, where the KL is
+1. dense stage, steps ``[0, dense_steps)``: every layer attends densely. Loss = answer CE (every
+   answer of the sample's ``queries`` questions) + ``query_weight`` x CE of the question rows after
+   the context + ``lm_weight`` x context CE (sampled rows) + ``kl_weight`` x index KL, where the KL is
    ``KL(p || softmax(index block scores))`` over all visible blocks, ``p`` the main attention of the
    KV group (averaged over its query heads, summed per block, detached). Unlike DeepSeek-V3.2's
    warm-up the main model is not frozen: it starts from random weights and must learn the tasks.
@@ -70,24 +71,26 @@ from training import data
 # Arguments that define the run; a resumed run must keep them (``_check_plan``).
 PLAN_DEFAULTS = {
     "config": None,
-    # ~1500 steps of 64k tokens: about three 8-minute calls if an H200 does ~0.3 s per step (unmeasured;
-    # the first call's tok/s says). Short lengths (up to 2048 tokens top-16 keeps every block) teach retrieval;
-    # the dense stage runs into the long lengths so the indexer warms up on attention that can miss.
-    "steps": 1500,
-    # > 0: a time plan. Stages, curriculum and the cosine run on trained seconds / train_s instead of
-    # step / steps (dense_steps / steps and short_steps / steps become fractions; steps is a cap), so
-    # one GPU call of unknown speed still reaches the sparse stage. Resume continues from the saved
-    # trained seconds; where a phase switch falls then depends on timing, so it is not bitwise exact.
+    # The H200 plan (docs/accuracy.md, "Training the small MSA model"): give it --train-s 760 for ~12
+    # minutes of training in two calls (~380 trained seconds each, the second resumed exactly). A time
+    # plan runs stages, curriculum and cosine on trained seconds / train_s (dense_steps / steps and
+    # short_steps / steps are fractions; steps is a cap), so a call of unknown speed still reaches the
+    # sparse stage; resume continues from the saved trained seconds, and where a phase switch falls then
+    # depends on timing, so it is not bitwise exact. train_s 0 = a step plan: 4000 steps of 64k tokens.
+    "steps": 4000,
     "train_s": 0.0,
-    "dense_steps": 800,
-    "short_steps": 600,
-    "short_lengths": "1024,2048,4096",
+    # Short lengths (512-2048, where top-16 keeps every block) for the first 45%: retrieval must emerge
+    # there; then 4k-32k. Dense until 75% (the indexer warms up on KL against dense attention, at the
+    # long lengths too), sparse after.
+    "dense_steps": 3000,
+    "short_steps": 1800,
+    "short_lengths": "512,1024,2048",
     "long_lengths": "4096,8192,16384,32768",
     "token_budget": 65536,
-    "task_weights": ",".join(f"{k}={v}" for k, v in data.DEFAULT_TASK_WEIGHTS.items()),
-    "lr": 1e-3,
+    "task_weights": "single=0.15,multikey=0.35,kv=0.35,vt=0.15",
+    "lr": 2e-3,
     "min_lr_frac": 0.1,
-    "warmup_steps": 100,
+    "warmup_steps": 50,
     "weight_decay": 0.1,
     "beta2": 0.95,
     "grad_clip": 1.0,
@@ -95,8 +98,11 @@ PLAN_DEFAULTS = {
     "kl_weight": 1.0,
     "lm_rows": 256,
     "kl_rows": 256,
-    "queries": 1,
-    "query_weight": 0.0,
+    # several questions per kv / multikey sample (up to T // 128 keys, half asked twice) and a loss on
+    # the question rows (the asked key can be copied from the context): the retrieval signal per
+    # sequence is ~10x denser than one 7-digit answer, and copying is rewarded from the first steps.
+    "queries": 8,
+    "query_weight": 1.0,
     "seed": 0,
     "tokenizer": "",  # "" = training/tokenizer
 }
