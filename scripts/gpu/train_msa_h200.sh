@@ -18,8 +18,8 @@
 #   RESUME=<dir with export/> scripts/gpu/train_msa_h200.sh     # from a returned export: plan and
 #                                                               # step continue, optimizer restarts
 # Env: BUDGET_S (default 540: seconds for this script; the trainer stops stepping 60 s before its
-# share ends, then checkpoints, exports and evaluates; a hard timeout at BUDGET_S + 10 s keeps the
-# packing step; call it with a 600 s limit), CONFIG, RUN_DIR, OUT.
+# share ends, then checkpoints, exports and evaluates; then a probe (at most 50 s) and packing; call
+# it with a 600 s limit), CONFIG, RUN_DIR, OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 t0=$(date +%s)
@@ -42,15 +42,18 @@ triton.__version__, 'tokenizers', tokenizers.__version__, 'safetensors', safeten
 'cuda', torch.cuda.is_available())" || exit 1
 
 left=$(( BUDGET_S - ($(date +%s) - t0) ))
-args=(--out "$RUN_DIR" --budget-s "$(( left - 15 ))")
+args=(--out "$RUN_DIR" --budget-s "$(( left - 75 ))")
 if [ -n "${RESUME:-}" ]; then
     args+=(--resume "$RESUME")
 else
     args+=(--config "$CONFIG")
 fi
 # The hard stop leaves time to pack the results even if the trainer overruns its own budget.
-timeout --signal=TERM --kill-after=10 "$(( left + 10 ))" python3 -m training.train "${args[@]}" "$@"
+timeout --signal=TERM --kill-after=10 "$(( left - 60 ))" python3 -m training.train "${args[@]}" "$@"
 rc=$?
+# Where retrieval stands (training.probe: digit accuracy of first / repeated questions, key-word copy
+# loss, with chance levels), on the CPU cores so a stuck GPU cannot hold the packing step.
+timeout 50 python3 -m training.probe "$RUN_DIR" --length 1024 --samples 48 || echo "probe failed or timed out"
 
 if [ -f "$RUN_DIR/metrics.jsonl" ]; then
     tail -c 15728640 "$RUN_DIR/metrics.jsonl" > "$OUT/metrics.jsonl"
