@@ -50,12 +50,14 @@ from accuracy.haystack import sentences
 TOKENIZER_DIR = Path(__file__).resolve().parent / "tokenizer"
 PAD_ID = 0
 BLOCK = 128  # sparse-attention block (tokens); batch lengths are multiples of it
-TASKS = ("single", "multikey", "kv", "vt")
+TASKS = ("single", "multikey", "kv", "vt", "copy")
+EVAL_TASKS = ("single", "multikey", "kv", "vt")  # copy is a training aid
 DEFAULT_TASK_WEIGHTS = {"single": 0.3, "multikey": 0.3, "kv": 0.2, "vt": 0.2}
 TRAIN_HAYSTACK_SEED = 20261   # training samples read this haystack stream
 HELDOUT_HAYSTACK_SEED = 40961  # held-out samples (training-time evaluation) read this one
 MAX_KV_PAIRS = 512
 MULTIKEY_RANGE = (2, 8)
+COPY_MAX_NUMBERS = 64
 QUERY_TOKENS = 128  # a sample of T tokens asks at most T // QUERY_TOKENS distinct keys (~40 tokens each)
 
 KV_PROMPT = (
@@ -65,6 +67,12 @@ KV_PROMPT = (
     'Answer: the value of "{key}" is'
 )
 KV_LINE_KEY = '"{key}":'
+COPY_PROMPT = (
+    "Some numbers are listed in the chronicle below. Remember them: you will be asked to repeat them.\n\n"
+    "{context}\n\n"
+    "Question: which numbers are listed in the chronicle above, in order?\n"
+    "Answer: the numbers are"
+)
 VT_PROMPT = (
     "Some variables are assigned in the chronicle below. Follow each chain of assignments.\n\n"
     "{context}\n\n"
@@ -309,6 +317,29 @@ class TaskGenerator:
             head, self._place(random.Random(rng.random()), length, fixed + slack, depth, facts), qa, "kv"),
             length)
 
+    def copy(self, rng: random.Random, length: int, n_numbers: int | None = None) -> Sample:
+        """7-digit numbers on their own lines in the prose; the answer repeats them all in order. A dense
+        digit-copy signal (every answer digit after the first of a number is an induction copy), the
+        step the retrieval tasks need and learn slowest (docs/accuracy.md, "Training the small MSA model")."""
+        if n_numbers is None:
+            n_numbers = rng.randint(2, max(2, min(COPY_MAX_NUMBERS, length // 64)))
+        if n_numbers < 1:
+            raise ValueError(f"n_numbers must be >= 1, got {n_numbers}")
+        numbers = [_value7(rng) for _ in range(n_numbers)]
+        head, tail = self._frame(COPY_PROMPT)
+        answer = " " + " ".join(numbers) + "."
+        fixed = self._count([head, tail, answer]) + self._count(["\n" + v + "\n" for v in numbers]) - n_numbers
+
+        def build(slack):
+            pieces = self._place(random.Random(rng.random()), length, fixed + slack, rng.uniform(0.0, 100.0),
+                                 [[Piece(text=v, line=True, evidence=True)] for v in numbers])
+            slots = [i for i, p in enumerate(pieces) if p.pool < 0]  # the numbers, in context order
+            for i, v in zip(slots, numbers):
+                pieces[i] = Piece(text=v, line=True, evidence=True)
+            return self._assemble(head, pieces, [(tail, answer)], "copy")
+
+        return self._fit(build, length)
+
     def vt(self, rng: random.Random, length: int, n_chains: int | None = None, hops: int | None = None,
            ask: str | None = None) -> Sample:
         """Variable tracking; chain 0 is asked; ``ask`` is ``"members"`` (which variables hold its
@@ -363,6 +394,8 @@ class TaskGenerator:
             return self.kv(rng, length, queries=queries)
         if task == "vt":
             return self.vt(rng, length)
+        if task == "copy":
+            return self.copy(rng, length)
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
 
 

@@ -87,7 +87,7 @@ PLAN_DEFAULTS = {
     "short_lengths": "512,1024,2048",
     "long_lengths": "4096,8192,16384,32768",
     "token_budget": 65536,
-    "task_weights": "single=0.15,multikey=0.35,kv=0.35,vt=0.15",
+    "task_weights": "single=0.1,multikey=0.3,kv=0.3,vt=0.1,copy=0.2",
     "lr": 2e-3,
     "min_lr_frac": 0.1,
     "warmup_steps": 50,
@@ -124,7 +124,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-lengths", default="4096,16384,32768")
     p.add_argument("--eval-samples", type=int, default=2,
                    help="held-out samples per task and length (at least; rounded up to whole batches)")
-    p.add_argument("--eval-tasks", default=",".join(data.TASKS))
+    p.add_argument("--eval-tasks", default=",".join(data.EVAL_TASKS))
     p.add_argument("--no-final-eval", action="store_true")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (off by default)")

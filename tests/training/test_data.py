@@ -155,6 +155,16 @@ def test_several_queries_each_answer_from_the_context(tok, gen, rng, task, lengt
     assert len(first.answers) == 1 and first.answer_rows() == list(range(first.answer_start - 1, len(first.input_ids) - 1))
 
 
+@pytest.mark.parametrize("length", LENGTHS)
+def test_copy_answer_lists_the_context_numbers_in_order(tok, gen, rng, length):
+    s = gen.copy(rng, length)
+    _check_common(tok, s, length)
+    context, question = s.text.split("\n\nQuestion: ")
+    listed = re.findall(r"^(\d{7})$", context, re.M)
+    assert len(listed) >= 2 and tok.decode(s.input_ids[s.answer_start:]) == " " + " ".join(listed) + "."
+    assert [tok.decode(s.input_ids[a:b]).strip() for a, b in s.evidence] == listed
+
+
 def _run_vt(text: str) -> dict:
     """Values of the variables after executing the context's statements in order."""
     env = {}
@@ -248,6 +258,8 @@ def test_bad_input(tok, gen, rng):
         gen.vt(rng, 1024, ask="first")
     with pytest.raises(ValueError, match="queries"):
         gen.kv(rng, 1024, queries=0)
+    with pytest.raises(ValueError, match="n_numbers"):
+        gen.copy(rng, 1024, n_numbers=0)
     with pytest.raises(ValueError, match="queries"):
         data.BatchSpec((512,), 1024, queries=0)
     with pytest.raises(ValueError, match="seed"):
