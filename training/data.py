@@ -275,6 +275,13 @@ class TaskGenerator:
             slack += len(sample.input_ids) - length + 2
         raise RuntimeError(f"could not fit a sample into {length} tokens")
 
+    def _questions(self, qa: list[tuple[str, str]], context: int, length: int) -> list[tuple[str, str]]:
+        """``qa`` without its last pairs (never the first) until ``context`` fixed tokens plus the
+        questions and answers fill at most 3/4 of ``length``."""
+        while len(qa) > 1 and context + self._count([t for pair in qa for t in pair]) > 3 * length // 4:
+            qa = qa[:-1]
+        return qa
+
     def _count(self, texts: list[str]) -> int:
         return sum(len(e.ids) for e in self.tok.encode_batch(texts, add_special_tokens=False))
 
@@ -287,13 +294,14 @@ class TaskGenerator:
         keys = _keys(rng, n_keys, needle._KEY_A, needle._KEY_B)
         values = [_value7(rng) for _ in keys]
         head, _ = self._frame(needle.PROMPT, key=keys[0])
-        qa = [(self._frame(needle.PROMPT, key=keys[i])[1], f" {values[i]}.") for i in _asked(rng, n_keys, queries, length)]
         facts = []
         for i, (k, v) in enumerate(zip(keys, values)):
             key_part, value_part = needle.NEEDLE.format(key=k, value=v).rsplit(" ", 1)
             facts.append([Piece(text=key_part), Piece(text=value_part, cont=True, evidence=i == 0)])
-        fixed = self._count([head] + [t for pair in qa for t in pair]) + self._count(
-            [" " + " ".join(p.text for p in f) for f in facts])
+        context = self._count([head]) + self._count([" " + " ".join(p.text for p in f) for f in facts])
+        qa = self._questions([(self._frame(needle.PROMPT, key=keys[i])[1], f" {values[i]}.")
+                              for i in _asked(rng, n_keys, queries, length)], context, length)
+        fixed = context + self._count([t for pair in qa for t in pair])
         task = "single" if n_keys == 1 else "multikey"
         return self._fit(lambda slack: self._assemble(
             head, self._place(random.Random(rng.random()), length, fixed + slack, depth, facts), qa, task),
@@ -308,11 +316,13 @@ class TaskGenerator:
         keys = _keys(rng, n_pairs, _KV_A, _KV_B)
         values = [_value7(rng) for _ in keys]
         head, _ = self._frame(KV_PROMPT, key=keys[0])
-        qa = [(self._frame(KV_PROMPT, key=keys[i])[1], f" {values[i]}.") for i in _asked(rng, n_pairs, queries, length)]
         facts = [[Piece(text=KV_LINE_KEY.format(key=k), line=True), Piece(text=v, cont=True, evidence=i == 0)]
                  for i, (k, v) in enumerate(zip(keys, values))]
-        fixed = self._count([head] + [t for pair in qa for t in pair]) + self._count(
+        context = self._count([head]) + self._count(
             ["\n" + KV_LINE_KEY.format(key=k) + " " + v + "\n" for k, v in zip(keys, values)]) - n_pairs
+        qa = self._questions([(self._frame(KV_PROMPT, key=keys[i])[1], f" {values[i]}.")
+                              for i in _asked(rng, n_pairs, queries, length)], context, length)
+        fixed = context + self._count([t for pair in qa for t in pair])
         return self._fit(lambda slack: self._assemble(
             head, self._place(random.Random(rng.random()), length, fixed + slack, depth, facts), qa, "kv"),
             length)

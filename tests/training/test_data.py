@@ -141,8 +141,12 @@ def test_several_queries_each_answer_from_the_context(tok, gen, rng, task, lengt
         facts = dict(re.findall(r'The special number for "([a-z-]+)" is (\d{7})\.', s.text))
         asked = re.findall(r'Answer: the special number for "([a-z-]+)" is( \d{7}\.)', s.text)
     distinct = min(6, len(facts), length // data.QUERY_TOKENS)
-    assert len(asked) == distinct + distinct // 2 == len(s.answers) and len({k for k, _ in asked}) == distinct
-    assert [k for k, _ in asked[:distinct]] == list(dict.fromkeys(k for k, _ in asked))  # repeats come last
+    unique = list(dict.fromkeys(k for k, _ in asked))
+    assert len(asked) == len(s.answers) and [k for k, _ in asked[:len(unique)]] == unique  # repeats come last
+    if length >= 2048:  # room for every question: none dropped by the 3/4-of-the-length cap
+        assert len(unique) == distinct and len(asked) == distinct + distinct // 2
+    else:
+        assert 2 <= len(asked) <= distinct + distinct // 2 and len(unique) <= distinct
     assert s.answers[-1][1] == len(s.input_ids) and s.answers[0][0] == s.answer_start
     for (key, text), (a, b) in zip(asked, s.answers):
         assert text == f" {facts[key]}." and tok.decode(s.input_ids[a:b]) == text
