@@ -22,6 +22,6 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 rm -rf "$OUT"
 "$PY" -m training.train --config "$CONFIG" --out "$OUT" --device cpu --steps "$STEPS" --dense-steps "$STEPS" \
     --short-steps "$STEPS" --short-lengths 512 --long-lengths 512 --token-budget 4096 --lr 3e-3 --warmup-steps 20 \
-    --queries 8 --query-weight 1.0 --task-weights single=0,multikey=0.5,kv=0.5,vt=0 --lm-rows 32 --kl-rows 32 \
+    --queries 8 --query-weight 1.0 --task-weights single=0,multikey=0.35,kv=0.35,vt=0,copy=0.3 --lm-rows 32 --kl-rows 32 \
     --eval-samples 0 --no-export --log-every 20 --budget-s 100000 --reserve-s 0 --prefetch 2 "$@"
 "$PY" -m training.probe "$OUT" --length 512 --samples 48
