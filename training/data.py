@@ -331,8 +331,9 @@ class TaskGenerator:
         """7-digit numbers on their own lines in the prose; the answer repeats them all in order. A dense
         digit-copy signal (every answer digit after the first of a number is an induction copy), the
         step the retrieval tasks need and learn slowest (docs/accuracy.md, "Training the small MSA model")."""
-        if n_numbers is None:
-            n_numbers = rng.randint(2, max(2, min(COPY_MAX_NUMBERS, length // 64)))
+        if n_numbers is None:  # numbers fill about 1/4 to 1/2 of the sample (context and answer)
+            hi = max(2, min(COPY_MAX_NUMBERS, length // 32))
+            n_numbers = rng.randint(min(hi, max(2, length // 64)), hi)
         if n_numbers < 1:
             raise ValueError(f"n_numbers must be >= 1, got {n_numbers}")
         numbers = [_value7(rng) for _ in range(n_numbers)]
