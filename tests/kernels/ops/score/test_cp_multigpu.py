@@ -56,30 +56,13 @@ def _nan_fill(k_cache, k_scale, pages=None, rows=None):
 
 
 def _random_cache(gen, fmt, pages):
-    """Random cache bytes (every e2m1 code, e8m0 scales 122..127; e4m3 without NaN; bf16 normals)."""
-    from m3_kernels.formats import FP8_DTYPE, alloc_index_k_cache
+    """Random cache bytes (``m3_kernels.testing.fill_random_index_k``: scales 122..127)."""
+    from m3_kernels.formats import alloc_index_k_cache
+    from m3_kernels.testing import fill_random_index_k
 
     k_cache, k_scale = alloc_index_k_cache(pages, fmt)
-    if k_scale is not None:
-        k_cache.copy_(torch.randint(0, 256, k_cache.shape, generator=gen, dtype=torch.uint8))
-        k_scale.copy_(torch.randint(122, 128, k_scale.shape, generator=gen, dtype=torch.uint8))
-    elif k_cache.dtype == FP8_DTYPE:
-        b = torch.randint(0, 256, k_cache.shape, generator=gen, dtype=torch.uint8)
-        b -= ((b & 0x7F) == 0x7F).to(torch.uint8)
-        k_cache.view(torch.uint8).copy_(b)
-    else:
-        k_cache.copy_(torch.randn(k_cache.shape, generator=gen))
+    fill_random_index_k(gen, k_cache, k_scale)
     return k_cache, k_scale
-
-
-def _abs_cache(k_cache, k_scale):
-    from m3_kernels.formats import FP8_DTYPE
-
-    if k_scale is not None:
-        return k_cache & 0x77, k_scale
-    if k_cache.dtype == FP8_DTYPE:
-        return (k_cache.view(torch.uint8) & 0x7F).view(FP8_DTYPE), None
-    return k_cache.abs(), None
 
 
 def _to(device, k_cache, k_scale):
@@ -199,12 +182,14 @@ def run_rank(rank: int, world: int, device_kind: str, seed: int, out_path: str |
 def check_rank0(case, scores, selected, n_vis, fmt, S, device, backend, same_everywhere, n_local,
                 score_decode, score_decode_ref, select_blocks_ref) -> dict:
     """Combined scores vs the float64 oracle and vs one-rank scoring; selection vs the oracle's."""
+    from m3_kernels.testing import abs_index_k
+
     kc, ks, table = case["k_cache"], case["k_scale"], case["table"]
     seq = torch.tensor(case["seq_lens"], dtype=torch.int32)
     nb, q, sm = case["max_block"], case["q"], case["sm_scale"]
     name = f"{fmt} S={S}"
     ref = score_decode_ref(q, kc, ks, table.clamp(min=0), seq, S, sm, nb)
-    bound = score_decode_ref(q.float().abs().to(q.dtype), *_abs_cache(kc, ks), table.clamp(min=0), seq, S, sm, nb)
+    bound = score_decode_ref(q.float().abs().to(q.dtype), *abs_index_k(kc, ks), table.clamp(min=0), seq, S, sm, nb)
     visible = torch.arange(nb)[None, None, :] < n_vis[None, :, None]
     got = scores.double()
     assert not torch.isnan(got[visible.expand_as(got)]).any(), f"{name}: NaN in a visible column (poison read)"

@@ -29,7 +29,7 @@ from m3_kernels.formats import (  # noqa: E402
 )
 from m3_kernels.ops.score import decode_supported, score_decode, score_prefill  # noqa: E402
 from m3_kernels.ops.score.naive import score_decode_ref, score_prefill_ref  # noqa: E402
-from m3_kernels.testing import triton_module  # noqa: E402
+from m3_kernels.testing import abs_index_k, fill_random_index_k, triton_module  # noqa: E402
 
 CPU = pytest.param("cpu", id="cpu")
 GPU = pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)
@@ -50,15 +50,7 @@ def random_cache(gen, fmt, pages, device, single_region=True, scale_lo=122, scal
     bytes without the NaN code; bf16 normals."""
     storage = "mxfp4" if fmt.startswith("mxfp4") else fmt
     k_cache, k_scale = alloc_index_k_cache(pages, storage, single_region=single_region)
-    if k_scale is not None:
-        k_cache.copy_(torch.randint(0, 256, k_cache.shape, generator=gen, dtype=torch.uint8))
-        k_scale.copy_(torch.randint(scale_lo, scale_hi + 1, k_scale.shape, generator=gen, dtype=torch.uint8))
-    elif k_cache.dtype == FP8_DTYPE:
-        b = torch.randint(0, 256, k_cache.shape, generator=gen, dtype=torch.uint8)
-        b -= ((b & 0x7F) == 0x7F).to(torch.uint8)
-        k_cache.view(torch.uint8).copy_(b)
-    else:
-        k_cache.copy_(torch.randn(k_cache.shape, generator=gen))
+    fill_random_index_k(gen, k_cache, k_scale, scale_lo, scale_hi)
     if device != "cpu":
         if k_scale is not None and single_region:
             base = k_cache.as_strided((pages, k_cache.stride(0)), (k_cache.stride(0), 1))
@@ -66,15 +58,6 @@ def random_cache(gen, fmt, pages, device, single_region=True, scale_lo=122, scal
             return mxfp4_page_views(region)
         return k_cache.to(device), (k_scale.to(device) if k_scale is not None else None)
     return k_cache, k_scale
-
-
-def abs_cache(k_cache, k_scale):
-    """The cache of |K| (sign bits cleared)."""
-    if k_scale is not None:
-        return k_cache & 0x77, k_scale
-    if k_cache.dtype == FP8_DTYPE:
-        return (k_cache.view(torch.uint8) & 0x7F).view(FP8_DTYPE), None
-    return k_cache.abs(), None
 
 
 def make_q(gen, rows, H, q_dtype, device, scale=1.0, octaves=0):
@@ -129,7 +112,7 @@ def check_decode(gen, device, fmt, q_dtype, S, H, seq_lens, max_block, cp=(0, 1)
     kc, ks = k_cache.cpu(), (k_scale.cpu() if k_scale is not None else None)
     args = (block_table.cpu(), seq.cpu(), S, sm_scale, max_block, cp[0], cp[1])
     ref = score_decode_ref(q.cpu(), kc, ks, *args)
-    bound = score_decode_ref(q_abs(q.cpu()), *abs_cache(kc, ks), *args)
+    bound = score_decode_ref(q_abs(q.cpu()), *abs_index_k(kc, ks), *args)
     if prealloc:
         # Written up to each request's last visible page; the rest of the buffer is untouched.
         mask = torch.zeros_like(ref, dtype=torch.bool)
@@ -342,7 +325,7 @@ def test_cuda_graph_capture_and_replay(gen, fmt, monkeypatch):
         kc, ks = k_cache.cpu(), (k_scale.cpu() if k_scale is not None else None)
         args = (bt.cpu(), seq.cpu(), S, 0.5, mb)
         ref = score_decode_ref(q.cpu(), kc, ks, *args)
-        bound = score_decode_ref(q_abs(q.cpu()), *abs_cache(kc, ks), *args)
+        bound = score_decode_ref(q_abs(q.cpu()), *abs_index_k(kc, ks), *args)
         written = torch.isfinite(ref) | torch.isneginf(ref)
         n_pages = [(n - 1) // PAGE_SIZE + 1 for n in lens]
         for b, n in enumerate(n_pages):
@@ -363,7 +346,7 @@ def check_prefill(gen, device, fmt, q_dtype, H, new, prefix, max_block, single=T
     kc, ks = k_cache.cpu(), (k_scale.cpu() if k_scale is not None else None)
     args = (bt.cpu(), seq.cpu(), cu.cpu(), 0.25, max_block)
     ref = score_prefill_ref(q.cpu(), kc, ks, *args)
-    bound = score_prefill_ref(q_abs(q.cpu()), *abs_cache(kc, ks), *args)
+    bound = score_prefill_ref(q_abs(q.cpu()), *abs_index_k(kc, ks), *args)
     assert_scores_close(got, ref, bound)
 
 
