@@ -46,10 +46,11 @@ from tokenizers import Tokenizer
 
 from accuracy import needle
 from accuracy.haystack import sentences
+from m3_kernels.formats import PAGE_SIZE
 
 TOKENIZER_DIR = Path(__file__).resolve().parent / "tokenizer"
 PAD_ID = 0
-BLOCK = 128  # sparse-attention block (tokens); batch lengths are multiples of it
+BLOCK = PAGE_SIZE  # sparse-attention block (tokens); batch lengths are multiples of it
 TASKS = ("single", "multikey", "kv", "vt", "copy")
 EVAL_TASKS = ("single", "multikey", "kv", "vt")  # copy is a training aid
 DEFAULT_TASK_WEIGHTS = {"single": 0.3, "multikey": 0.3, "kv": 0.2, "vt": 0.2}
