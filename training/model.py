@@ -465,6 +465,19 @@ class MSAForCausalLM(nn.Module):
 
 # ---- index scores, selection, KL ---------------------------------------------------------------
 
+def _block_max(q: torch.Tensor, ik: torch.Tensor, row_pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Unscaled block-max dots of query rows against keys ``0 .. L-1``: fp32 ``[B, H, R, ceil(L / block_size)]``,
+    -inf where a block has no visible token. ``q [B, R, H, D]``, ``ik [B, L, D]`` (fp32), ``row_pos``
+    ``[B or 1, R]``: row ``r`` sees tokens ``t <= row_pos[:, r]``."""
+    B, R, H, _ = q.shape
+    L = ik.shape[1]
+    nkb = -(-L // block_size)
+    dots = torch.einsum("brhd,bld->bhrl", q, ik)
+    dots.masked_fill_(torch.arange(L, device=ik.device) > row_pos[:, None, :, None], float("-inf"))
+    dots = F.pad(dots, (0, nkb * block_size - L), value=float("-inf"))
+    return dots.view(B, H, R, nkb, block_size).amax(-1)
+
+
 def block_max_scores(iq: torch.Tensor, ik: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
     """Block scores of every row: fp32 ``[B, H, T, n_blocks]``, -inf where a block has no visible token.
 
@@ -479,25 +492,17 @@ def block_max_scores(iq: torch.Tensor, ik: torch.Tensor, block_size: int, scale:
     with torch.autocast(iq.device.type, enabled=False):
         for r0 in range(0, T, chunk):
             r1 = min(T, r0 + chunk)
-            nkb = -(-r1 // block_size)
-            L = min(T, nkb * block_size)
-            dots = torch.einsum("brhd,bld->bhrl", iq[:, r0:r1].float(), ik[:, :L].float())
-            dots.masked_fill_(pos[None, :L] > pos[r0:r1, None], float("-inf"))
-            if L < nkb * block_size:
-                dots = F.pad(dots, (0, nkb * block_size - L), value=float("-inf"))
-            out[:, :, r0:r1, :nkb] = dots.view(B, H, r1 - r0, nkb, block_size).amax(-1)
+            L = min(T, -(-r1 // block_size) * block_size)
+            part = _block_max(iq[:, r0:r1].float(), ik[:, :L].float(), pos[None, r0:r1], block_size)
+            out[:, :, r0:r1, : part.shape[-1]] = part
     return out * scale
 
 
 def row_block_scores(iq, ik, rows, block_size: int, scale: float) -> torch.Tensor:
     """``block_max_scores`` at rows ``rows [B, R]`` only, differentiable: fp32 ``[B, H, R, n_blocks]``."""
-    B, T, H, D = iq.shape
-    nb = -(-T // block_size)
+    H, D = iq.shape[2:]
     q = iq.float().gather(1, rows[:, :, None, None].expand(-1, -1, H, D))
-    dots = torch.einsum("brhd,bld->bhrl", q, ik.float())
-    dots = dots.masked_fill(torch.arange(T, device=iq.device)[None, None, None] > rows[:, None, :, None], float("-inf"))
-    dots = F.pad(dots, (0, nb * block_size - T), value=float("-inf"))
-    return dots.view(B, H, rows.shape[1], nb, block_size).amax(-1) * scale
+    return _block_max(q, ik.float(), rows, block_size) * scale
 
 
 def row_block_attention(q, k, rows, block_size: int, scale: float) -> torch.Tensor:
