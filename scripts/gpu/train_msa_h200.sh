@@ -19,7 +19,7 @@
 #                                                               # step continue, optimizer restarts
 # Env: BUDGET_S (default 540: seconds for this script; the trainer stops stepping 60 s before its
 # share ends, then checkpoints, exports and evaluates; then a probe (at most 50 s) and packing; call
-# it with a 600 s limit), CONFIG, RUN_DIR, OUT.
+# it with a 600 s limit), CONFIG, RUN_DIR, OUT, MAX_EXPORT_PARTS (default 6).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 t0=$(date +%s)
@@ -62,10 +62,10 @@ if [ -d "$RUN_DIR/export" ]; then
     tmp=$(mktemp -d)
     tar -C "$RUN_DIR" -czf - export | split -b 15m - "$tmp/export.tgz.part-"
     parts=$(ls "$tmp" | wc -l)
-    if [ "$parts" -le 6 ]; then
+    if [ "$parts" -le "${MAX_EXPORT_PARTS:-6}" ]; then
         mv "$tmp"/export.tgz.part-* "$OUT/"
     else
-        echo "export needs $parts parts of 15 MiB (at most 6 fit the 8 returned files): left out"
+        echo "export needs $parts parts of 15 MiB (at most ${MAX_EXPORT_PARTS:-6} fit the 8 returned files): left out"
     fi
     rm -rf "$tmp"
 fi
