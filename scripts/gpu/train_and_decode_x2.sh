@@ -18,15 +18,16 @@ FORMATS="${FORMATS-fp8}"
 SGLANG_ARGS="${SGLANG_ARGS:---skip-capacity --eager skip --graph-bs 1,8,32 --budget-s 530}"
 mkdir -p "$OUT/train"
 half=$(( $(nproc) / 2 ))
+pin() { if command -v taskset > /dev/null; then taskset -c "$@"; else shift; "$@"; fi; }
 
-CUDA_VISIBLE_DEVICES=0 OUT="$OUT/train" MAX_EXPORT_PARTS=5 taskset -c 0-$(( half - 1 )) \
+CUDA_VISIBLE_DEVICES=0 OUT="$OUT/train" MAX_EXPORT_PARTS=5 pin 0-$(( half - 1 )) \
     scripts/gpu/train_msa_h200.sh "$@" > /dev/null 2>&1 &
 train_pid=$!
 sglang_pid=
 if [ -n "$FORMATS" ]; then
     tmp=$(mktemp -d)
     # shellcheck disable=SC2086
-    CUDA_VISIBLE_DEVICES=1 OUT="$tmp/sglang" taskset -c "$half-$(( 2 * half - 1 ))" \
+    CUDA_VISIBLE_DEVICES=1 OUT="$tmp/sglang" pin "$half-$(( 2 * half - 1 ))" \
         scripts/gpu/run_sglang_h200.sh --formats "$FORMATS" $SGLANG_ARGS > "$tmp/sglang.stdout" 2>&1 &
     sglang_pid=$!
 fi
