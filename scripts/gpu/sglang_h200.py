@@ -89,15 +89,18 @@ def free_port() -> int:
 
 
 class Server:
-    """``python -m sglang.launch_server`` in its own process group, logging to a file."""
+    """``python -m sglang.launch_server`` in its own process group, logging to a file; token ids in and
+    out (``--skip-tokenizer-init``); SGLang's random dummy weights unless ``dummy_weights=False``."""
 
-    def __init__(self, name: str, model: Path, args: list, log_dir: Path, env_extra: dict | None = None):
+    def __init__(self, name: str, model: Path, args: list, log_dir: Path, env_extra: dict | None = None,
+                 dummy_weights: bool = True):
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
         env = dict(os.environ, **(env_extra or {}))
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--load-format", "dummy",
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
+               *(["--load-format", "dummy"] if dummy_weights else []),
                "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.cmd = cmd
         self._log = open(self.log_path, "w")
