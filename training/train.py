@@ -71,8 +71,8 @@ from training import data
 # Arguments that define the run; a resumed run must keep them (``_check_plan``).
 PLAN_DEFAULTS = {
     "config": None,
-    # The H200 plan (docs/accuracy.md, "Training the small MSA model"): give it --train-s 720 for ~12
-    # minutes of training in two calls (~360 trained seconds each, the second resumed exactly). A time
+    # The H200 plan (docs/accuracy.md section 4): configs/msa-small came from --train-s 900 over two
+    # calls of ~400 trained seconds each, the second resumed exactly (740 s reached). A time
     # plan runs stages, curriculum and cosine on trained seconds / train_s (dense_steps / steps and
     # short_steps / steps are fractions; steps is a cap), so a call of unknown speed still reaches the
     # sparse stage; resume continues from the saved trained seconds, and where a phase switch falls then
