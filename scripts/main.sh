@@ -5,10 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/python -m sglang_m3.demo --index-k-format mxfp4 "$@"
 
-# Accuracy hook: the short fp8-vs-MXFP4 comparison (accuracy/): one tiny CPU server per format, real
-# lm-eval on a few needle and arithmetic samples, paired statistics and a plot in out/main-accuracy.
-# Dummy weights answer nothing right: this shows the pipeline, not the accuracy (docs/accuracy.md).
-.venv/bin/m3-accuracy --model configs/minimax-m3.1-tiny --formats fp8 mxfp4 \
-  --tasks m3_niah_single m3_short_arith --lengths 640 --samples 2 --depths 2 --limit 2 --max-gen-toks 6 \
-  --concurrency 2 --bootstrap 1000 --out out/main-accuracy \
-  -- --device cpu --attention-backend torch_native --max-total-tokens 4096 --load-format dummy
+# Accuracy hook: the fp8-vs-MXFP4 comparison (accuracy/) on the small MSA model trained here
+# (configs/msa-small, real weights): one CPU server per format, real lm-eval on single-needle prompts
+# of 4096 tokens (32 blocks, so top-16 selection drops half of them), paired statistics and a plot in
+# out/main-accuracy. The full comparison (dense control, bf16, 4k-32k) is in docs/accuracy.md.
+.venv/bin/m3-accuracy --model configs/msa-small --formats fp8 mxfp4 \
+  --tasks m3_niah_single --lengths 4096 --samples 4 --depths 4 --concurrency 1 --bootstrap 1000 \
+  --out out/main-accuracy -- --device cpu --attention-backend torch_native --max-total-tokens 8192 \
+  --context-length 8192
