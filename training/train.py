@@ -38,7 +38,9 @@ function of the step, so that is the data state) every ``ckpt_every_s`` seconds 
 ends; the call ends ``reserve_s`` before ``budget_s`` (or at ``stop_at_step``, or after ``steps``).
 ``--resume <dir>`` continues exactly from ``<dir>/ckpt/state.pt``; given only an export
 (``<dir>/export`` or ``<dir>`` holding ``trainer_state.json``) it continues the plan from the
-exported bf16 weights with a fresh optimizer, which is not exact and says so. Each call ends with the
+exported bf16 weights with a fresh optimizer, which is not exact and says so. ``--init-from <export>``
+instead starts a new plan (step 0, fresh optimizer) from an export's weights: fine-tuning, e.g. more
+multi-key training from ``configs/msa-small``. Each call ends with the
 checkpoint, an export (``training.export.export_checkpoint``) into ``<out>/export`` plus
 ``trainer_state.json``, then the held-out evaluation (last: in sparse mode it may compile attention
 kernels for new shapes).
@@ -105,6 +107,9 @@ PLAN_DEFAULTS = {
     "query_weight": 1.0,
     "seed": 0,
     "tokenizer": "",  # "" = training/tokenizer
+    # an export (``training.export``) whose weights start this plan at step 0 with a fresh optimizer
+    # (fine-tuning, e.g. from configs/msa-small); "" = random initialisation
+    "init_from": "",
 }
 STATE_FILE = "state.pt"
 TRAINER_STATE = "trainer_state.json"
@@ -449,6 +454,11 @@ def main(argv=None) -> dict:
         if saved.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(saved["cuda_rng"])
         log.line(f"resume exact from {resume_path} at step {start_step}")
+    elif resume_kind is None and plan.get("init_from"):
+        from training.export import load_checkpoint
+
+        model.load_state_dict(load_checkpoint(plan["init_from"], device="cpu").state_dict())
+        log.line(f"new plan from the weights of {plan['init_from']} (fresh optimizer, step 0)")
     elif resume_kind == "weights":
         from training.export import load_checkpoint
 

@@ -109,3 +109,28 @@ def test_time_plan_run_stops_on_trained_seconds(config, tmp_path):
     assert 0 < out["step"] < 10000
     log = (tmp_path / "train.log").read_text()
     assert " sparse " in log and " dense " in log
+
+
+def test_init_from_an_export_starts_a_new_plan_from_its_weights(config, tmp_path):
+    import torch
+
+    from training.export import load_checkpoint
+
+    train.main(_plan(config) + CALL + ["--out", str(tmp_path / "a"), "--stop-at-step", "2"])
+    export = tmp_path / "a" / "export"
+    out = train.main(_plan(config) + CALL + ["--out", str(tmp_path / "b"), "--init-from", str(export),
+                                             "--stop-at-step", "0", "--no-export"])
+    assert out["step"] == 0 and "from the weights of" in (tmp_path / "b" / "train.log").read_text()
+    started = torch.load(tmp_path / "b" / "ckpt" / train.STATE_FILE, weights_only=False)
+    assert started["plan"]["init_from"] == str(export)
+    exported = load_checkpoint(export).state_dict()
+    assert started["model"].keys() == exported.keys()
+    for name, value in exported.items():
+        assert torch.equal(started["model"][name].float(), value), name
+    fresh = train.main(_plan(config) + CALL + ["--out", str(tmp_path / "c"), "--stop-at-step", "0", "--no-export"])
+    assert fresh["step"] == 0
+    random_init = torch.load(tmp_path / "c" / "ckpt" / train.STATE_FILE, weights_only=False)["model"]
+    assert not all(torch.equal(random_init[n].float(), v) for n, v in exported.items())
+
+    with pytest.raises(ValueError, match="--init-from"):  # a resumed run keeps its plan
+        train.main(CALL + ["--out", str(tmp_path / "b"), "--resume", str(tmp_path / "b"), "--init-from", "x"])
