@@ -74,7 +74,8 @@ def main(argv=None) -> dict:
 
     results = {"model": str(args.model.resolve().relative_to(REPO)) if args.model.resolve().is_relative_to(REPO)
                else args.model.name, "lengths": lengths, "samples": args.samples, "gen_tokens": args.gen_tokens,
-               "prompt_tokens": [len(x) for x in ids], "cpu": args.cpu, "formats": {}}
+               "prompt_tokens": [len(x) for x in ids], "targets": [d["target"] for d in docs], "cpu": args.cpu,
+               "formats": {}}
     for fmt in formats:
         override = ["--json-model-override-args", json.dumps({"index_k_format": fmt})]
         r = results["formats"][fmt] = {}
@@ -95,7 +96,6 @@ def main(argv=None) -> dict:
             r["equal"] = outs["graph"] == outs["eager"]
             r["divergence"] = [first_divergence(a, b) for a, b in zip(outs["eager"], outs["graph"])]
             r["distinct_outputs"] = len({tuple(o) for o in outs["eager"]})
-            r["targets"] = [d["target"] for d in docs]
             r["eager_text"] = [tok.decode(o) for o in outs["eager"]]
         except Exception as e:  # noqa: BLE001
             r["error"] = f"{type(e).__name__}: {e}"

@@ -17,12 +17,15 @@ LENGTH = 4096  # 32 blocks: top-16 drops half of them
 SAMPLES = 4
 
 
-def _exact_match(model, seed: int) -> tuple[float, int]:
-    """Teacher-forced greedy exact match of the answers, sparse attention, over fresh ``single`` samples."""
-    tok = data.load_tokenizer(CKPT)
-    gen = data.TaskGenerator(tok, data.HELDOUT_HAYSTACK_SEED, num_sentences=2048)
+def _single_needles(seed: int) -> data.Batch:
+    """``SAMPLES`` held-out ``single`` samples of ``LENGTH`` tokens drawn with ``seed``."""
+    gen = data.TaskGenerator(data.load_tokenizer(CKPT), data.HELDOUT_HAYSTACK_SEED, num_sentences=2048)
     rng = random.Random(seed)
-    batch = data.collate([gen.sample("single", rng, LENGTH) for _ in range(SAMPLES)], LENGTH, rng, 0, 0)
+    return data.collate([gen.sample("single", rng, LENGTH) for _ in range(SAMPLES)], LENGTH, rng, 0, 0)
+
+
+def _exact_match(model, batch: data.Batch) -> tuple[float, int]:
+    """Teacher-forced greedy exact match of ``batch``'s answers with sparse attention, and the answer tokens."""
     with torch.no_grad():
         logits, aux = model(batch.input_ids, attention="sparse", logit_rows=batch.loss_rows, return_selection=True)
     n_blocks = LENGTH // data.BLOCK
@@ -40,12 +43,13 @@ def test_checkpoint_ships_the_training_tokenizer():
 def test_trained_checkpoint_retrieves_single_needles():
     torch.manual_seed(0)
     seed = random.SystemRandom().randrange(1 << 30)  # fresh needles, depths and haystack windows each run
+    batch = _single_needles(seed)
     trained = load_checkpoint(CKPT).eval()
-    acc, answer_tokens = _exact_match(trained, seed)
+    acc, answer_tokens = _exact_match(trained, batch)
     assert answer_tokens == SAMPLES * 9  # " " + 7 digits + "."
     # On the H200 this checkpoint scored 1.00 at 4k-32k (docs/accuracy.md section 4); chance is 1e-7.
     assert acc >= 0.75, f"seed {seed}: exact match {acc}"
 
     fresh = MSAForCausalLM(MSAConfig.from_json(CKPT / "config.json")).eval()
     fresh.init_weights(0)
-    assert _exact_match(fresh, seed)[0] == 0.0
+    assert _exact_match(fresh, batch)[0] == 0.0
