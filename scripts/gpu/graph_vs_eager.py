@@ -12,6 +12,10 @@ outputs say little; a trained model's answers change token by token.
     source scripts/gpu/bundle_env.sh && python3 scripts/gpu/graph_vs_eager.py --out "$OUT/gve"
     python3 scripts/gpu/graph_vs_eager.py --cpu --lengths 640 --samples 2 --out out/gve   # plumbing, CPU
 
+The bundle (51 MiB) and this checkpoint (31 MB) together exceed one 64 MiB transfer to the GPU
+machine: send the bundle first with the checkpoint left out (``bundle_env.sh`` unpacks it into
+``build/m3-site`` and keeps it), then run this on the same machine with the checkpoint.
+
 Writes ``results.json`` and ``table.md`` into ``--out`` (server logs as ``<name>.log``).
 ``--cpu`` runs the same plumbing on a CPU (both servers eager there: no CUDA graphs on a CPU).
 """
@@ -61,7 +65,8 @@ def main(argv=None) -> dict:
     # pool, so its static fraction applies to what is left (as in sglang_h200.py's "alongside" mode).
     pool = ["--max-total-tokens", str(len(ids) * context)]
     base = ["--page-size", str(PAGE), "--random-seed", "0", "--context-length", str(context),
-            "--skip-server-warmup", "--max-running-requests", str(len(ids)), *pool]
+            "--skip-server-warmup", "--max-running-requests", str(len(ids)), *pool,
+            "--log-level", "info", "--decode-log-interval", "1"]  # every decode batch logs "cuda graph: ..."
     if args.cpu:
         base += ["--device", "cpu", "--attention-backend", "torch_native", "--mem-fraction-static", "0.3"]
         graph_flags = eager_flags = ["--disable-cuda-graph"]
