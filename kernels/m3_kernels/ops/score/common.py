@@ -48,6 +48,12 @@ def _check_int32_vector(name: str, t: torch.Tensor, length: int | None = None) -
         raise ValueError(f"{name} must have {length} entries, got {t.shape[0]}")
 
 
+def _check_one_device(*tensors) -> None:
+    devices = {t.device for t in tensors if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
+
+
 def check_decode_args(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0, cp_world=1):
     """Validate a decode scoring call; returns ``(format, batch, H, max_block, sm_scale)``.
 
@@ -77,11 +83,7 @@ def check_decode_args(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, m
                 f"out must be float32 [H={H}, batch*S={batch * S}, max_block={max_block}] with a contiguous last dim, "
                 f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}"
             )
-    devices = {t.device for t in (q, k_cache, block_table, seq_lens) if t is not None}
-    if out is not None:
-        devices.add(out.device)
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
+    _check_one_device(q, k_cache, block_table, seq_lens, out)
     check_cp(cp_rank, cp_world)
     return fmt, batch, H, max_block, check_sm_scale(sm_scale)
 
@@ -104,8 +106,13 @@ def check_prefill_args(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q,
         max_block = out.shape[2] if out is not None else block_table.shape[1]
     if max_block < 0 or max_block > block_table.shape[1]:
         raise ValueError(f"max_block must be in [0, block_table.shape[1] = {block_table.shape[1]}], got {max_block}")
-    if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != (H, q.shape[0], max_block)):
-        raise ValueError(f"out must be float32 [{H}, {q.shape[0]}, {max_block}], got {out.dtype} {tuple(out.shape)}")
+    if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != (H, q.shape[0], max_block)
+                            or out.stride(2) != 1):
+        raise ValueError(
+            f"out must be float32 [H={H}, total_new_tokens={q.shape[0]}, max_block={max_block}] with a contiguous "
+            f"last dim, got {out.dtype} {tuple(out.shape)} strides {out.stride()}"
+        )
+    _check_one_device(q, k_cache, block_table, seq_lens, cu_seqlens_q, out)
     return fmt, batch, H, max_block, check_sm_scale(sm_scale)
 
 

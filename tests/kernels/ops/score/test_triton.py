@@ -454,3 +454,19 @@ def test_score_and_select_decode_matches_the_two_references(gen, device):
     assert torch.equal(blocks.cpu(), want)
     with pytest.raises(ValueError, match="cp_world"):
         score_and_select_decode(q, k_cache, k_scale, bt, seq, S, 0.5, cp_rank=0, cp_world=2, backend="triton")
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+def test_prefill_rejects_out_the_kernel_cannot_write(device):
+    """The kernel stores ``out[h, r, p]`` at ``o_h + p``: a strided last dim or another device must raise."""
+    device = _on(device)
+    a = _valid(device)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+    args = (a["q"], a["k_cache"], a["k_scale"], a["block_table"], a["seq_lens"], cu, 0.5)
+    strided = torch.zeros(1, 2, 2, 2, device=device)[..., 0]  # [H=1, rows=2, max_block=2], last stride 2
+    with pytest.raises(ValueError, match="out must be float32"):
+        score_prefill(*args, out=strided, backend="triton")
+    with pytest.raises(ValueError, match="out must be float32"):
+        score_prefill(*args, out=torch.zeros(1, 2, 2, dtype=torch.float64, device=device), backend="triton")
+    with pytest.raises(ValueError, match="one device"):
+        score_prefill(*args, out=torch.zeros(1, 2, 2, device="meta"), backend="triton")
