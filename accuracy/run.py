@@ -418,6 +418,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_counts(args) -> None:
+    """ValueError for counts that would only fail after the servers ran (or, for --bootstrap, after
+    every format was evaluated)."""
+    for flag, value in (("--samples", args.samples), ("--depths", args.depths), ("--bootstrap", args.bootstrap),
+                        ("--concurrency", args.concurrency), ("--limit", args.limit),
+                        ("--max-gen-toks", args.max_gen_toks)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    short = [n for n in args.lengths or [] if n <= GEN_TOKENS]
+    if short:
+        raise ValueError(f"--lengths must exceed the {GEN_TOKENS} generated tokens of a needle sample, got {short}")
+
+
 def main(argv=None) -> None:
     """Console entry point (``m3-accuracy``)."""
     compare_formats(argv)
@@ -426,6 +439,7 @@ def main(argv=None) -> None:
 def compare_formats(argv=None) -> dict:
     """Run the comparison for command-line ``argv``; returns the summary written to results.json."""
     args, formats, launch_args = parse_command_line(build_parser(), argv)
+    _check_counts(args)
     baseline = resolve_baseline(args.baseline, formats)
     urls = _parse_base_urls(args.base_url, formats)
     if urls and set(urls) != set(formats):

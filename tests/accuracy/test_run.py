@@ -117,3 +117,14 @@ def test_reuse_builds_the_report_from_saved_formats(tmp_path):
     with pytest.raises(ValueError, match=r"other \['samples'\]"):
         run.compare_formats([*argv[:-3], "--samples", "5", "--out", str(tmp_path), "--reuse"])
     assert run.read_samples(tmp_path, "bf16", settings) is None
+
+
+@pytest.mark.parametrize("flag, value", [("--samples", "0"), ("--depths", "0"), ("--bootstrap", "0"),
+                                         ("--concurrency", "0"), ("--limit", "0"), ("--max-gen-toks", "0"),
+                                         ("--lengths", "24")])
+def test_counts_are_checked_before_any_server(tmp_path, flag, value):
+    # The URL is unreachable: reaching it (instead of refusing the count) fails with URLError.
+    argv = ["--model", "m", "--formats", "fp8", "--base-url", "http://127.0.0.1:9", "--out", str(tmp_path),
+            flag, value]
+    with pytest.raises(ValueError, match=flag):
+        run.compare_formats(argv)
