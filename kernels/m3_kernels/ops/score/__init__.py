@@ -45,6 +45,8 @@ def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_bl
     if name == "torch":
         from .naive import score_decode_ref
 
+        max_block = check_decode_args(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank,
+                                      cp_world)[3]
         res = score_decode_ref(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, cp_rank, cp_world,
                                dtype=torch.float32)
         if out is None:
@@ -107,6 +109,8 @@ def score_prefill(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_s
     if name in ("torch", "flydsl", "aiter"):  # prefill has a torch and a Triton path only
         from .naive import score_prefill_ref
 
+        max_block = check_prefill_args(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block,
+                                       out)[3]
         res = score_prefill_ref(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block,
                                 dtype=torch.float32)
         if out is None:

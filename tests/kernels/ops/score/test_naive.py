@@ -161,3 +161,23 @@ def test_prefill_rejects_inconsistent_lengths(gen):
         score_prefill_ref(q, k_cache, k_scale, bt, torch.tensor([3], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32), 1.0)
     with pytest.raises(ValueError, match="cu_seqlens_q must rise"):
         score_prefill_ref(q, k_cache, k_scale, bt, torch.tensor([9], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32), 1.0)
+
+
+def test_torch_dispatch_validates_out_like_the_kernels(gen):
+    """``score_decode`` / ``score_prefill`` on the torch backend take ``max_block`` from ``out`` and
+    reject an ``out`` the Triton path rejects (no silent broadcast into a wider buffer)."""
+    from m3_kernels.ops.score import score_decode, score_prefill
+
+    k_cache, k_scale = build_cache(gen, "mxfp4", 2)
+    q = make_q(gen, 2, 1, torch.bfloat16)
+    bt = torch.zeros(2, 1, dtype=torch.int32)
+    seq = torch.tensor([5, 100], dtype=torch.int32)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    for bad, msg in [(torch.zeros(1, 2, 3), "max_block must be in"), (torch.zeros(1, 2, 1, dtype=torch.float64), "out must be")]:
+        with pytest.raises(ValueError, match=msg):
+            score_decode(q, k_cache, k_scale, bt, seq, 1, 1.0, out=bad, backend="torch")
+        with pytest.raises(ValueError, match=msg):
+            score_prefill(q, k_cache, k_scale, bt, seq, cu, 1.0, out=bad, backend="torch")
+    out = torch.full((1, 2, 1), float("nan"))
+    assert score_decode(q, k_cache, k_scale, bt, seq, 1, 1.0, out=out, backend="torch") is out
+    assert torch.equal(out, score_decode_ref(q, k_cache, k_scale, bt, seq, 1, 1.0).float())
