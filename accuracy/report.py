@@ -11,13 +11,17 @@ ALL = "all"
 
 
 def _pair(base: list[dict], other: list[dict], task: str, fmt: str):
-    """Scores of the samples both formats ran, matched by ``doc_id``; targets must agree."""
+    """Scores of ``base`` and ``other`` matched by ``doc_id``; ValueError unless both hold the same
+    samples with the same targets (a paired statistic over a subset would not match the accuracies)."""
     by_id = {s["doc_id"]: s for s in other}
+    only_base = sorted({s["doc_id"] for s in base} - set(by_id))
+    only_other = sorted(set(by_id) - {s["doc_id"] for s in base})
+    if only_base or only_other:
+        raise ValueError(f"{task}: {fmt} lacks docs {only_base[:5]} and has extra docs {only_other[:5]} against "
+                         "the baseline; the runs did not see the same data")
     a, b = [], []
     for s in base:
-        t = by_id.get(s["doc_id"])
-        if t is None:
-            continue
+        t = by_id[s["doc_id"]]
         if t["target"] != s["target"]:
             raise ValueError(f"{task} doc {s['doc_id']}: target differs between formats ({s['target']!r} vs "
                              f"{t['target']!r} in {fmt}); the runs did not see the same data")

@@ -60,3 +60,14 @@ def test_baseline_need_not_be_first():
     assert "mxfp4 vs fp8" in report.markdown(summary) and "dense vs fp8" in report.markdown(summary)
     with pytest.raises(ValueError, match="baseline"):
         report.build(per_format, ["dense", "fp8"], baseline="bf16")
+
+
+@pytest.mark.parametrize("drop_from", ["base", "candidate"])
+def test_unmatched_samples_are_refused(drop_from):
+    # The accuracies would be over 4 and 3 samples but the paired statistics over 3: refuse instead.
+    full, partial = _rows({1024: [1, 1, 0, 0]}), _rows({1024: [1, 1, 0, 0]})[:3]
+    base, cand = (partial, full) if drop_from == "base" else (full, partial)
+    with pytest.raises(ValueError, match="same data"):
+        report.build({"fp8": {"t": base}, "mxfp4": {"t": cand}}, ["fp8", "mxfp4"], n_boot=10)
+    with pytest.raises(ValueError, match="same data"):  # a task the candidate never ran
+        report.build({"fp8": {"t": full}, "mxfp4": {}}, ["fp8", "mxfp4"], n_boot=10)
