@@ -188,6 +188,8 @@ def _task_weights(text: str) -> tuple[tuple[str, float], ...]:
 
 
 def _validate_plan(plan: dict) -> None:
+    if plan["steps"] < 1:  # stages and curriculum are fractions of steps, a time plan's too
+        raise ValueError(f"--steps must be >= 1, got {plan['steps']}")
     if not 0 <= plan["dense_steps"] <= plan["steps"]:
         raise ValueError(f"--dense-steps must be in [0, --steps={plan['steps']}], got {plan['dense_steps']}")
     if plan.get("train_s", 0) < 0:

@@ -77,6 +77,8 @@ def test_plan_validation(config, tmp_path):
         train.main(["--config", config, "--long-lengths", "131072", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="--config"):
         train.main(["--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--steps"):  # was a ZeroDivisionError in the stage fractions
+        train.main(["--config", config, "--steps", "0", "--dense-steps", "0", "--out", str(tmp_path)])
 
 
 def test_schedule():
