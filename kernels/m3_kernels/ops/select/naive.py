@@ -7,7 +7,7 @@ For a query row that sees ``n`` blocks (its own block is ``n - 1``):
   ``topk - I - L`` of the remaining non-local blocks ranked by (-score, block id) -- ties go to
   the lower id -- then the ``local_blocks`` = L last blocks in order, the query's own block last.
 
-NaN scores rank as -inf. Output int32 ``[H, rows, topk]`` of global block ids.
+NaN scores rank below every number, -inf included. Output int32 ``[H, rows, topk]`` of global block ids.
 """
 
 import torch

@@ -17,8 +17,10 @@ def brute_select(scores, n_visible, topk, local, init):
             if n <= topk:
                 chosen = list(range(n))
             else:
-                s = [(-math.inf if math.isnan(v) else v) for v in scores[h, r, :n].tolist()]
-                middle = sorted(range(init, n - local), key=lambda i: (-s[i], i))
+                s = scores[h, r, :n].tolist()
+                # NaN ranks below every number, -inf included; ties go to the lower id.
+                key = [(1, 0.0) if math.isnan(v) else (0, -v) for v in s]
+                middle = sorted(range(init, n - local), key=lambda i: (key[i], i))
                 chosen = list(range(init)) + middle[: topk - init - local] + list(range(n - local, n))
             out[h, r, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
     return out
@@ -30,7 +32,9 @@ def test_matches_brute_force(gen, topk, local, init):
     # Coarse integer scores force many ties; a few -inf and NaN.
     scores = torch.randint(0, 4, (H, rows, nb), generator=gen).double()
     scores[scores == 3] = -math.inf
-    scores[0, 0, 5] = math.nan
+    scores[torch.rand(scores.shape, generator=gen) < 0.1] = math.nan
+    scores[:, 4] = -math.inf  # a row where NaN and -inf compete: the NaN block must not be picked
+    scores[:, 4, 3] = math.nan
     n_visible = torch.randint(0, nb + 1, (rows,), generator=gen)
     n_visible[:6] = torch.tensor([0, 1, topk, topk + 1, nb, 17])
     got = select_blocks_ref(scores, n_visible, topk, local, init)
