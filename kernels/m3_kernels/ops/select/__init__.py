@@ -32,10 +32,10 @@ def select_blocks(scores, n_visible, topk=TOPK_BLOCKS, local_blocks=LOCAL_BLOCKS
     ``scores [H, rows, nb]`` in global block order, ``n_visible [rows]`` visible blocks per row
     (at most nb; the GPU path clamps it to ``[0, nb]`` instead of raising, to avoid a sync).
     """
+    check_select_args(scores, n_visible, topk, local_blocks, init_blocks)
     if scores.device.type == "cuda":
         from .triton import select_blocks_triton
 
-        check_select_args(scores, n_visible, topk, local_blocks, init_blocks)
         return select_blocks_triton(scores, n_visible, topk, local_blocks, init_blocks)
     from .naive import select_blocks_ref
 

@@ -57,3 +57,17 @@ def test_rejects_bad_options():
         select_blocks_ref(torch.zeros(1, 1, 4), torch.tensor([4]), 16, 0, 0)
     with pytest.raises(ValueError, match="n_visible"):
         select_blocks_ref(torch.zeros(1, 1, 4), torch.tensor([5]))
+
+
+def test_dispatcher_rejects_what_the_gpu_path_rejects():
+    """``select_blocks`` on CPU applies ``check_select_args`` too: same ValueError on every device."""
+    from m3_kernels.ops.select import select_blocks
+
+    scores = torch.zeros(1, 2, 20)
+    with pytest.raises(ValueError, match="n_visible must be int32/int64"):
+        select_blocks(scores, torch.tensor([20.0, 3.0]))
+    with pytest.raises(ValueError, match="scores must be a float"):
+        select_blocks(torch.zeros(2, 20, dtype=torch.int64)[None], torch.tensor([20, 3]))
+    with pytest.raises(ValueError, match="scores must be a float"):
+        select_blocks(torch.zeros(2, 20), torch.tensor([20, 3]))
+    assert select_blocks(scores, torch.tensor([20, 3], dtype=torch.int32)).shape == (1, 2, 16)
