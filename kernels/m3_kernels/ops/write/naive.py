@@ -2,7 +2,7 @@
 
 import torch
 
-from ...formats import PAGE_SIZE, IndexKFormat, ScaleRule, check_index_k_cache, parse_format, quantize_index_k
+from ...formats import INDEX_DIM, PAGE_SIZE, IndexKFormat, ScaleRule, check_index_k_cache, parse_format, quantize_index_k
 
 
 def check_write_args(k, loc, k_cache, k_scale, fmt):
@@ -10,10 +10,12 @@ def check_write_args(k, loc, k_cache, k_scale, fmt):
     stored = check_index_k_cache(k_cache, k_scale)
     if (stored is IndexKFormat.MXFP4) != fmt.is_mxfp4 or (not fmt.is_mxfp4 and stored is not fmt):
         raise ValueError(f"fmt {fmt.value!r} does not match the cache's storage ({stored.value})")
-    if k.dtype not in (torch.float32, torch.bfloat16) or k.dim() != 2 or k.shape[1] != 128:
-        raise ValueError(f"k must be float32 or bfloat16 [tokens, 128], got {k.dtype} {tuple(k.shape)}")
+    if k.dtype not in (torch.float32, torch.bfloat16) or k.dim() != 2 or k.shape[1] != INDEX_DIM:
+        raise ValueError(f"k must be float32 or bfloat16 [tokens, {INDEX_DIM}], got {k.dtype} {tuple(k.shape)}")
     if loc.dtype not in (torch.int32, torch.int64) or loc.dim() != 1 or loc.shape[0] != k.shape[0]:
         raise ValueError(f"loc must be int32/int64 [tokens={k.shape[0]}], got {loc.dtype} {tuple(loc.shape)}")
+    if not (k.device == loc.device == k_cache.device):
+        raise ValueError(f"k, loc and k_cache must be on one device, got {k.device}, {loc.device}, {k_cache.device}")
     return fmt
 
 

@@ -44,3 +44,13 @@ def test_empty_write_is_a_no_op():
     k_cache, k_scale = alloc_index_k_cache(1, "fp8")
     write_index_k_ref(torch.zeros(0, 128), torch.zeros(0, dtype=torch.int64), k_cache, k_scale, "fp8")
     assert (k_cache.view(torch.uint8) == 0).all()
+
+
+def test_rejects_tensors_on_different_devices(gen):
+    k_cache, k_scale = alloc_index_k_cache(1, "mxfp4")
+    k = torch.randn(2, 128, generator=gen)
+    with pytest.raises(ValueError, match="one device"):
+        write_index_k_ref(k, torch.tensor([3, 4], device="meta"), k_cache, k_scale, "mxfp4")
+    with pytest.raises(ValueError, match="one device"):
+        write_index_k_ref(k.to("meta"), torch.tensor([3, 4]), k_cache, k_scale, "mxfp4")
+    assert (k_cache == 0).all() and (k_scale == 0).all()
