@@ -105,6 +105,8 @@ def test_writer_bitwise(gen, device, fmt, rule, in_dtype, single):
     untouched = torch.ones(pages * PAGE_SIZE, dtype=torch.bool)
     untouched[loc] = False
     assert (k_cache.cpu().reshape(pages * PAGE_SIZE, -1).view(torch.uint8)[untouched] == 0xA5).all()
+    if k_scale is not None:
+        assert (k_scale.cpu().reshape(pages * PAGE_SIZE, -1)[untouched] == 0xA5).all()
 
 
 def rotation_mismatches_explained(k, data, scales, rule, sign_seed):
