@@ -24,6 +24,15 @@ ARCHITECTURE = "MiniMaxM3SparseForCausalLM"  # upstream's name: SGLang keys pool
 DEFAULT_INDEX_K_FORMAT = IndexKFormat.MXFP4
 
 
+def check_sign_seed(value) -> int | None:
+    """``index_k_sign_seed`` as given: None or an int ``torch.Generator.manual_seed`` takes
+    (``[-2**63, 2**64)``); ValueError otherwise (a string from JSON would fail only at the first write)."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and -(1 << 63) <= value < (1 << 64)):
+        return value
+    raise ValueError(f"index_k_sign_seed must be null or an int in [-2**63, 2**64) (the mxfp4_rot sign seed), "
+                     f"got {value!r}")
+
+
 class MiniMaxM31Config(PretrainedConfig):
     """Config of ``MiniMaxM3SparseForCausalLM`` for MiniMax-M3.1 (see the module docstring)."""
 
@@ -40,7 +49,7 @@ class MiniMaxM31Config(PretrainedConfig):
         self.sparse_attention_config = sparse_attention_config
         self.index_k_format = parse_format(index_k_format).value
         self.index_k_scale_rule = parse_scale_rule(index_k_scale_rule, "index_k_scale_rule").value
-        self.index_k_sign_seed = index_k_sign_seed
+        self.index_k_sign_seed = check_sign_seed(index_k_sign_seed)
         super().__init__(**kwargs)
 
 
@@ -57,7 +66,8 @@ def index_k_settings(hf_config) -> IndexKSettings | None:
     """Validated index-K settings of ``hf_config``, or None for a config without ``index_k_format``
     (upstream MiniMax-M3: SGLang's own pool and backend stay in charge).
 
-    Raises ValueError naming the choices for an unknown format or scale rule. Reads the attributes
+    Raises ValueError naming the choices for an unknown format or scale rule, or the rule for a
+    sign seed that is not null or an int. Reads the attributes
     after ``--json-model-override-args`` was applied, so overrides are validated too.
     """
     text_config = getattr(hf_config, "text_config", None)
@@ -68,6 +78,6 @@ def index_k_settings(hf_config) -> IndexKSettings | None:
             return IndexKSettings(
                 fmt=parse_format(cfg.index_k_format, "index_k_format"),
                 scale_rule=parse_scale_rule(getattr(cfg, "index_k_scale_rule", ScaleRule.RCEIL), "index_k_scale_rule"),
-                sign_seed=getattr(cfg, "index_k_sign_seed", None),
+                sign_seed=check_sign_seed(getattr(cfg, "index_k_sign_seed", None)),
             )
     return None

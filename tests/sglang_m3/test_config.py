@@ -50,3 +50,17 @@ def test_entry_point_is_installed():
 
     eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.value == "sglang_m3.plugin:register"]
     assert len(eps) == 1
+
+
+@pytest.mark.parametrize("bad", ["7", 7.5, True, 1 << 64, -(1 << 63) - 1])
+def test_sign_seed_override_is_validated(bad):
+    """A sign seed torch cannot seed with fails at start-up, not at the first index-K write."""
+    cfg = MiniMaxM31Config(sparse_attention_config={"sparse_index_dim": 128}, index_k_format="mxfp4_rot")
+    for good in (None, 0, 7, (1 << 64) - 1, -(1 << 63)):
+        cfg.update({"index_k_sign_seed": good})
+        assert index_k_settings(cfg).sign_seed == good
+    cfg.update({"index_k_sign_seed": bad})
+    with pytest.raises(ValueError, match=r"index_k_sign_seed must be null or an int .*got " + repr(repr(bad))[1:-1]):
+        index_k_settings(cfg)
+    with pytest.raises(ValueError, match="index_k_sign_seed"):
+        MiniMaxM31Config(index_k_sign_seed=bad)
