@@ -19,10 +19,13 @@ def resolve_backend(device: torch.device, backend: str | None = None, op: str = 
     """The backend a call on ``device`` uses: ``backend``, else ``$M3_SCORE_BACKEND``, else auto.
 
     auto: torch off-GPU; for ``op="decode"`` FlyDSL on ROCm gfx950 (when installed); else Triton.
+    FlyDSL and aiter score decode only: forced for ``op="prefill"``, they resolve as auto.
     """
     backend = backend or os.environ.get(ENV_BACKEND, "auto")
     if backend not in BACKENDS:
         raise ValueError(f"{ENV_BACKEND} / backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if op == "prefill" and backend in ("flydsl", "aiter"):
+        backend = "auto"
     if backend != "auto":
         return backend
     if device.type != "cuda":
@@ -106,7 +109,7 @@ def score_prefill(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_s
         check_prefill_lengths(q, seq_lens, cu_seqlens_q)
         return score_prefill_triton(q, k_cache, k_scale, fmt, max_block, block_table, seq_lens, cu_seqlens_q, sm_scale,
                                     out)
-    if name in ("torch", "flydsl", "aiter"):  # prefill has a torch and a Triton path only
+    if name == "torch":
         from .naive import score_prefill_ref
 
         max_block = check_prefill_args(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block,

@@ -325,6 +325,11 @@ def test_resolve_backend(monkeypatch):
     for forced in ("torch", "triton", "flydsl", "aiter"):
         monkeypatch.setenv("M3_SCORE_BACKEND", forced)
         assert resolve_backend(gpu) == forced and resolve_backend(cpu) == forced
+        # Decode-only backends: a forced one leaves prefill on its auto choice (never the torch
+        # reference on a GPU).
+        want_gpu = "triton" if forced in ("flydsl", "aiter") else forced
+        want_cpu = "torch" if forced in ("flydsl", "aiter") else forced
+        assert resolve_backend(gpu, op="prefill") == want_gpu and resolve_backend(cpu, op="prefill") == want_cpu
     monkeypatch.setenv("M3_SCORE_BACKEND", "cuda")
     with pytest.raises(ValueError, match="M3_SCORE_BACKEND"):
         resolve_backend(gpu)
