@@ -111,6 +111,8 @@ def generate(tokenizer, lengths, num_samples: int, num_depths: int, n_keys: int,
     """``num_samples`` samples per length, depths cycling over ``depth_grid(num_depths)``."""
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if not 1 <= n_keys <= len(_KEY_A) * len(_KEY_B):  # more would loop forever looking for a new key
+        raise ValueError(f"n_keys must be in [1, {len(_KEY_A) * len(_KEY_B)}] (distinct keys), got {n_keys}")
     pool = _Pool(tokenizer)
     grid = depth_grid(num_depths)
     docs = []

@@ -58,6 +58,14 @@ def test_too_short_length_raises(tokenizer):
         needle.generate(tokenizer, [40], 1, 1, 1, 0)
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("n_keys", [0, 16 * 16 + 1])
+def test_key_count_is_checked(tokenizer, n_keys):
+    # 0 keys has no needle to ask for (was an IndexError); more than the 256 distinct keys looped forever.
+    with pytest.raises(ValueError, match="n_keys"):
+        needle.generate(tokenizer, [100000], 1, 1, n_keys, 0)
+
+
 def test_score_whole_numbers_only():
     assert needle.score(" 4793957.", "4793957") == 1.0
     assert needle.score("it is 14793957", "4793957") == 0.0
