@@ -296,6 +296,8 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, default=None, help="folder for fidelity.json and fidelity.md")
     args = parser.parse_args(argv)
     lengths = sorted(args.lengths)
+    if args.queries < 1:
+        raise ValueError(f"--queries must be >= 1, got {args.queries}")
     for n in lengths:
         if n % PAGE_SIZE or n // PAGE_SIZE <= TOPK_BLOCKS or n < args.queries:
             raise ValueError(f"--lengths must be multiples of {PAGE_SIZE} above {TOPK_BLOCKS * PAGE_SIZE} tokens "

@@ -59,3 +59,5 @@ def test_synthetic_study_orders_formats():
 def test_lengths_are_validated():
     with pytest.raises(ValueError, match="--lengths"):
         fidelity.main(["--no-real", "--lengths", "1000"])
+    with pytest.raises(ValueError, match="--queries"):  # no query rows: was a ZeroDivisionError in compare
+        fidelity.main(["--no-real", "--lengths", "4096", "--queries", "0"])
