@@ -14,6 +14,8 @@ import torch
 
 from .config import IndexKFormat, parse_format
 from .constants import (
+    BF16_TOKEN_BYTES,
+    FP8_TOKEN_BYTES,
     INDEX_DIM,
     MXFP4_DATA_BYTES,
     MXFP4_PAGE_BYTES,
@@ -89,10 +91,10 @@ def check_index_k_cache(k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> 
     """
     if k_scale is None:
         if k_cache.dtype == torch.bfloat16:
-            _check_view("k_cache", k_cache, torch.bfloat16, 2 * INDEX_DIM)
+            _check_view("k_cache", k_cache, torch.bfloat16, BF16_TOKEN_BYTES)
             return IndexKFormat.BF16
         if k_cache.dtype == FP8_DTYPE:
-            _check_view("k_cache", k_cache, FP8_DTYPE, INDEX_DIM)
+            _check_view("k_cache", k_cache, FP8_DTYPE, FP8_TOKEN_BYTES)
             return IndexKFormat.FP8
         raise ValueError(
             f"k_cache must be bfloat16 or float8_e4m3fn (or uint8 MXFP4 data with k_scale), got {k_cache.dtype}"
