@@ -58,6 +58,12 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
     """Sparse-layer backend reading the ``MiniMaxM31SparseKVPool`` index cache (see module docstring)."""
 
     def __init__(self, runner, settings: IndexKSettings):
+        spec = getattr(getattr(runner, "server_args", None), "speculative_algorithm", None)
+        if spec is not None:  # fail at start-up, not at the first verify batch inside the scheduler
+            raise NotImplementedError(
+                f"speculative_algorithm={spec!r}: speculative decoding is not supported with the MiniMax-M3.1 "
+                "index-K cache; launch without --speculative-algorithm"
+            )
         super().__init__(runner)
         # Our index path feeds SGLang's Triton sparse kernels; MSA (SM100) decode is not wired in.
         self.use_msa = self._use_msa_decode = self._msa_owns_decode = False
