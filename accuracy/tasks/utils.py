@@ -57,8 +57,9 @@ def needle_results(doc, results):
 
 
 def first_number(text: str) -> str | None:
-    """The first integer in ``text`` (commas dropped), or None."""
-    m = re.search(r"-?\d[\d,]*", text)
+    """The first number in ``text`` (thousands commas dropped, a decimal part kept so that "3.5" is
+    not read as 3; a sentence-ending period is not a decimal part), or None."""
+    m = re.search(r"-?\d[\d,]*(?:\.\d+)?", text)
     return m.group(0).replace(",", "") if m else None
 
 
