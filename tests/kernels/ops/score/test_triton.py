@@ -189,6 +189,14 @@ def test_prefill_small(gen, mx_mode, monkeypatch):
     check_prefill(gen, "cpu", "mxfp4", torch.bfloat16, H=2, new=[3, 130], prefix=[125, 0], max_block=3)
 
 
+def test_prefill_small_empty_request_and_poisoned_out(gen):
+    """A request with no new tokens, rows at positions 126-129 (page edges), a NaN-filled ``out``."""
+    _on("cpu")
+    _kernels()
+    check_prefill(gen, "cpu", "mxfp4", torch.bfloat16, H=2, new=[2, 0, 2, 2], prefix=[126, 7, 128, 0], max_block=3,
+                  prealloc=True)
+
+
 # ---------------------------------------------------------------- GPU matrix
 
 GEOMETRIES = [(1, 1), (1, 4), (4, 1), (2, 3), (4, 4), (8, 4), (8, 1)]
@@ -334,7 +342,7 @@ def test_cuda_graph_capture_and_replay(gen, fmt, monkeypatch):
         assert_scores_close(got, ref, bound)
 
 
-def check_prefill(gen, device, fmt, q_dtype, H, new, prefix, max_block, single=True):
+def check_prefill(gen, device, fmt, q_dtype, H, new, prefix, max_block, single=True, prealloc=False):
     batch = len(new)
     pages = batch * max_block + 1
     k_cache, k_scale = random_cache(gen, fmt, pages, device, single)
@@ -342,7 +350,10 @@ def check_prefill(gen, device, fmt, q_dtype, H, new, prefix, max_block, single=T
     seq = torch.tensor([p + n for p, n in zip(prefix, new)], dtype=torch.int32, device=device)
     cu = torch.tensor([0] + list(torch.tensor(new).cumsum(0)), dtype=torch.int32, device=device)
     q = make_q(gen, sum(new), H, q_dtype, device)
-    got = score_prefill(q, k_cache, k_scale, bt, seq, cu, 0.25, max_block, backend="triton")
+    out = torch.full((H, sum(new), max_block), float("nan"), device=device) if prealloc else None
+    got = score_prefill(q, k_cache, k_scale, bt, seq, cu, 0.25, max_block, out, backend="triton")
+    if prealloc:  # every column is written, -inf past each row's last page
+        assert got.data_ptr() == out.data_ptr()
     kc, ks = k_cache.cpu(), (k_scale.cpu() if k_scale is not None else None)
     args = (bt.cpu(), seq.cpu(), cu.cpu(), 0.25, max_block)
     ref = score_prefill_ref(q.cpu(), kc, ks, *args)
