@@ -37,7 +37,8 @@ def check(gen, device, H, nb, topk=16, local=1, init=0):
     n_vis = torch.tensor([0, 1, topk - 1, topk, topk + 1, nb, nb - 1, max(0, nb // 2)], dtype=torch.int32).clamp(max=nb)
     want = select_blocks_ref(scores, n_vis, topk, local, init)
     if device == "cpu":
-        got = _select()(scores, n_vis, topk, local, init)
+        poisoned = torch.full((H, rows, topk), -7, dtype=torch.int32)  # every slot must be written
+        got = _select()(scores, n_vis, topk, local, init, out=poisoned)
     else:
         got = select_blocks(scores.to(device), n_vis.to(device), topk, local, init).cpu()
     assert torch.equal(got, want)
