@@ -48,7 +48,6 @@ from m3_kernels.formats import (
     MX_GROUP_SIZE,
     PAGE_SIZE,
     TOPK_BLOCKS,
-    IndexKFormat,
     ScaleRule,
     alloc_index_k_cache,
     prepare_index_q,
@@ -246,7 +245,7 @@ def study_source(name: str, k: torch.Tensor, q: torch.Tensor, lengths: list[int]
     return rows
 
 
-def summarize(rows: list[dict], lengths: list[int]) -> dict:
+def summarize(rows: list[dict]) -> dict:
     """Row-weighted mean over sources of one kind (``real:*``, ``synthetic``):
     ``{(kind, fmt, length): {recall16, recall15_ranked, score_err}}``."""
     acc = {}
@@ -262,7 +261,7 @@ def summarize(rows: list[dict], lengths: list[int]) -> dict:
 
 def markdown(rows: list[dict], lengths: list[int], sign_seeds=()) -> str:
     """One table per source kind: recall@16 (%) and score error per format and length."""
-    summary = summarize(rows, lengths)
+    summary = summarize(rows)
     lines = []
     for kind in sorted({k[0] for k in summary}):
         lines += [f"**{kind}** keys: top-16 recall vs bf16 % (ranked-15 recall %, score err)", ""]
