@@ -50,3 +50,38 @@ def test_extend_fills_the_last_page_then_new_pages():
     expected += [5 * PAGE + i for i in range(3)]
     assert out.tolist() == expected
     assert alloc.free_pages.tolist() == [6, 7, 8, 9, 10]
+
+
+def _extend_oracle(prefix, seq, last_loc, free_pages):
+    """Slot of every new token, request by request: a token at a page start takes the next free
+    page, any other token the slot after the previous token's."""
+    pages, out = iter(free_pages), []
+    for p, s, last in zip(prefix, seq, last_loc):
+        for t in range(p, s):
+            last = next(pages) * PAGE if t % PAGE == 0 else last + 1
+            out.append(last)
+    return out
+
+
+def test_extend_matches_the_oracle_at_page_edges(gen):
+    # Prefixes and ends on both sides of page edges (0, 1, PAGE - 1, PAGE, PAGE + 1), random pages.
+    prefix = torch.tensor([0, 0, 0, PAGE, PAGE - 1, 1, PAGE, 2 * PAGE + 1])
+    seq = torch.tensor([1, PAGE, PAGE + 1, PAGE + 1, PAGE, PAGE - 1, 3 * PAGE, 2 * PAGE + 2])
+    used = torch.randperm(40, generator=gen)[:8] + 1  # the pages the prefixes live on
+    last_loc = torch.where(prefix > 0, used * PAGE + (prefix - 1) % PAGE, -1)
+    alloc = _allocator()
+    alloc.free_pages = torch.randperm(40, generator=gen)[:12] + 41
+    free = alloc.free_pages.tolist()
+    out = cpu_alloc.alloc_extend(_unreachable, alloc, prefix, prefix, seq, seq, last_loc, int((seq - prefix).sum()))
+    expected = _extend_oracle(prefix.tolist(), seq.tolist(), last_loc.tolist(), free)
+    assert out.tolist() == expected
+    new_pages = len({slot // PAGE for slot in expected} - set(used.tolist()))
+    assert alloc.free_pages.tolist() == free[new_pages:]
+
+
+def test_extend_without_enough_pages_returns_none_and_keeps_the_free_list():
+    alloc = _allocator()
+    alloc.free_pages = torch.tensor([3, 4], dtype=torch.int64)
+    prefix, seq = torch.tensor([0]), torch.tensor([2 * PAGE + 1])  # needs 3 pages
+    assert cpu_alloc.alloc_extend(_unreachable, alloc, prefix, prefix, seq, seq, torch.tensor([-1]), 2 * PAGE + 1) is None
+    assert alloc.free_pages.tolist() == [3, 4]
