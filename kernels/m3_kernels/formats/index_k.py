@@ -9,6 +9,7 @@ import torch
 
 from .bf16 import dequantize_bf16, quantize_bf16
 from .config import IndexKFormat, ScaleRule, parse_format
+from .constants import INDEX_DIM
 from .fp8 import dequantize_fp8, quantize_fp8
 from .mxfp4 import dequantize_mxfp4, quantize_mxfp4, sanitize_fp32
 from .rotation import rotate
@@ -21,6 +22,8 @@ def quantize_index_k(k: torch.Tensor, fmt, scale_rule: ScaleRule | str = ScaleRu
     (see ``rotation``). Returns ``(rows, scale_rows_or_None)``.
     """
     fmt = parse_format(fmt)
+    if k.dtype not in (torch.float32, torch.bfloat16) or k.dim() < 1 or k.shape[-1] != INDEX_DIM:
+        raise ValueError(f"k must be float32 or bfloat16 [..., {INDEX_DIM}], got {k.dtype} {tuple(k.shape)}")
     if fmt is IndexKFormat.BF16:
         return quantize_bf16(k), None
     if fmt is IndexKFormat.FP8:
