@@ -18,8 +18,9 @@ def _check_pair(a, b):
     if len(a) != len(b):
         raise ValueError(f"a and b must score the same samples, got {len(a)} and {len(b)} scores")
     for name, xs in (("a", a), ("b", b)):
-        if any(not (0.0 <= x <= 1.0) for x in xs):
-            raise ValueError(f"{name} scores must lie in [0, 1]")
+        bad = [(i, x) for i, x in enumerate(xs) if not (0.0 <= x <= 1.0)]
+        if bad:
+            raise ValueError(f"{name} scores must lie in [0, 1], got (index, score) {bad[:5]}")
     return a, b
 
 

@@ -39,8 +39,10 @@ def test_discordant_and_agreement():
 def test_pairs_must_match():
     with pytest.raises(ValueError, match="same samples"):
         compare_paired([1, 0], [1])
-    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+    with pytest.raises(ValueError, match=r"a scores must lie in \[0, 1\], got \(index, score\) \[\(1, 2.0\)\]"):
         compare_paired([1, 2], [1, 0])
+    with pytest.raises(ValueError, match=r"b scores .* \[\(0, nan\)\]"):  # NaN is not a score either
+        compare_paired([1], [float("nan")])
 
 
 def test_bootstrap_constant_difference_is_a_point():
