@@ -85,14 +85,14 @@ def score_and_select_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_sc
     No host synchronisation on the GPU path.
     """
     from ...formats import PAGE_SIZE, TOPK_BLOCKS
-    from ..select import select_blocks
+    from ..select import select_blocks, visible_blocks
 
     if cp_world != 1:
         raise ValueError(f"score_and_select_decode needs cp_world == 1 (selection sees every block), got {cp_world}")
     scores = score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank, cp_world,
                           backend)
     positions = (seq_lens.long()[:, None] - S + torch.arange(S, device=q.device)).flatten()
-    n_visible = torch.where(positions >= 0, positions // PAGE_SIZE + 1, 0).clamp(max=scores.shape[2])
+    n_visible = visible_blocks(positions, PAGE_SIZE).clamp(max=scores.shape[2])
     return scores, select_blocks(scores, n_visible, TOPK_BLOCKS if topk is None else topk)
 
 
