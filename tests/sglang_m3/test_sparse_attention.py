@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from sglang_m3.sparse_attention import sparse_attention_torch
+from sglang_m3.sparse_attention import _ROW_CHUNK, sparse_attention_decode, sparse_attention_torch
 
 BLOCK = 4  # small blocks keep the oracle cheap; the code takes block_size as an argument
 
@@ -49,4 +49,47 @@ def test_matches_oracle_with_padding_gqa_and_two_requests(gen):
         b = 0 if r < 3 else 1
         slots = req_to_token[req_pool_indices[b], : lens[b]]
         ref = _oracle(q[r], k_cache, v_cache, slots, int(positions[r]), sel[:, r], sm_scale)
+        torch.testing.assert_close(out[r].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_rows_at_block_edges(gen):
+    """The CPU decode entry: one row per request at position seq_len - 1, for seq_len 1, BLOCK - 1,
+    BLOCK, BLOCK + 1 and a longer one that drops a block."""
+    hq, hkv, d, topk = 4, 2, 8, 2
+    lens = [1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 2]
+    width = max(lens)
+    k_cache = torch.randn(80, hkv, d, generator=gen)
+    v_cache = torch.randn(80, hkv, d, generator=gen)
+    req_to_token = torch.randperm(80, generator=gen)[: len(lens) * width].reshape(len(lens), width)
+    req_pool_indices = torch.randperm(len(lens), generator=gen)
+    seq_lens = torch.tensor(lens)
+    sel = torch.full((hkv, len(lens), topk), -1, dtype=torch.int32)
+    for b, length in enumerate(lens):
+        last = (length - 1) // BLOCK
+        sel[:, b, 0] = last  # own block
+        if last > 0:
+            sel[1, b, 1] = last - 1  # KV head 1 also reads the previous block
+    q = torch.randn(len(lens), hq, d, generator=gen)
+    sm_scale = 1 / math.sqrt(d)
+    out = sparse_attention_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sel, BLOCK, sm_scale)
+    for b, length in enumerate(lens):
+        slots = req_to_token[req_pool_indices[b], :length]
+        ref = _oracle(q[b], k_cache, v_cache, slots, length - 1, sel[:, b], sm_scale)
+        torch.testing.assert_close(out[b].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_past_one_chunk(gen):
+    """More query rows than one ``_ROW_CHUNK``: every chunk (the last one partial) is attended."""
+    hq, hkv, d = 2, 1, 8
+    rows = _ROW_CHUNK + 3
+    k_cache = torch.randn(rows, hkv, d, generator=gen)
+    v_cache = torch.randn(rows, hkv, d, generator=gen)
+    req_to_token = torch.randperm(rows, generator=gen).reshape(1, rows)
+    positions = torch.arange(rows)
+    sel = torch.stack([positions // BLOCK, torch.zeros(rows, dtype=torch.int64)], dim=-1).to(torch.int32)[None]
+    q = torch.randn(rows, hq, d, generator=gen)
+    out = sparse_attention_torch(q, k_cache, v_cache, req_to_token, torch.tensor([0]), torch.tensor([rows]),
+                                 torch.tensor([0, rows]), positions, sel, BLOCK, 0.5)
+    for r in range(rows):
+        ref = _oracle(q[r], k_cache, v_cache, req_to_token[0], r, sel[:, r], 0.5)
         torch.testing.assert_close(out[r].double(), ref, rtol=1e-5, atol=1e-5)
