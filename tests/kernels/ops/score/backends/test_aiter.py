@@ -17,10 +17,12 @@ from m3_kernels.formats import PAGE_SIZE, alloc_index_k_cache
 from m3_kernels.ops.score import score_decode
 from m3_kernels.ops.score.backends import aiter as aiter_backend
 from m3_kernels.ops.score.backends.aiter import signature
+from m3_kernels.testing import fill_random_index_k
 
 
 def mxfp4_call(S=4, H=1, batch=3, num_pages=4, q_dtype=torch.bfloat16, fmt="mxfp4"):
     k_cache, k_scale = alloc_index_k_cache(num_pages, fmt)
+    fill_random_index_k(torch.Generator().manual_seed(0), k_cache, k_scale)  # nonzero scores to compare
     q = torch.randn(batch * S, H, 128).to(q_dtype)
     block_table = torch.randint(0, num_pages, (batch, num_pages), dtype=torch.int32)
     seq_lens = torch.tensor([1, PAGE_SIZE + 1, 3 * PAGE_SIZE][:batch], dtype=torch.int32)
