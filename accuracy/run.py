@@ -495,11 +495,16 @@ def compare_formats(argv=None) -> dict:
 
 
 def _evaluate(base_url, tokenizer, lengths, args):
+    """``(rows, lengths)`` of one server; ``lengths`` default to ``default_lengths`` of its context,
+    and given ones must fit it (ValueError before any request)."""
     model_id, context = served_model(base_url)
     if lengths is None:
         if context is None:
             raise ValueError("the server does not report max_model_len; pass --lengths")
         lengths = default_lengths(int(context))
+    elif context is not None and max(lengths) > int(context):
+        raise ValueError(f"--lengths {max(lengths)} exceeds the served context (max_model_len {context}) "
+                         f"of {base_url}; drop it or raise the server's --context-length")
     return run_lm_eval(base_url, model_id, tokenizer, args.tasks, sorted(lengths), args), lengths
 
 

@@ -128,3 +128,13 @@ def test_counts_are_checked_before_any_server(tmp_path, flag, value):
             flag, value]
     with pytest.raises(ValueError, match=flag):
         run.compare_formats(argv)
+
+
+def test_lengths_past_the_served_context_are_refused(monkeypatch):
+    monkeypatch.setattr(run, "served_model", lambda url: ("m", 4096))
+    monkeypatch.setattr(run, "run_lm_eval", lambda *a: {"m3_niah_single": []})
+    args = run.build_parser().parse_args(["--model", "m"])
+    assert run._evaluate("http://h", "m", [1024, 4096], args)[1] == [1024, 4096]
+    assert run._evaluate("http://h", "m", None, args)[1] == [1024, 2048, 4096]
+    with pytest.raises(ValueError, match="max_model_len 4096"):  # every request would be rejected
+        run._evaluate("http://h", "m", [1024, 8192], args)
