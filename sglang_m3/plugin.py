@@ -1,8 +1,10 @@
 """The ``sglang.srt.plugins`` entry point: registers MiniMax-M3.1 with SGLang in every process.
 
 Installing the package is all it takes (SGLang loads the entry point in the launcher, tokenizer
-manager, scheduler and detokenizer). Hooks, each engaging only for a config with
-``index_k_format`` (so upstream MiniMax-M3 configs keep SGLang's own path):
+manager, scheduler and detokenizer). The vocabulary check and the allocator hooks (the last two
+rows) act for every model served where this package is installed, the allocator only off CUDA; the
+others engage only for a config with ``index_k_format`` (the flag only when given), so upstream
+MiniMax-M3 configs keep SGLang's own path:
 
 | target | kind | why |
 |---|---|---|
