@@ -17,6 +17,8 @@ Tasks (``TASKS``); each sample is ``input_ids`` = prompt + answer, the answer be
 - ``vt``: variable tracking (RULER-style): chains ``VAR A = 12345.``, ``VAR B = VAR A.``, ... (1-3
   chains of 2-5 hops, each with its own value) in the prose; the question asks either which variables
   hold a chain's value (answer: the names in chain order) or the value of a chain's last variable.
+- ``copy`` (a training aid, not in ``EVAL_TASKS``): 7-digit numbers on their own lines in the prose;
+  the answer repeats them all in order.
 
 The queried fact sits at a depth drawn uniformly in [0, 100] percent of the context (by tokens, at a
 sentence boundary, as in ``accuracy.needle``); other facts (and ``vt``'s statements) sit at uniform
