@@ -379,7 +379,10 @@ def _parse_base_urls(values: list[str] | None, formats: list[str]) -> dict[str, 
         fmt, sep, url = value.partition("=")
         if not sep:
             raise ValueError(f"--base-url entries must be fmt=URL when there are several, got {value!r}")
-        urls[parse_variant(fmt, "--base-url format")] = url
+        fmt = parse_variant(fmt, "--base-url format")
+        if fmt in urls:
+            raise ValueError(f"--base-url names {fmt} twice ({urls[fmt]!r} and {url!r}); give one URL per format")
+        urls[fmt] = url
     return urls
 
 
