@@ -16,7 +16,7 @@ as stored (bf16 or e4m3), so the float64 result is the exact score rounded once.
 import torch
 
 from ...formats import PAGE_SIZE, dequantize_index_k
-from .common import check_decode_args, check_prefill_args
+from .common import check_decode_args, check_prefill_args, check_prefill_lengths
 
 _ROW_CHUNK = 256  # query rows scored at once (bounds the [H, rows, pages, 128] temporary)
 
@@ -102,14 +102,11 @@ def score_prefill_ref(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, 
     _, batch, _, max_block, sm_scale = check_prefill_args(
         q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block
     )
+    check_prefill_lengths(q, seq_lens, cu_seqlens_q)
     cu = cu_seqlens_q.tolist()
-    if cu[0] != 0 or cu[-1] != q.shape[0] or any(a > b for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens_q must rise from 0 to q.shape[0] = {q.shape[0]}, got {cu}")
     positions = torch.empty(q.shape[0], dtype=torch.long, device=q.device)
     for b in range(batch):
         n = cu[b + 1] - cu[b]
-        if n > int(seq_lens[b]):
-            raise ValueError(f"request {b} has {n} new tokens but seq_lens[{b}] = {int(seq_lens[b])}")
         positions[cu[b] : cu[b + 1]] = int(seq_lens[b]) - n + torch.arange(n, device=q.device)
     row_ranges = list(zip(cu[:-1], cu[1:]))
     return _score_rows(q, k_cache, k_scale, block_table, row_ranges, positions, max_block, sm_scale, 0, 1, dtype)
