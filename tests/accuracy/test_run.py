@@ -43,7 +43,7 @@ def test_base_urls():
     with pytest.raises(ValueError, match="fmt=URL"):
         run._parse_base_urls(["fp8=http://a", "http://b"], ["fp8", "mxfp4"])
     with pytest.raises(ValueError, match="twice"):  # the first URL was silently dropped
-        run._parse_base_urls(["fp8=http://a", "FP8=http://b"], ["fp8"])
+        run._parse_base_urls(["fp8=http://a", "fp8=http://b"], ["fp8"])
 
 
 def test_cli_validates_before_starting_anything(tmp_path):
