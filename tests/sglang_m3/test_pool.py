@@ -65,6 +65,9 @@ def test_set_index_k_stores_the_format_rows_at_loc_only(fmt, gen):
     written[loc] = True
     flat = k_cache.reshape(-1, *k_cache.shape[2:]).view(torch.uint8)
     assert torch.equal(flat[~written], before[1][0].reshape(flat.shape[0], -1).view(torch.uint8)[~written])
+    if k_scale is not None:  # MXFP4: the scale bytes of the other slots too
+        flat_scale = k_scale.reshape(flat.shape[0], -1)
+        assert torch.equal(flat_scale[~written], before[1][1].reshape(flat.shape[0], -1)[~written])
     for i in (0, 2):
         for now, was in zip(pool.get_index_k_buffer((1, 2, 3)[i]), before[i]):
             assert now is None or torch.equal(now.view(torch.uint8), was.view(torch.uint8))
