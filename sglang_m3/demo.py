@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from m3_kernels.formats import IndexKFormat
+from m3_kernels.formats import PAGE_SIZE, TOPK_BLOCKS, IndexKFormat
 
 TINY_MODEL = Path(__file__).resolve().parent.parent / "configs" / "minimax-m3.1-tiny"
 PROMPT = ("MiniMax-M3 scores every 128-token block of the context with a small indexer and attends to the best "
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
                 answer = json.loads(r.read())
             meta = answer["meta_info"]
             print(f"/generate: {meta['prompt_tokens']} prompt tokens "
-                  f"({-(-meta['prompt_tokens'] // 128)} blocks, top-16 selected), "
+                  f"({-(-meta['prompt_tokens'] // PAGE_SIZE)} blocks, top-{TOPK_BLOCKS} selected), "
                   f"{meta['completion_tokens']} new tokens in {time.monotonic() - t0:.1f} s")
             print(f"answer (dummy weights): {answer['text']!r}")
         except Exception:
