@@ -20,7 +20,6 @@ def test_quantize_is_round_to_nearest_even(gen):
     dist = (grid[None] - xs[:, None]).abs()
     best = dist.min(1, keepdim=True).values
     candidates = dist == best  # one or two nearest grid values
-    picked = grid[None].expand_as(dist)[candidates.nonzero(as_tuple=True)]
     # Where two are nearest (a tie), the pick must be the one whose mantissa is even.
     for i in range(xs.numel()):
         near = grid[candidates[i]]
@@ -30,7 +29,6 @@ def test_quantize_is_round_to_nearest_even(gen):
             bits = torch.tensor([near[0].item(), near[1].item()]).to(FP8_DTYPE).view(torch.uint8)
             even = near[(bits & 1) == 0]
             assert got[i].item() == even.item()
-    del picked
 
 
 @pytest.mark.parametrize("value,expect", [(1e6, 448.0), (-1e6, -448.0), (float("inf"), 448.0), (float("-inf"), -448.0), (float("nan"), 0.0)])
