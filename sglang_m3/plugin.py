@@ -94,6 +94,13 @@ def _build_index_k_pool(original, kvc, *, max_total_num_tokens: int):
     settings = index_k_settings(kvc.model_config.hf_config)
     if settings is None:
         return original(kvc, max_total_num_tokens=max_total_num_tokens)
+    if getattr(kvc.server_args, "enable_hierarchical_cache", False):
+        # SGLang's host copy of the index cache assumes one [slots, 1, 128] row per token slot;
+        # the paged index layout (and MXFP4's per-page scales) would be copied wrongly.
+        raise NotImplementedError(
+            "enable_hierarchical_cache: the MiniMax-M3.1 index-K cache has no host (HiCache) copy; "
+            "launch without --enable-hierarchical-cache"
+        )
     from sglang.srt.configs.model_config import (
         get_minimax_sparse_attention_config,
         get_minimax_sparse_disable_value_layer_ids,
