@@ -5,6 +5,7 @@
 """
 
 import math
+import operator
 
 import torch
 
@@ -48,6 +49,20 @@ def _check_int32_vector(name: str, t: torch.Tensor, length: int | None = None) -
         raise ValueError(f"{name} must have {length} entries, got {t.shape[0]}")
 
 
+def _check_max_block(max_block, block_table: torch.Tensor, out: torch.Tensor | None) -> int:
+    """``max_block`` as an int (default: ``out``'s columns, else ``block_table``'s), in range."""
+    if max_block is None:
+        max_block = out.shape[2] if out is not None else block_table.shape[1]
+    try:
+        value = operator.index(max_block)  # int, numpy or 0-dim integer tensor; not a float
+    except TypeError:
+        value = -1
+    if not 0 <= value <= block_table.shape[1]:
+        raise ValueError(f"max_block must be in [0, block_table.shape[1] = {block_table.shape[1]}] (an int), "
+                         f"got {max_block!r}")
+    return value
+
+
 def _check_one_device(*tensors) -> None:
     devices = {t.device for t in tensors if t is not None}
     if len(devices) != 1:
@@ -73,10 +88,7 @@ def check_decode_args(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, m
     _check_int32_vector("seq_lens", seq_lens, batch)
     _check_q(q, batch * S)
     H = q.shape[1]
-    if max_block is None:
-        max_block = out.shape[2] if out is not None else block_table.shape[1]
-    if max_block < 0 or max_block > block_table.shape[1]:
-        raise ValueError(f"max_block must be in [0, block_table.shape[1] = {block_table.shape[1]}], got {max_block}")
+    max_block = _check_max_block(max_block, block_table, out)
     if out is not None:
         if out.dtype != torch.float32 or tuple(out.shape) != (H, batch * S, max_block) or out.stride(2) != 1:
             raise ValueError(
@@ -102,10 +114,7 @@ def check_prefill_args(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q,
     _check_int32_vector("cu_seqlens_q", cu_seqlens_q, batch + 1)
     _check_q(q, None)
     H = q.shape[1]
-    if max_block is None:
-        max_block = out.shape[2] if out is not None else block_table.shape[1]
-    if max_block < 0 or max_block > block_table.shape[1]:
-        raise ValueError(f"max_block must be in [0, block_table.shape[1] = {block_table.shape[1]}], got {max_block}")
+    max_block = _check_max_block(max_block, block_table, out)
     if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != (H, q.shape[0], max_block)
                             or out.stride(2) != 1):
         raise ValueError(

@@ -181,3 +181,13 @@ def test_torch_dispatch_validates_out_like_the_kernels(gen):
     out = torch.full((1, 2, 1), float("nan"))
     assert score_decode(q, k_cache, k_scale, bt, seq, 1, 1.0, out=out, backend="torch") is out
     assert torch.equal(out, score_decode_ref(q, k_cache, k_scale, bt, seq, 1, 1.0).float())
+
+
+def test_rejects_a_non_integer_max_block(gen):
+    k_cache, k_scale = build_cache(gen, "bf16", 1)
+    args = (make_q(gen, 1, 1, torch.bfloat16), k_cache, k_scale, torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32))
+    ok, reason = decode_supported(*args, 1, 1.0, 1.0)
+    assert not ok and "(an int)" in reason
+    with pytest.raises(ValueError, match=r"max_block must be in .*\(an int\)"):
+        score_prefill_ref(*args, torch.tensor([0, 1], dtype=torch.int32), 1.0, 1.0)
