@@ -14,7 +14,8 @@ construction and modules:
 
 On ROCm, SGLang's fused norm + RoPE + cache-store kernel writes bf16 index keys into the cache
 itself; with a quantized index cache the pool's writer must do it, so that fusion is switched
-off (the norm + RoPE kernels stay).
+off. Its switch also gates ROCm's fused norm + RoPE kernel (no cache store), so that one goes
+too: Q/K and index Q/K then take SGLang's separate norm and RoPE layers.
 
 The architecture name stays ``MiniMaxM3SparseForCausalLM``: SGLang keys its M3 pool, backend and
 server defaults on it.
