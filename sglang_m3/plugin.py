@@ -167,9 +167,11 @@ def _check_input_ids_in_vocab(tokenizer_manager, obj, input_ids, *args, **kwargs
     if not input_ids:
         return None
     vocab_size = tokenizer_manager.model_config.vocab_size
-    bad = sorted({t for t in input_ids if not isinstance(t, int) or t < 0 or t >= vocab_size}, key=str)
+    # Kept as text: an id may be unhashable (a nested list) or a bool, which is no token id either.
+    bad = sorted({repr(t) for t in input_ids
+                  if isinstance(t, bool) or not isinstance(t, int) or t < 0 or t >= vocab_size})
     if bad:
-        shown = ", ".join(str(t) for t in bad[:16]) + (" ..." if len(bad) > 16 else "")
+        shown = ", ".join(bad[:16]) + (" ..." if len(bad) > 16 else "")
         raise ValueError(f"input_ids holds token ids outside the vocabulary [0, {vocab_size}): {shown}")
     return None
 
