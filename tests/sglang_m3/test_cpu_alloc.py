@@ -83,5 +83,6 @@ def test_extend_without_enough_pages_returns_none_and_keeps_the_free_list():
     alloc = _allocator()
     alloc.free_pages = torch.tensor([3, 4], dtype=torch.int64)
     prefix, seq = torch.tensor([0]), torch.tensor([2 * PAGE + 1])  # needs 3 pages
-    assert cpu_alloc.alloc_extend(_unreachable, alloc, prefix, prefix, seq, seq, torch.tensor([-1]), 2 * PAGE + 1) is None
+    last_loc = torch.tensor([-1])
+    assert cpu_alloc.alloc_extend(_unreachable, alloc, prefix, prefix, seq, seq, last_loc, 2 * PAGE + 1) is None
     assert alloc.free_pages.tolist() == [3, 4]
