@@ -9,6 +9,7 @@ MiniMax-M3 configs keep SGLang's own path:
 | target | kind | why |
 |---|---|---|
 | ``ServerArgs.add_cli_args`` / ``from_cli_args`` | after / before | ``--index-k-format`` flag, folded into ``--json-model-override-args`` |
+| ``ServerArgs._parse_cuda_graph_config`` | after | prefill without a CUDA graph (host-planned scorer); decode graphs stay |
 | ``ModelConfig.__init__`` | after | validate the format at start-up (message names the choices) |
 | ``get_model_architecture`` | around | serve ``MiniMaxM3SparseForCausalLM`` with this package's class |
 | ``KVCacheConfigurator._build_minimax_sparse_kv_pool`` | around | build ``MiniMaxM31SparseKVPool`` (index cache in the format) |
@@ -61,6 +62,31 @@ def _page_size_default(server_args, hf_config) -> dict:
     if index_k_settings(hf_config) is not None and server_args.page_size is None:
         return {"page_size": PAGE_SIZE}
     return {}
+
+
+def _no_prefill_cuda_graph(result, server_args, *args, **kwargs):
+    """After SGLang resolves ``cuda_graph_config``: an index-K config runs prefill without a CUDA graph.
+
+    The prefill scorer plans its page tiles on the host from each batch's lengths (read back from
+    the device), which a captured graph can neither record nor replay, so SGLang's CUDA default
+    (``breakable`` prefill graphs) is turned off; an explicitly requested prefill graph is refused.
+    Decode CUDA graphs are unaffected.
+    """
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase
+
+    prefill = server_args.cuda_graph_config.prefill
+    if prefill.backend == Backend.DISABLED or index_k_settings(server_args.get_model_config().hf_config) is None:
+        return None
+    if (Phase.PREFILL, "backend") in server_args._cuda_graph_config_locked:
+        raise ValueError(
+            f"cuda_graph_config prefill backend {prefill.backend!r}: MiniMax-M3.1 with an index-K cache "
+            "runs prefill without a CUDA graph; use --cuda-graph-backend-prefill disabled (decode graphs stay on)"
+        )
+    logger.info("MiniMax-M3.1 index-K cache: prefill CUDA graph %r turned off (decode graphs stay on)",
+                prefill.backend)
+    prefill.backend = Backend.DISABLED
+    server_args._cuda_graph_config_locked.add((Phase.PREFILL, "backend"))
+    return None
 
 
 # ---- model config, model class ---------------------------------------------------------------
@@ -184,6 +210,7 @@ def _hooks():
     return (
         ("sglang.srt.server_args.ServerArgs.add_cli_args", _add_index_k_format_flag, HookType.AFTER),
         ("sglang.srt.server_args.ServerArgs.from_cli_args", _fold_index_k_format_flag, HookType.BEFORE),
+        ("sglang.srt.server_args.ServerArgs._parse_cuda_graph_config", _no_prefill_cuda_graph, HookType.AFTER),
         ("sglang.srt.configs.model_config.ModelConfig.__init__", _validate_index_k_settings, HookType.AFTER),
         ("sglang.srt.model_loader.utils.get_model_architecture", _model_architecture, HookType.AROUND),
         ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_minimax_sparse_kv_pool",

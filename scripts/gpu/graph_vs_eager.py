@@ -22,6 +22,7 @@ Writes ``results.json`` and ``table.md`` into ``--out`` (server logs as ``<name>
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -52,6 +53,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--cpu", action="store_true", help="plumbing check on a CPU (no graphs there)")
+    ap.add_argument("--dummy-weights", action="store_true",
+                    help="SGLang's random weights (for configs without a checkpoint)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     formats = [f for f in args.formats.split(",") if f]
@@ -73,7 +76,7 @@ def main(argv=None) -> dict:
     else:
         base += ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
         graph_bs = sorted({min(2 ** i, len(ids)) for i in range(len(ids).bit_length() + 1)})
-        graph_flags = ["--mem-fraction-static", "0.5", "--disable-piecewise-cuda-graph",
+        graph_flags = ["--mem-fraction-static", "0.5", "--cuda-graph-backend-prefill", "disabled",
                        "--cuda-graph-bs", *map(str, graph_bs)]
         eager_flags = ["--mem-fraction-static", "0.96", "--disable-cuda-graph"]
 
@@ -85,11 +88,11 @@ def main(argv=None) -> dict:
         override = ["--json-model-override-args", json.dumps({"index_k_format": fmt})]
         r = results["formats"][fmt] = {}
         servers = {"graph": Server(f"graph-{fmt}", args.model, base + graph_flags + override, args.out,
-                                   dummy_weights=False)}
+                                   dummy_weights=args.dummy_weights)}
         try:
             servers["graph"].wait_log(r"max_total_num_tokens=(\d+)", args.startup_timeout)
             servers["eager"] = Server(f"eager-{fmt}", args.model, base + eager_flags + override, args.out,
-                                      dummy_weights=False)
+                                      dummy_weights=args.dummy_weights)
             outs = {}
             for kind, s in servers.items():
                 r[f"{kind}_ready_s"] = s.wait_ready(args.startup_timeout)
@@ -97,7 +100,7 @@ def main(argv=None) -> dict:
                 outs[kind] = [o["output_ids"] for o in s.generate(ids, args.gen_tokens)]
                 r[f"{kind}_generate_s"] = time.perf_counter() - t
                 r[f"{kind}_correct"] = sum(needle.score(tok.decode(o), d["target"]) for o, d in zip(outs[kind], docs))
-            r["graph_batches"] = servers["graph"].tail(10**8).count("cuda graph: True")
+            r["graph_batches"] = len(re.findall(r"Decode batch.*cuda graph: True", servers["graph"].tail(10**8)))
             r["equal"] = outs["graph"] == outs["eager"]
             r["divergence"] = [first_divergence(a, b) for a, b in zip(outs["eager"], outs["graph"])]
             r["distinct_outputs"] = len({tuple(o) for o in outs["eager"]})
