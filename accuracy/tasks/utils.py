@@ -8,6 +8,7 @@ The needle tasks build their data at load time from the metadata the runner pass
 
 import functools
 import re
+from decimal import Decimal
 from pathlib import Path
 
 import datasets
@@ -64,7 +65,9 @@ def first_number(text: str) -> str | None:
 
 
 def arith_results(doc, results):
-    return {"acc": 1.0 if first_number(results[0]) == str(doc["answer"]) else 0.0}
+    """1.0 when the response's first number equals the whole-number answer as a value ("42.0" counts)."""
+    number = first_number(results[0])
+    return {"acc": 1.0 if number is not None and Decimal(number) == Decimal(doc["answer"]) else 0.0}
 
 
 SHORT_ARITH = Path(__file__).parent / "data" / "short_arith.jsonl"

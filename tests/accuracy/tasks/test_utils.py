@@ -10,6 +10,7 @@ from accuracy.tasks import utils
     (" 42.\nQuestion: 7", 42, 1.0),  # a sentence-ending period, then later numbers: the first one counts
     (" 1,200 pence", 1200, 1.0),
     (" 3.5", 3, 0.0),  # a decimal is not its integer part
+    (" 42.0 pence", 42, 1.0),  # ... but a decimal with the same value is the answer
     (" -3", 3, 0.0),
     (" 43", 42, 0.0),
     (" 420", 42, 0.0),
