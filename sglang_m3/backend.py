@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from m3_kernels.formats import FP8_DTYPE, PAGE_SIZE, prepare_index_q
-from m3_kernels.ops.score import score_decode, score_prefill
+from m3_kernels.ops.score import PrefillPlan, plan_prefill, score_decode, score_prefill
 from m3_kernels.ops.select import select_blocks, visible_blocks
 from sglang.srt.configs.model_config import get_minimax_sparse_attention_config
 from sglang.srt.layers.attention.minimax_sparse_backend import MiniMaxSparseAttnBackend
@@ -52,6 +52,7 @@ class _ExtendMeta:
     max_seqlen_q: int
     max_block: int
     num_tokens: int
+    plan: PrefillPlan  # the scorer's work map, made once here for every sparse layer
 
 
 class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
@@ -130,6 +131,9 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
         torch.cumsum(extend_lens, 0, out=cu[1:])
         prefix = forward_batch.extend_prefix_lens
         seq_lens = forward_batch.seq_lens.to(torch.int32)
+        cu_host = [0]
+        for n in extend_lens_cpu:
+            cu_host.append(cu_host[-1] + int(n))
         self._extend_meta = _ExtendMeta(
             block_table=self._block_table(forward_batch.req_pool_indices)[:, :max_block].contiguous(),
             seq_lens=seq_lens,
@@ -137,7 +141,8 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
             cu_seqlens_q=cu,
             max_seqlen_q=int(max(extend_lens_cpu)),
             max_block=max_block,
-            num_tokens=int(sum(extend_lens_cpu)),
+            num_tokens=cu_host[-1],
+            plan=plan_prefill(cu_host, seq_lens_cpu.tolist(), self.num_idx_heads, self.device),
         )
 
     def init_forward_metadata_in_graph(self, forward_batch):
@@ -173,7 +178,7 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
         padded_tokens, n = q.shape[0], meta.num_tokens  # DP attention may pad q past the real tokens
         q, idx_q, positions = q[:n], idx_q[:n], forward_batch.positions[:n]
         scores = score_prefill(self._index_q(idx_q), idx_cache, idx_scale, meta.block_table, meta.seq_lens,
-                               meta.cu_seqlens_q, self.idx_sm_scale, max_block=meta.max_block)
+                               meta.cu_seqlens_q, self.idx_sm_scale, max_block=meta.max_block, plan=meta.plan)
         n_visible = visible_blocks(positions, PAGE_SIZE)
         selected = self._select(scores, n_visible)
         o = sparse_attention_extend(q, k_cache, v_cache, self.req_to_token, forward_batch.req_pool_indices,

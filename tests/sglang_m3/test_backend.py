@@ -56,6 +56,14 @@ def test_extend_plan_block_table_and_offsets(gen):
     assert meta.cu_seqlens_q.tolist() == [0, 1, 128, 156, 157, 456]
     assert meta.prefix_lens.tolist() == prefix.tolist() and meta.seq_lens.tolist() == seq_lens.tolist()
     assert (meta.max_seqlen_q, meta.num_tokens) == (299, 456)
+    # The scorer's work map, made once per batch from host lengths: every new-token row of every
+    # request covered by exactly one tile of that request.
+    plan = meta.plan
+    assert (plan.H, plan.batch, plan.num_tokens) == (2, 5, 456) and plan.tiles.device == req_to_token.device
+    covered = [(b, r) for b, r0 in plan.tiles.tolist() for r in range(r0, min(r0 + plan.rows, 456))
+               if r < meta.cu_seqlens_q[b + 1]]
+    assert sorted(covered) == [(b, r) for b in range(5) for r in range(int(meta.cu_seqlens_q[b]),
+                                                                        int(meta.cu_seqlens_q[b + 1]))]
 
 
 def test_decode_plan_reuses_captured_buffers_and_refreshes_them_in_place(gen):

@@ -6,6 +6,7 @@ on gfx950, Triton on other GPUs and torch on CPU. ``M3_SCORE_BACKEND`` forces on
 """
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -96,19 +97,53 @@ def score_and_select_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_sc
     return scores, select_blocks(scores, n_visible, TOPK_BLOCKS if topk is None else topk)
 
 
+@dataclass(frozen=True)
+class PrefillPlan:
+    """One prefill batch's plan, made on the host once and reused by every layer's ``score_prefill``:
+    the Triton path's work map (``tiles`` int32 ``[n_tiles, 2]`` on the device, ``rows`` per tile)
+    for ``H`` heads, built from lengths the caller already holds on the host, so no layer reads
+    lengths back from the device. Other backends ignore it."""
+
+    tiles: torch.Tensor
+    rows: int
+    H: int
+    batch: int
+    num_tokens: int
+
+
+def plan_prefill(cu_seqlens_q: list[int], seq_lens: list[int], H: int, device) -> PrefillPlan:
+    """``PrefillPlan`` of a batch from host lists: ``cu_seqlens_q`` (``batch + 1`` offsets of the new
+    tokens) and ``seq_lens`` (``batch`` total lengths); ValueError as ``score_prefill``'s checks."""
+    from .common import check_prefill_offsets
+    from .triton import prefill_tiles
+
+    cu, lens = [int(x) for x in cu_seqlens_q], [int(x) for x in seq_lens]
+    check_prefill_offsets(cu, lens, cu[-1] if cu else 0)
+    tiles, rows = prefill_tiles(cu, H, device)
+    return PrefillPlan(tiles, rows, H, len(lens), cu[-1])
+
+
 def score_prefill(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None, out=None,
-                  backend=None):
-    """Prefill block scores ``fp32 [H, total_new_tokens, max_block]`` (contract: ``naive.score_prefill_ref``)."""
+                  backend=None, plan: PrefillPlan | None = None):
+    """Prefill block scores ``fp32 [H, total_new_tokens, max_block]`` (contract: ``naive.score_prefill_ref``).
+
+    ``plan``: ``plan_prefill`` of the same lengths (the caller's promise), which spares the Triton
+    path its host reads of ``cu_seqlens_q`` and ``seq_lens``; without it they cost one sync each."""
     name = resolve_backend(q.device, backend, op="prefill")
     if name == "triton":
         from .common import check_prefill_lengths
         from .triton import score_prefill_triton
 
-        fmt, _, _, max_block, sm_scale = check_prefill_args(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q,
-                                                            sm_scale, max_block, out)
-        check_prefill_lengths(q, seq_lens, cu_seqlens_q)
+        fmt, batch, H, max_block, sm_scale = check_prefill_args(q, k_cache, k_scale, block_table, seq_lens,
+                                                                cu_seqlens_q, sm_scale, max_block, out)
+        if plan is None:
+            check_prefill_lengths(q, seq_lens, cu_seqlens_q)
+        elif (plan.H, plan.batch, plan.num_tokens, plan.tiles.device) != (H, batch, q.shape[0], q.device):
+            raise ValueError(f"plan was made for H={plan.H}, batch={plan.batch}, {plan.num_tokens} new tokens on "
+                             f"{plan.tiles.device}; this call has H={H}, batch={batch}, {q.shape[0]} on {q.device}")
+        tiles = None if plan is None else (plan.tiles, plan.rows)
         return score_prefill_triton(q, k_cache, k_scale, fmt, max_block, block_table, seq_lens, cu_seqlens_q, sm_scale,
-                                    out)
+                                    out, tiles)
     if name == "torch":
         from .naive import score_prefill_ref
 

@@ -128,10 +128,15 @@ def check_prefill_args(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q,
 def check_prefill_lengths(q, seq_lens, cu_seqlens_q) -> None:
     """Host check (one sync) that ``cu_seqlens_q`` rises from 0 to ``q.shape[0]`` and that no request
     has more new tokens than its ``seq_lens`` entry."""
-    cu = cu_seqlens_q.tolist()
-    if cu[0] != 0 or cu[-1] != q.shape[0] or any(a > b for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens_q must rise from 0 to q.shape[0] = {q.shape[0]}, got {cu}")
-    lens = seq_lens.tolist()
+    check_prefill_offsets(cu_seqlens_q.tolist(), seq_lens.tolist(), q.shape[0])
+
+
+def check_prefill_offsets(cu: list[int], lens: list[int], total_new_tokens: int) -> None:
+    """``check_prefill_lengths`` on host copies: ``cu`` (``cu_seqlens_q``), ``lens`` (``seq_lens``)."""
+    if len(cu) != len(lens) + 1:
+        raise ValueError(f"cu_seqlens_q must have len(seq_lens) + 1 = {len(lens) + 1} entries, got {len(cu)}")
+    if cu[0] != 0 or cu[-1] != total_new_tokens or any(a > b for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens_q must rise from 0 to q.shape[0] = {total_new_tokens}, got {cu}")
     for b, n in enumerate(b1 - b0 for b0, b1 in zip(cu, cu[1:])):
         if n > lens[b]:
             raise ValueError(f"request {b} has {n} new tokens but seq_lens[{b}] = {lens[b]}")
@@ -151,5 +156,5 @@ def decode_supported(*args, **kwargs):
     return supported(check_decode_args, *args, **kwargs)
 
 
-__all__ = ["IndexKFormat", "check_decode_args", "check_prefill_args", "check_prefill_lengths", "check_sm_scale",
+__all__ = ["IndexKFormat", "check_decode_args", "check_prefill_args", "check_prefill_lengths", "check_prefill_offsets", "check_sm_scale",
            "decode_supported", "supported"]

@@ -797,26 +797,33 @@ def score_decode_triton(q, k_cache, k_scale, fmt, batch, max_block, block_table,
                    sm_scale, cp_rank, cp_world, False, fill_tail, pp, num_warps, num_stages)
 
 
-def prefill_tiles(cu_seqlens_q: torch.Tensor, H: int):
-    """Host work map for prefill: ``(int32 [n_tiles, 2] of (request, first row), rows per tile)``."""
+def prefill_tiles(cu_seqlens_q, H: int, device=None):
+    """Host work map for prefill: ``(int32 [n_tiles, 2] of (request, first row), rows per tile)``.
+
+    ``cu_seqlens_q``: the int32 tensor (read back: one sync) or the same offsets as a list of ints
+    (no sync); the map is put on ``device`` (default: the tensor's)."""
     rows = max(1, _PREFILL_ROWS_X_HEADS // H)
-    cu = cu_seqlens_q.tolist()
+    if isinstance(cu_seqlens_q, torch.Tensor):
+        cu, device = cu_seqlens_q.tolist(), device or cu_seqlens_q.device
+    else:
+        cu = list(cu_seqlens_q)
     tiles = [(b, r) for b in range(len(cu) - 1) for r in range(cu[b], cu[b + 1], rows)]
     t = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 2)
-    return t.to(cu_seqlens_q.device), rows
+    return t.to(device), rows
 
 
 def score_prefill_triton(q, k_cache, k_scale, fmt, max_block, block_table, seq_lens, cu_seqlens_q, sm_scale,
-                         out=None, pp=None, num_warps=4, num_stages=2):
+                         out=None, tiles=None, pp=None, num_warps=4, num_stages=2):
     """Prefill scores ``fp32 [H, total_new_tokens, max_block]``; validated by ``check_prefill_args``.
 
-    Builds its work map on the host (one sync); every column is written (-inf past each row's
+    ``tiles``: the ``prefill_tiles`` work map of this batch, made once by the caller; without it the
+    map is built here from ``cu_seqlens_q`` (one sync). Every column is written (-inf past each row's
     last visible page) whether ``out`` is given or not, as ``naive.score_prefill_ref``.
     """
     H = q.shape[1]
     if out is None:
         out = torch.empty((H, q.shape[0], max_block), dtype=torch.float32, device=q.device)
-    tiles, rows = prefill_tiles(cu_seqlens_q, H)
+    tiles, rows = tiles if tiles is not None else prefill_tiles(cu_seqlens_q, H)
     return _launch(q, k_cache, k_scale, fmt, block_table, seq_lens, cu_seqlens_q, tiles, out, tiles.shape[0], 0,
                    rows, max_block, sm_scale, 0, 1, True, True, pp, num_warps, num_stages)
 

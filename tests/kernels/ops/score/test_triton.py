@@ -27,7 +27,7 @@ from m3_kernels.formats import (  # noqa: E402
     check_index_k_cache,
     mxfp4_page_views,
 )
-from m3_kernels.ops.score import decode_supported, score_decode, score_prefill  # noqa: E402
+from m3_kernels.ops.score import decode_supported, plan_prefill, score_decode, score_prefill  # noqa: E402
 from m3_kernels.ops.score.naive import score_decode_ref, score_prefill_ref  # noqa: E402
 from m3_kernels.testing import abs_index_k, fill_random_index_k, triton_module  # noqa: E402
 
@@ -197,6 +197,14 @@ def test_prefill_small_empty_request_and_poisoned_out(gen):
                   prealloc=True)
 
 
+def test_prefill_small_planned(gen):
+    """A ``plan_prefill`` work map made once on the host gives the reference scores."""
+    _on("cpu")
+    _kernels()
+    check_prefill(gen, "cpu", "mxfp4", torch.bfloat16, H=2, new=[3, 0, 130], prefix=[125, 9, 0], max_block=3,
+                  prealloc=True, planned=True)
+
+
 # ---------------------------------------------------------------- GPU matrix
 
 GEOMETRIES = [(1, 1), (1, 4), (4, 1), (2, 3), (4, 4), (8, 4), (8, 1)]
@@ -342,7 +350,7 @@ def test_cuda_graph_capture_and_replay(gen, fmt, monkeypatch):
         assert_scores_close(got, ref, bound)
 
 
-def check_prefill(gen, device, fmt, q_dtype, H, new, prefix, max_block, single=True, prealloc=False):
+def check_prefill(gen, device, fmt, q_dtype, H, new, prefix, max_block, single=True, prealloc=False, planned=False):
     batch = len(new)
     pages = batch * max_block + 1
     k_cache, k_scale = random_cache(gen, fmt, pages, device, single)
@@ -351,7 +359,9 @@ def check_prefill(gen, device, fmt, q_dtype, H, new, prefix, max_block, single=T
     cu = torch.tensor([0] + list(torch.tensor(new).cumsum(0)), dtype=torch.int32, device=device)
     q = make_q(gen, sum(new), H, q_dtype, device)
     out = torch.full((H, sum(new), max_block), float("nan"), device=device) if prealloc else None
-    got = score_prefill(q, k_cache, k_scale, bt, seq, cu, 0.25, max_block, out, backend="triton")
+    # planned: the work map made once from host lists, as the SGLang backend does per batch
+    plan = plan_prefill(cu.tolist(), seq.tolist(), H, device) if planned else None
+    got = score_prefill(q, k_cache, k_scale, bt, seq, cu, 0.25, max_block, out, backend="triton", plan=plan)
     if prealloc:  # every column is written, -inf past each row's last page
         assert got.data_ptr() == out.data_ptr()
     kc, ks = k_cache.cpu(), (k_scale.cpu() if k_scale is not None else None)
@@ -365,10 +375,11 @@ def check_prefill(gen, device, fmt, q_dtype, H, new, prefix, max_block, single=T
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "bf16"])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8_DTYPE], ids=["q_bf16", "q_e4m3"])
 @pytest.mark.parametrize("H", [1, 3, 4])
-def test_prefill_matrix(gen, fmt, q_dtype, H):
+@pytest.mark.parametrize("planned", [False, True], ids=["unplanned", "planned"])
+def test_prefill_matrix(gen, fmt, q_dtype, H, planned):
     # Radix prefixes of 0, 1, 127, 128, 129 and 1000 tokens before chunks of new tokens.
     check_prefill(gen, "cuda", fmt, q_dtype, H, new=[1, 200, 129, 64, 1, 300], prefix=[0, 1, 127, 128, 129, 1000],
-                  max_block=12)
+                  max_block=12, planned=planned)
 
 
 # ---------------------------------------------------------------- rejections (both devices)
@@ -481,3 +492,23 @@ def test_prefill_rejects_out_the_kernel_cannot_write(device):
         score_prefill(*args, out=torch.zeros(1, 2, 2, dtype=torch.float64, device=device), backend="triton")
     with pytest.raises(ValueError, match="one device"):
         score_prefill(*args, out=torch.zeros(1, 2, 2, device="meta"), backend="triton")
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+def test_prefill_plan_rejections(device):
+    """A plan is checked when made (offsets, lengths) and against the call it is given to."""
+    device = _on(device)
+    a = _valid(device)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+    args = (a["q"], a["k_cache"], a["k_scale"], a["block_table"], a["seq_lens"], cu, 0.5)
+    with pytest.raises(ValueError, match="cu_seqlens_q must rise"):
+        plan_prefill([0, 2, 1], [5, 5], 1, device)
+    with pytest.raises(ValueError, match="request 1 has 3 new tokens but seq_lens"):
+        plan_prefill([0, 1, 4], [5, 2], 1, device)
+    with pytest.raises(ValueError, match="len.seq_lens. . 1 = 3 entries"):
+        plan_prefill([0, 1], [5, 5], 1, device)
+    for plan in (plan_prefill([0, 1, 2], [5, 5], 2, device),  # other H
+                 plan_prefill([0, 2], [5], 1, device),  # other batch
+                 plan_prefill([0, 1, 3], [5, 5], 1, device)):  # other token count
+        with pytest.raises(ValueError, match="plan was made for"):
+            score_prefill(*args, backend="triton", plan=plan)
