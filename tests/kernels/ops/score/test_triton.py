@@ -478,13 +478,18 @@ def test_score_and_select_decode_matches_the_two_references(gen, device):
         score_and_select_decode(q, k_cache, k_scale, bt, seq, S, 0.5, cp_rank=0, cp_world=2, backend="triton")
 
 
+def _prefill_args(device):
+    """A valid prefill call of ``_valid``'s two requests with one new token each."""
+    a = _valid(device)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+    return a["q"], a["k_cache"], a["k_scale"], a["block_table"], a["seq_lens"], cu, 0.5
+
+
 @pytest.mark.parametrize("device", [CPU, GPU])
 def test_prefill_rejects_out_the_kernel_cannot_write(device):
     """The kernel stores ``out[h, r, p]`` at ``o_h + p``: a strided last dim or another device must raise."""
     device = _on(device)
-    a = _valid(device)
-    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
-    args = (a["q"], a["k_cache"], a["k_scale"], a["block_table"], a["seq_lens"], cu, 0.5)
+    args = _prefill_args(device)
     strided = torch.zeros(1, 2, 2, 2, device=device)[..., 0]  # [H=1, rows=2, max_block=2], last stride 2
     with pytest.raises(ValueError, match="out must be float32"):
         score_prefill(*args, out=strided, backend="triton")
@@ -498,9 +503,7 @@ def test_prefill_rejects_out_the_kernel_cannot_write(device):
 def test_prefill_plan_rejections(device):
     """A plan is checked when made (offsets, lengths) and against the call it is given to."""
     device = _on(device)
-    a = _valid(device)
-    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
-    args = (a["q"], a["k_cache"], a["k_scale"], a["block_table"], a["seq_lens"], cu, 0.5)
+    args = _prefill_args(device)
     with pytest.raises(ValueError, match="cu_seqlens_q must rise"):
         plan_prefill([0, 2, 1], [5, 5], 1, device)
     with pytest.raises(ValueError, match="request 1 has 3 new tokens but seq_lens"):
