@@ -43,14 +43,22 @@ def results(tmp_path_factory):
     ep = _load_check_entry_point(root / "ep")
     paths = [str(ep), str(REPO / "scripts" / "gpu")] + [p for p in [os.environ.get("PYTHONPATH")] if p]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
-    out = root / "out"
-    cmd = [sys.executable, str(DRIVER), "--cpu", "--out", str(out), "--formats", "mxfp4", "--lengths",
-           str(PROMPT_TOKENS), "--new-tokens", "4", "--dense", "1", "--sparse", "1", "--hidden", "256",
-           "--q-heads", "8", "--tie-margin", str(TIE_MARGIN), "--budget-s", "900"]
-    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-    print(run.stdout[-6000:])
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    return json.loads((out / "results.json").read_text())["formats"]["mxfp4"]
+    for attempt in (1, 2):
+        out = root / f"out{attempt}"
+        cmd = [sys.executable, str(DRIVER), "--cpu", "--out", str(out), "--formats", "mxfp4", "--lengths",
+               str(PROMPT_TOKENS), "--new-tokens", "4", "--dense", "1", "--sparse", "1", "--hidden", "256",
+               "--q-heads", "8", "--tie-margin", str(TIE_MARGIN), "--budget-s", "900"]
+        run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+        print(run.stdout[-6000:])
+        assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+        result = json.loads((out / "results.json").read_text())["formats"]["mxfp4"]
+        if "errors" not in result:
+            return result
+        # A server that died before answering: seen once in about ten runs of the suite on a 2-core
+        # box (the TP2 server; not reproduced in isolation or under load). Its log tail is printed and
+        # the pair is started once more; a second death fails every test here.
+        print(f"attempt {attempt}: a server died before answering:", json.dumps(result["errors"])[-4000:])
+    pytest.fail("both attempts lost a server: " + json.dumps(result["errors"])[-4000:])
 
 
 def test_both_servers_load_every_parameter_from_the_checkpoint(results):
