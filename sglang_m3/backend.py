@@ -15,6 +15,7 @@ Plan, then run: host work (block tables for prefill, per-batch-size buffers) hap
 ``init_forward_metadata_in_graph`` into buffers that CUDA-graph capture and replay share.
 """
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -127,13 +128,11 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
         extend_lens_cpu = forward_batch.extend_seq_lens_cpu
         max_block = max(1, math.ceil(int(seq_lens_cpu.max()) / PAGE_SIZE))
         extend_lens = forward_batch.extend_seq_lens.to(torch.int32)
-        cu = torch.zeros(extend_lens.shape[0] + 1, dtype=torch.int32, device=extend_lens.device)
-        torch.cumsum(extend_lens, 0, out=cu[1:])
+        # New-token offsets, summed once on the host: the plan reads them there, the kernels on the device.
+        cu_host = list(itertools.accumulate((int(n) for n in extend_lens_cpu), initial=0))
+        cu = torch.tensor(cu_host, dtype=torch.int32, device=extend_lens.device)
         prefix = forward_batch.extend_prefix_lens
         seq_lens = forward_batch.seq_lens.to(torch.int32)
-        cu_host = [0]
-        for n in extend_lens_cpu:
-            cu_host.append(cu_host[-1] + int(n))
         self._extend_meta = _ExtendMeta(
             block_table=self._block_table(forward_batch.req_pool_indices)[:, :max_block].contiguous(),
             seq_lens=seq_lens,

@@ -156,5 +156,5 @@ def decode_supported(*args, **kwargs):
     return supported(check_decode_args, *args, **kwargs)
 
 
-__all__ = ["IndexKFormat", "check_decode_args", "check_prefill_args", "check_prefill_lengths", "check_prefill_offsets", "check_sm_scale",
-           "decode_supported", "supported"]
+__all__ = ["IndexKFormat", "check_decode_args", "check_prefill_args", "check_prefill_lengths", "check_prefill_offsets",
+           "check_sm_scale", "decode_supported", "supported"]
