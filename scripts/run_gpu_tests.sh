@@ -3,15 +3,18 @@
 #   scripts/run_gpu_tests.sh [bench args...]     logs and tables go to $OUT (default ./out)
 #   scripts/run_gpu_tests.sh --multi-gpu         only the 2-GPU context-parallel scorer test (NCCL,
 #                                                 NVLink multicast off), log in $OUT/pytest_multi_gpu.log
-# Wheels for packages the machine lacks (sglang for the peer baseline) are installed from
-# $WHEELS (a folder of .whl files) when it is set.
+# SGLang (its JIT loader builds the CUDA MXFP4 scorer; its M3 scorer is the peer baseline) comes
+# from the bundle of scripts/gpu/build_wheel_bundle.sh when .whl1/ is present (carry it), else from
+# $WHEELS (a folder of .whl files) when that is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 SITE=${SITE:-$PWD/build/gpu-site}  # where carried wheels are installed
-if [ -n "${WHEELS:-}" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+if [ -f .whl1/gpu-site.tar.xz.part ]; then
+    source scripts/gpu/bundle_env.sh || exit 1
+elif [ -n "${WHEELS:-}" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl \
         && export PYTHONPATH="$SITE"${PYTHONPATH:+:$PYTHONPATH}
 fi
@@ -24,7 +27,8 @@ if [ "${1:-}" = "--multi-gpu" ]; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/ops/write/test_triton.py \
-    tests/kernels/ops/score/test_triton.py tests/kernels/ops/select/test_triton.py ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
+    tests/kernels/ops/score/test_triton.py tests/kernels/ops/score/backends/test_cuda.py \
+    tests/kernels/ops/select/test_triton.py ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
 tests_rc=${PIPESTATUS[0]}
 echo "gpu tests exit code: $tests_rc" | tee -a "$OUT/pytest_gpu.log"
 if [ "$tests_rc" != 0 ]; then

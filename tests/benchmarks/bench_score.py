@@ -1,15 +1,17 @@
-"""Decode scorer + top-16 benchmark on one GPU: fp8 vs MXFP4 index caches (Triton) against SGLang
-0.5.16's own MiniMax-M3 decode scorer + top-k (bf16 index K), plus index-cache writer throughput.
+"""Decode scorer + top-16 benchmark on one GPU: fp8 (Triton) vs MXFP4 index caches (the CUDA kernel
+and the portable Triton one) against SGLang 0.5.16's own MiniMax-M3 decode scorer + top-k (bf16
+index K), plus index-cache writer throughput.
 
-    python tests/benchmarks/bench_score.py [--out DIR] [--quick] [--no-peer] [--sweep]
+    python tests/benchmarks/bench_score.py [--out DIR] [--quick] [--no-peer]
 
 Method: every arm is captured once in a CUDA graph holding R calls over R disjoint regions of a
 page pool far larger than the L2 (R up to 8, fewer when a call's pages fill the pool); the graph
 is replayed at least 25 times and the median replay time divided by R is reported. fp8 and MXFP4
-run in the order A-B-B-A and the mean of the two rounds is reported. Bandwidth is the cache bytes
-one call must read (pages x 128 x bytes per token), and "% copy" compares it with a device-to-device
-copy measured in the same process (bytes read + written over time). Every arm's scores for one
-request are checked against the torch reference before any number is printed.
+(CUDA) run in the order A-B-B-A and the mean of the two rounds is reported. Bandwidth is the cache
+bytes one call must read (pages x 128 x bytes per token), and "% copy" compares it with a
+device-to-device copy measured in the same process (bytes read + written over time; the best of
+several graph-timed rounds after a warm-up, at the start and again at the end of the run). Every
+arm's scores for one request are checked against the torch reference before any number is printed.
 """
 
 import argparse
@@ -32,6 +34,7 @@ from m3_kernels.formats import (
     IndexKFormat,
     mxfp4_page_views,
 )
+from m3_kernels.ops.score.backends import cuda as cuda_backend
 from m3_kernels.ops.score.naive import score_decode_ref
 from m3_kernels.ops.score.triton import score_decode_triton
 from m3_kernels.ops.select.triton import select_blocks_triton
@@ -39,6 +42,7 @@ from m3_kernels.ops.write.triton import write_index_k_triton
 
 POOL_PAGES = 300_000  # 2.6 GB MXFP4, 4.9 GB fp8, 9.8 GB bf16: far past the 60 MB L2
 MAX_REGIONS = 8
+VARIANTS = (0, 1)  # tile-loop variants of the CUDA MXFP4 kernel (backends/cuda: score_decode)
 REPLAYS = 25
 SEED_CELLS = [(4, 1, b, c) for b in (8, 16, 32) for c in (32768, 100000, 131072)]
 EXTRA_CELLS = [(4, 1, b, c) for b in (64, 128) for c in (32768, 100000, 131072)] + [
@@ -78,14 +82,32 @@ def graph_time_us(fns, replays=REPLAYS):
     return statistics.median(times)
 
 
-def copy_bandwidth():
-    """Device-to-device copy: (bytes read + written) / median time, GB/s."""
-    n = 2 * 1024**3  # bytes per buffer
+def copy_bandwidth(rounds=5):
+    """Device-to-device copy bandwidth, GB/s of (bytes read + written): the best of a graph-timed
+    elementwise copy kernel and an event-timed eager ``copy_``, each over ``rounds`` rounds on 1 GiB
+    buffers after about a second of warm-up copies. (A ``copy_`` captured in a CUDA graph becomes a
+    memcpy node that read 2.7 TB/s on an H200 whose kernels copy at 4.2-4.3 TB/s.)"""
+    n = 1024**3  # bytes per buffer
     src = torch.randn(n // 4, dtype=torch.float32, device="cuda")
     dst = torch.empty_like(src)
-    t = graph_time_us([lambda: dst.copy_(src)], replays=REPLAYS)
+    t_end = time.time() + 1.0
+    while time.time() < t_end:
+        for _ in range(8):
+            torch.mul(src, 1.0, out=dst)
+        torch.cuda.synchronize()
+    kernel_us = min(graph_time_us([lambda: torch.mul(src, 1.0, out=dst)] * 4) for _ in range(rounds))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    eager_us = []
+    for _ in range(rounds):
+        start.record()
+        for _ in range(4):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        eager_us.append(start.elapsed_time(end) * 1000.0 / 4)
     del src, dst
-    return 2 * n / (t * 1e-6) / 1e9
+    torch.cuda.empty_cache()
+    return 2 * n / (min(kernel_us, min(eager_us)) * 1e-6) / 1e9
 
 
 def import_peer():
@@ -162,11 +184,15 @@ def bench_cell(pools, peer, S, H, B, ctx, copy_gbs, sm_scale=0.088, peer_max_bat
     pos = (seq.long()[:, None] - S + torch.arange(S, device="cuda")).flatten()
     nvis = (pos // PAGE_SIZE + 1).to(torch.int32)
 
-    def scorer(fmt, qq, r, with_select=False):
+    def scorer(fmt, qq, r, with_select=False, kernel="triton"):
         kc, ks = pools.cache(fmt)
 
         def f():
-            score_decode_triton(qq, kc, ks, fmt, B, npg, bts[r], seq, S, sm_scale, outs[r])
+            if kernel.startswith("cuda"):
+                variant = int(kernel[4:]) if kernel[4:] else None
+                cuda_backend.score_decode(qq, kc, ks, bts[r], seq, S, sm_scale, npg, outs[r], variant=variant)
+            else:
+                score_decode_triton(qq, kc, ks, fmt, B, npg, bts[r], seq, S, sm_scale, outs[r])
             if with_select:
                 select_blocks_triton(outs[r], nvis, TOPK_BLOCKS, 1, 0, out=sel[r])
 
@@ -174,25 +200,33 @@ def bench_cell(pools, peer, S, H, B, ctx, copy_gbs, sm_scale=0.088, peer_max_bat
 
     res = {"S": S, "H": H, "B": B, "ctx": ctx, "regions": regions, "gate": "pass"}
     # Correctness gate on request 0 of region 0 for each of our arms.
-    for fmt, qq, name in ((IndexKFormat.FP8, q, "fp8"), (IndexKFormat.MXFP4, q, "mxfp4"),
-                          (IndexKFormat.MXFP4, q8, "mxfp4_e4m3q")):
-        scorer(fmt, qq, 0)()
+    arms = [(IndexKFormat.FP8, q, "fp8", "triton"), (IndexKFormat.MXFP4, q, "mxfp4_triton", "triton"),
+            (IndexKFormat.MXFP4, q, "mxfp4", "cuda"), (IndexKFormat.MXFP4, q8, "mxfp4_e4m3q", "cuda")]
+    arms += [(IndexKFormat.MXFP4, q, f"mxfp4_v{v}", f"cuda{v}") for v in VARIANTS]
+    for fmt, qq, name, kernel in arms:
+        outs[0].fill_(float("nan"))
+        scorer(fmt, qq, 0, kernel=kernel)()
         kc, ks = pools.cache(fmt)
         try:
-            check_against_ref(outs[0], qq, kc, ks, bts[0], seq, S, sm_scale, name)
+            res[f"{name}_err"] = check_against_ref(outs[0], qq, kc, ks, bts[0], seq, S, sm_scale, name)
         except AssertionError as e:
             log(f"GATE FAILED S{S} H{H} B{B} ctx{ctx}: {e}")
             res["gate"] = f"FAILED {name}"
     rounds = {"fp8": [], "mxfp4": []}
     for name in ("fp8", "mxfp4", "mxfp4", "fp8"):  # A-B-B-A
-        fmt = IndexKFormat.FP8 if name == "fp8" else IndexKFormat.MXFP4
-        rounds[name].append(graph_time_us([scorer(fmt, q, r) for r in range(regions)]))
+        fmt, kernel = (IndexKFormat.FP8, "triton") if name == "fp8" else (IndexKFormat.MXFP4, "cuda")
+        rounds[name].append(graph_time_us([scorer(fmt, q, r, kernel=kernel) for r in range(regions)]))
     res["fp8_us"] = statistics.mean(rounds["fp8"])
     res["mxfp4_us"] = statistics.mean(rounds["mxfp4"])
     res["spread"] = max(abs(a - b) / min(a, b) for a, b in rounds.values())
-    res["mxfp4_e4m3q_us"] = graph_time_us([scorer(IndexKFormat.MXFP4, q8, r) for r in range(regions)])
+    res["mxfp4_triton_us"] = graph_time_us([scorer(IndexKFormat.MXFP4, q, r) for r in range(regions)])
+    for v in VARIANTS:  # the CUDA kernel's tile-loop variants, for the record
+        res[f"mxfp4_v{v}_us"] = graph_time_us([scorer(IndexKFormat.MXFP4, q, r, kernel=f"cuda{v}")
+                                               for r in range(regions)])
+    res["mxfp4_e4m3q_us"] = graph_time_us([scorer(IndexKFormat.MXFP4, q8, r, kernel="cuda") for r in range(regions)])
     res["fp8_sel_us"] = graph_time_us([scorer(IndexKFormat.FP8, q, r, True) for r in range(regions)])
-    res["mxfp4_sel_us"] = graph_time_us([scorer(IndexKFormat.MXFP4, q, r, True) for r in range(regions)])
+    res["mxfp4_sel_us"] = graph_time_us([scorer(IndexKFormat.MXFP4, q, r, True, kernel="cuda")
+                                         for r in range(regions)])
     res["select_us"] = graph_time_us(
         [lambda r=r: select_blocks_triton(outs[r], nvis, TOPK_BLOCKS, 1, 0, out=sel[r]) for r in range(regions)])
     tokens = B * npg * PAGE_SIZE
@@ -201,6 +235,7 @@ def bench_cell(pools, peer, S, H, B, ctx, copy_gbs, sm_scale=0.088, peer_max_bat
         res[f"{name}_pct"] = 100 * res[f"{name}_gbs"] / copy_gbs
         res[f"{name}_floor_us"] = tokens * tb / (copy_gbs * 1e9) * 1e6
     res["ratio"] = res["mxfp4_us"] / res["fp8_us"]
+    res["mxfp4_triton_pct"] = 100 * tokens * IndexKFormat.MXFP4.token_bytes / (res["mxfp4_triton_us"] * 1e-6) / 1e9 / copy_gbs
     if peer is not None and B <= peer_max_batch:
         try:
             res.update(bench_peer(peer, pools, bts, q, B, S, H, ctx, sm_scale))
@@ -260,56 +295,25 @@ def bench_writer(pools, copy_gbs, tokens=32768, sets=8):
     return rows
 
 
-def sweep(pools, cells, sm_scale=0.088):
-    """Launch-parameter sweep (pages per program, warps, pipeline stages) on a few cells."""
-    rows = []
-    for S, H, B, ctx in cells:
-        npg = math.ceil(ctx / PAGE_SIZE)
-        need = B * npg
-        regions = max(1, min(MAX_REGIONS, pools.pages // need))
-        bts = [pools.perm[r * need : (r + 1) * need].reshape(B, npg).contiguous() for r in range(regions)]
-        seq = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
-        q = torch.randn(B * S, H, INDEX_DIM, device="cuda").to(torch.bfloat16)
-        out = torch.empty(H, B * S, npg, dtype=torch.float32, device="cuda")
-        for fmt in (IndexKFormat.MXFP4, IndexKFormat.FP8):
-            kc, ks = pools.cache(fmt)
-            variants = [(None, 4, 2, "split")]
-            if fmt is IndexKFormat.MXFP4:
-                variants += [(None, 4, 2, "groups"), (16, 4, 2, "split"), (None, 4, 3, "split")]
-            for pp, nw, ns, dec in variants:
-                os.environ["M3_TRITON_NO_ASM"] = "1" if dec == "no_asm" else "0"
-                os.environ["M3_TRITON_MX_MODE"] = dec if dec in ("split", "groups", "stacked") else "split"
-                fns = [lambda r=r: score_decode_triton(q, kc, ks, fmt, B, npg, bts[r], seq, S, sm_scale, out,
-                                                       pp=pp, num_warps=nw, num_stages=ns)
-                       for r in range(regions)]
-                try:
-                    t = graph_time_us(fns)
-                except Exception as e:  # a config that does not compile is reported, not fatal
-                    t = float("nan")
-                    log(f"sweep {fmt.value} pp={pp} nw={nw} ns={ns}: {type(e).__name__}: {e}"[:300])
-                rows.append({"fmt": fmt.value, "S": S, "H": H, "B": B, "ctx": ctx, "pp": pp, "nw": nw, "ns": ns,
-                             "decode": dec, "us": t})
-                log(f"sweep {fmt.value} S{S} H{H} B{B} ctx{ctx} pp={pp} nw={nw} ns={ns} {dec}: {t:.1f} us")
-    os.environ["M3_TRITON_NO_ASM"] = "0"
-    os.environ.pop("M3_TRITON_MX_MODE", None)  # back to the default mode
-    return rows
-
-
-def table(results, writer, copy_gbs, header):
-    lines = [header, "", f"Copy bandwidth measured in this run: {copy_gbs / 1000:.2f} TB/s (read + write).", ""]
-    lines.append("| shape | B | ctx | fp8 us | fp8 GB/s | fp8 % copy | MXFP4 us | MXFP4 GB/s | MXFP4 % copy | "
-                 "MXFP4 floor us | MXFP4/fp8 | MXFP4 e4m3-Q us | select us | fp8+sel us | MXFP4+sel us | "
-                 "SGLang us | SGLang % copy | SGLang / MXFP4+sel |")
-    lines.append("|" + "---|" * 18)
+def table(results, writer, copy_gbs, header, copy_note=""):
+    lines = [header, "", f"Copy bandwidth measured in this run: {copy_gbs / 1000:.2f} TB/s (read + write){copy_note}.",
+             "", "MXFP4 = the CUDA kernel (backends/cuda); MXFP4 Triton = the portable fallback; fp8 = Triton. "
+             "+sel: with the MSA top-16 selection (Triton).", ""]
+    lines.append("| shape | B | ctx | fp8 us | fp8 % copy | MXFP4 us | MXFP4 GB/s | MXFP4 % copy | MXFP4 floor us | "
+                 "MXFP4/fp8 | MXFP4 Triton us | MXFP4 Triton % copy | MXFP4 e4m3-Q us | select us | fp8+sel us | "
+                 "MXFP4+sel us | SGLang us | SGLang % copy | SGLang / MXFP4+sel | "
+                 + " | ".join(f"MXFP4 v{v} us" for v in VARIANTS) + " |")
+    lines.append("|" + "---|" * (19 + len(VARIANTS)))
     for r in results:
         gate = "" if r["gate"] == "pass" else f" (gate {r['gate']})"
         peer = (f"{r['peer_us']:.1f} | {r['peer_pct']:.0f}% | {r['speedup_mxfp4_sel']:.2f}x" if "peer_us" in r
                 else "- | - | -")
         lines.append(
-            f"| S{r['S']} H{r['H']}{gate} | {r['B']} | {r['ctx']} | {r['fp8_us']:.1f} | {r['fp8_gbs']:.0f} | "
-            f"{r['fp8_pct']:.0f}% | {r['mxfp4_us']:.1f} | {r['mxfp4_gbs']:.0f} | {r['mxfp4_pct']:.0f}% | "
-            f"{r['mxfp4_floor_us']:.1f} | {r['ratio']:.2f} | {r['mxfp4_e4m3q_us']:.1f} | {r['select_us']:.1f} | "
-            f"{r['fp8_sel_us']:.1f} | {r['mxfp4_sel_us']:.1f} | {peer} |")
+            f"| S{r['S']} H{r['H']}{gate} | {r['B']} | {r['ctx']} | {r['fp8_us']:.1f} | {r['fp8_pct']:.0f}% | "
+            f"{r['mxfp4_us']:.1f} | {r['mxfp4_gbs']:.0f} | {r['mxfp4_pct']:.0f}% | {r['mxfp4_floor_us']:.1f} | "
+            f"{r['ratio']:.2f} | {r['mxfp4_triton_us']:.1f} | {r['mxfp4_triton_pct']:.0f}% | "
+            f"{r['mxfp4_e4m3q_us']:.1f} | {r['select_us']:.1f} | {r['fp8_sel_us']:.1f} | {r['mxfp4_sel_us']:.1f} | "
+            f"{peer} | " + " | ".join(f"{r[f'mxfp4_v{v}_us']:.1f}" for v in VARIANTS) + " |")
     if writer:
         lines += ["", "Index-cache writer, 32768 fp32 tokens to random slots (bytes: fp32 in + slot + cache row):", "",
                   "| format | us | M tokens/s | GB/s | % copy |", "|---|---|---|---|---|"]
@@ -323,7 +327,6 @@ def main(argv=None):
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--quick", action="store_true", help="the 9 seed cells only")
     parser.add_argument("--no-peer", action="store_true")
-    parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     import triton
@@ -347,13 +350,11 @@ def main(argv=None):
             os.environ["SGLANG_OPT_USE_MINIMAX_DECODE_TOPK_RADIX"] = "0"
             log(f"SGLang top-k: Triton two-stage fallback (JIT radix select unavailable: "
                 f"{type(e).__name__}: {e})"[:400])
-    copy_gbs = copy_bandwidth()
-    log(f"copy bandwidth {copy_gbs:.0f} GB/s")
+    cuda_backend.build()  # compile (or load) the CUDA kernel before anything is timed
+    copy_start = copy_bandwidth()
+    log(f"copy bandwidth {copy_start:.0f} GB/s")
+    copy_gbs = copy_start
     pools = Pools(POOL_PAGES, peer is not None)
-    if args.sweep:
-        rows = sweep(pools, [(4, 1, 8, 32768), (4, 1, 32, 131072)])
-        with open(os.path.join(args.out, "sweep.json"), "w") as f:
-            json.dump(rows, f, indent=1)
     cells = SEED_CELLS + ([] if args.quick else EXTRA_CELLS)
     results = []
     for S, H, B, ctx in cells:
@@ -365,11 +366,16 @@ def main(argv=None):
         results.append(r)
         log(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}))
     writer = bench_writer(pools, copy_gbs)
-    text = table(results, writer, copy_gbs, header)
+    del pools
+    torch.cuda.empty_cache()
+    copy_end = copy_bandwidth()
+    note = f"; {copy_start / 1000:.2f} at the start, {copy_end / 1000:.2f} at the end; the start value is used"
+    text = table(results, writer, copy_gbs, header, note)
     with open(os.path.join(args.out, "bench_score.md"), "w") as f:
         f.write(text + "\n")
     with open(os.path.join(args.out, "bench_score.json"), "w") as f:
-        json.dump({"copy_gbs": copy_gbs, "cells": results, "writer": writer, "header": header}, f, indent=1)
+        json.dump({"copy_gbs": copy_gbs, "copy_gbs_end": copy_end, "cells": results, "writer": writer,
+                   "header": header}, f, indent=1)
     log(text)
 
 

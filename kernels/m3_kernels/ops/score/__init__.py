@@ -1,10 +1,13 @@
 """Block scorers: one dispatcher per entry point.
 
 Backends: ``torch`` (the reference in ``naive.py``; CPU and anything else), ``triton`` (CUDA and
-ROCm), ``flydsl`` (ROCm gfx950), ``aiter`` (aiter's installed MXFP4 scorer). ``auto`` picks FlyDSL
-on gfx950, Triton on other GPUs and torch on CPU. ``M3_SCORE_BACKEND`` forces one.
+ROCm), ``cuda`` (CUDA C++ MXFP4 decode scorer, NVIDIA sm_90+, built by SGLang's JIT loader),
+``flydsl`` (ROCm gfx950), ``aiter`` (aiter's installed MXFP4 scorer). ``auto`` picks FlyDSL on
+gfx950, for MXFP4 decode the CUDA kernel on NVIDIA sm_90+ (Triton, with one log line, where it
+cannot be built), Triton on other GPUs and torch on CPU. ``M3_SCORE_BACKEND`` forces one.
 """
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -12,20 +15,23 @@ import torch
 
 from .common import check_decode_args, check_prefill_args, decode_supported  # noqa: F401
 
-BACKENDS = ("auto", "torch", "triton", "flydsl", "aiter")
+BACKENDS = ("auto", "torch", "triton", "cuda", "flydsl", "aiter")
 ENV_BACKEND = "M3_SCORE_BACKEND"
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_backend(device: torch.device, backend: str | None = None, op: str = "decode") -> str:
     """The backend a call on ``device`` uses: ``backend``, else ``$M3_SCORE_BACKEND``, else auto.
 
     auto: torch off-GPU; for ``op="decode"`` FlyDSL on ROCm gfx950 (when installed); else Triton.
-    FlyDSL and aiter score decode only: forced for ``op="prefill"``, they resolve as auto.
+    FlyDSL, aiter and cuda score decode only: forced for ``op="prefill"``, they resolve as auto.
+    (Auto's choice of the CUDA kernel for an MXFP4 decode call is made in ``score_decode``.)
     """
     backend = backend or os.environ.get(ENV_BACKEND, "auto")
     if backend not in BACKENDS:
         raise ValueError(f"{ENV_BACKEND} / backend must be one of {list(BACKENDS)}, got {backend!r}")
-    if op == "prefill" and backend in ("flydsl", "aiter"):
+    if op == "prefill" and backend in ("flydsl", "aiter", "cuda"):
         backend = "auto"
     if backend != "auto":
         return backend
@@ -46,6 +52,13 @@ def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_bl
     read -inf; a preallocated ``out`` is written up to each request's last page only.
     """
     name = resolve_backend(q.device, backend)
+    auto = (backend or os.environ.get(ENV_BACKEND, "auto")) == "auto"
+    if name == "triton" and auto and k_scale is not None and _cuda_mxfp4_available(q.device):
+        from .backends import cuda
+
+        if cuda.verify_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank,
+                              cp_world)[0]:
+            name = "cuda"
     if name == "torch":
         from .naive import score_decode_ref
 
@@ -57,6 +70,11 @@ def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_bl
             return res
         out.copy_(res)
         return out
+    if name == "cuda":
+        from .backends import cuda
+
+        return cuda.score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank,
+                                 cp_world)
     if name in ("flydsl", "aiter"):
         from .backends import get_backend
 
@@ -74,6 +92,22 @@ def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_bl
         return score_decode_triton(q, k_cache, k_scale, fmt, batch, max_block, block_table, seq_lens, S, sm_scale, out,
                                    cp_rank, cp_world)
     raise NotImplementedError(f"score backend {name!r} is not available in this build")
+
+
+_CUDA_FALLBACK_LOGGED = set()
+
+
+def _cuda_mxfp4_available(device) -> bool:
+    """Whether auto may use the CUDA MXFP4 kernel on ``device``; logs once per device why not, on
+    NVIDIA sm_90+ GPUs where it was expected (older GPUs and ROCm use Triton without a word)."""
+    from .backends import cuda
+
+    ok, why = cuda.availability(device)
+    if not ok and device not in _CUDA_FALLBACK_LOGGED and not getattr(torch.version, "hip", None) \
+            and torch.cuda.get_device_capability(device) >= cuda.MIN_CAPABILITY:
+        _CUDA_FALLBACK_LOGGED.add(device)
+        logger.warning("MXFP4 decode scorer: using Triton on %s (%s)", device, why)
+    return ok
 
 
 def score_and_select_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None,

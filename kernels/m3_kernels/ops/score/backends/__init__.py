@@ -3,13 +3,14 @@
 ``NAME``, ``availability(device) -> (ok, reason)``, ``is_available(device)``,
 ``verify_decode(<score_decode arguments>) -> (ok, reason)`` and ``score_decode(...)``.
 
+- ``cuda``: our CUDA C++ MXFP4 kernel for NVIDIA sm_90+ (built by SGLang's JIT loader).
 - ``flydsl``: our FlyDSL kernel for ROCm gfx950.
 - ``aiter``: aiter's installed MXFP4 scorer (``score_flydsl_fp4``), when present.
 """
 
 import importlib
 
-NAMES = ("flydsl", "aiter")
+NAMES = ("cuda", "flydsl", "aiter")
 
 
 def get_backend(name: str):

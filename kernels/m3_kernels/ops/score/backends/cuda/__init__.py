@@ -1,0 +1,146 @@
+"""CUDA C++ MXFP4 decode scorer for NVIDIA Hopper (sm_90), built at first use by SGLang's JIT loader.
+
+The kernel (``decode_mxfp4.cuh``, beside this file) has an explicit register layout: dims permuted
+so that a thread's ``mma.sync`` fragment of a token row is one whole MX group, e2m1 decoded to fp16
+with shifts, masks and byte permutes, one exact fp16 multiply per pair for the group scale, and a
+per-warp ring of page buffers filled by bulk copies. Its docstring states the numerics.
+
+``sglang.jit_kernel.utils.load_jit`` (TVM-FFI + nvcc) compiles it for the current GPU on the first
+call and caches the module on disk. Importing this package imports neither SGLang nor TVM-FFI;
+where either, nvcc or a Hopper GPU is missing, ``availability`` says why and the dispatcher keeps
+the Triton kernel (one log line).
+"""
+
+import functools
+import importlib.util
+import logging
+import pathlib
+import shutil
+import sys
+
+import torch
+
+from .....formats import IndexKFormat
+from ...common import check_decode_args, supported
+
+NAME = "cuda"
+SOURCE = pathlib.Path(__file__).with_name("decode_mxfp4.cuh")
+MIN_CAPABILITY = (9, 0)  # bulk copies on mbarriers (cp.async.bulk) are sm_90+
+MAX_QUERY_VECTORS = 32  # S * H: 4 tiles of 8 MMA columns
+QUERY_ALIGN_BYTES = 16  # the kernel reads Q in 16-byte vectors
+DEFAULT_VARIANT = 0  # tile loop variant (see score_decode)
+
+logger = logging.getLogger(__name__)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def availability(device=None) -> tuple[bool, str]:
+    """``(True, "")`` if this backend can run on ``device`` (default: the current GPU), else
+    ``(False, reason)``. Cached per device."""
+    device = torch.device(default_device() if device is None else device)
+    return _availability(device.type, device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _availability(device_type: str, index: int | None) -> tuple[bool, str]:
+    if device_type != "cuda" or getattr(torch.version, "hip", None):
+        return False, "the CUDA scorer needs an NVIDIA GPU"
+    cap = torch.cuda.get_device_capability(index)
+    if cap < MIN_CAPABILITY:
+        return False, f"the CUDA scorer needs sm_90 or newer (bulk copies), this GPU is sm_{cap[0]}{cap[1]}"
+    if not (_importable("sglang") and _importable("tvm_ffi")):
+        return False, "SGLang's JIT loader (sglang.jit_kernel, apache-tvm-ffi) is not installed"
+    if shutil.which("nvcc") is None and not pathlib.Path("/usr/local/cuda/bin/nvcc").exists():
+        return False, "nvcc is not on PATH (the kernel is compiled at first use)"
+    return True, ""
+
+
+def _importable(name: str) -> bool:
+    if name in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def is_available(device=None) -> bool:
+    return availability(device)[0]
+
+
+def check_cuda_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
+                      cp_world=1):
+    """The shared argument rules plus this kernel's: an MXFP4 cache, ``S * H <= 32``, Q base and
+    row/head strides 16-byte aligned. Returns ``check_decode_args``'s tuple; ValueError otherwise."""
+    res = check_decode_args(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank, cp_world)
+    fmt, _, H = res[0], res[1], res[2]
+    if fmt is not IndexKFormat.MXFP4:
+        raise ValueError(f"the CUDA scorer reads MXFP4 caches only, got a {fmt.value} cache")
+    if S * H > MAX_QUERY_VECTORS:
+        raise ValueError(f"the CUDA scorer takes S * H <= {MAX_QUERY_VECTORS} query vectors, got S={S}, H={H}")
+    es = q.element_size()
+    if q.data_ptr() % QUERY_ALIGN_BYTES or (q.stride(0) * es) % QUERY_ALIGN_BYTES or (
+            q.stride(1) * es) % QUERY_ALIGN_BYTES:
+        raise ValueError(f"q's base address and row/head strides must be {QUERY_ALIGN_BYTES}-byte aligned for the CUDA "
+                         f"scorer, got address % 16 = {q.data_ptr() % 16}, strides {q.stride()} x {es} B")
+    return res
+
+
+def verify_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
+                  cp_world=1) -> tuple[bool, str]:
+    """``(ok, reason)`` for a ``score_decode`` call on this backend; never raises."""
+    ok, reason = supported(check_cuda_decode, q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out,
+                           cp_rank, cp_world)
+    if not ok:
+        return ok, reason
+    return availability(q.device)
+
+
+@functools.lru_cache(maxsize=None)
+def _module():
+    """The compiled TVM-FFI module (built on first use, then loaded from SGLang's JIT cache)."""
+    from sglang.jit_kernel.utils import load_jit
+
+    return load_jit("m3_score_decode_mxfp4", cuda_files=[str(SOURCE)],
+                    cuda_wrappers=[("score_decode_mxfp4", "m3_mxfp4::score_decode_mxfp4")])
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def build(device=None) -> None:
+    """Compile (or load) the kernel now, e.g. before CUDA-graph capture; RuntimeError if it cannot run."""
+    ok, why = availability(device)
+    if not ok:
+        raise RuntimeError(f"CUDA scorer unavailable: {why}")
+    _module()
+
+
+def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
+                 cp_world=1, variant=None):
+    """Decode block scores ``fp32 [H, batch*S, max_block]`` (contract: ``ops.score.score_decode``).
+
+    With ``out=None`` the buffer is allocated filled with -inf (columns past a row's last visible
+    page read -inf); a preallocated ``out`` is written up to each request's last page only.
+    ``variant`` (for benchmarks): 0 the plain tile loop, 1 the next tile decoded before this tile's
+    MMAs are issued; default ``DEFAULT_VARIANT``.
+    """
+    _, batch, H, max_block, sm_scale = check_cuda_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale,
+                                                         max_block, out, cp_rank, cp_world)
+    ok, why = availability(q.device)
+    if not ok:
+        raise NotImplementedError(f"score backend 'cuda' cannot run here: {why}")
+    if out is None:
+        out = torch.full((H, batch * S, max_block), float("-inf"), dtype=torch.float32, device=q.device)
+    if batch == 0 or max_block == 0:
+        return out
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    _module().score_decode_mxfp4(q.view(torch.uint8), k_cache, k_scale, block_table, seq_lens, out,
+                                 int(q.dtype != torch.bfloat16), S, max_block, cp_rank, cp_world, sm_scale,
+                                 _num_sms(index), DEFAULT_VARIANT if variant is None else int(variant))
+    return out

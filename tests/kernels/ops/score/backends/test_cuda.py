@@ -1,0 +1,371 @@
+"""CUDA C++ MXFP4 decode scorer (``backends/cuda``) against the float64 torch reference.
+
+CPU (CI, where nvcc is installed): the kernel is compiled for sm_90a and its SASS checked
+(registers, no spills or local memory, the bulk-copy pipeline and the MMA count the design implies).
+GPU (``-m gpu``, sm_90+): the full matrix of Q dtypes, geometries, lengths (1, 127, 128, 129, empty
+requests, the last partial page), scale-byte ranges (one-pass and multi-pass pages), context-parallel
+shards, split and single-region views, poisoned preallocated buffers, CUDA-graph capture and
+replay, the dispatcher's choice and the rejections. Tolerance as in ``test_triton.py``:
+``|got - ref| <= 1e-5 * bound`` with ``bound`` the score of ``|q|`` and ``|K|``.
+"""
+
+import pathlib
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from m3_kernels.formats import FP8_DTYPE, PAGE_SIZE, alloc_index_k_cache, mxfp4_page_views
+from m3_kernels.ops.score import score_decode
+from m3_kernels.ops.score.backends import cuda as cuda_backend
+from m3_kernels.ops.score.naive import score_decode_ref
+from m3_kernels.testing import abs_index_k, fill_random_index_k
+
+SOURCE = cuda_backend.SOURCE
+INSTANCES = [(nt, e4m3, pipe) for nt in (1, 2, 3, 4) for e4m3 in (False, True) for pipe in (False, True)]
+
+
+def _sm90():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs an sm_90+ GPU")
+    ok, why = cuda_backend.availability()
+    if not ok:
+        pytest.skip(why)
+
+
+# ---------------------------------------------------------------- CPU: SASS facts
+
+
+def _tool(name):
+    """nvcc from PATH; cuobjdump from PATH or the copy Triton ships."""
+    found = shutil.which(name)
+    if found:
+        return found
+    import triton
+
+    path = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    return str(path) if path.exists() else None
+
+
+@pytest.fixture(scope="module")
+def sm90_build(tmp_path_factory):
+    nvcc, cuobjdump = _tool("nvcc"), _tool("cuobjdump")
+    if nvcc is None or cuobjdump is None:
+        pytest.skip("nvcc or cuobjdump not installed")
+    tmp = tmp_path_factory.mktemp("cuda_sass")
+    src = tmp / "instances.cu"
+    lines = ["#define M3_MXFP4_DEVICE_ONLY", f'#include "{SOURCE}"']
+    lines += [f"template __global__ void m3_mxfp4::score_decode_mxfp4_kernel<{nt}, {str(e).lower()}, "
+              f"{str(pipe).lower()}>(const __grid_constant__ m3_mxfp4::Params);" for nt, e, pipe in INSTANCES]
+    src.write_text("\n".join(lines) + "\n")
+    cubin = tmp / "instances.cubin"
+    res = subprocess.run([nvcc, "-std=c++17", "-O3", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-o", str(cubin),
+                          str(src)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, timeout=300).stdout
+    return res.stderr, sass
+
+
+def _ptxas_usage(log):
+    """{(nt, e4m3, pipe): (registers, spill bytes, stack bytes)} from ptxas -v."""
+    usage = {}
+    for m in re.finditer(r"Function properties for \S*kernelILi(\d)ELb([01])ELb([01])E\S*\s+(\d+) bytes stack "
+                         r"frame, (\d+) bytes spill stores, (\d+) bytes spill loads\s+ptxas info\s+: Used (\d+) "
+                         r"registers", log):
+        nt, e, pipe, stack, st, ld, regs = (int(x) for x in m.groups())
+        usage[(nt, bool(e), bool(pipe))] = (regs, st + ld, stack)
+    return usage
+
+
+def _functions(sass):
+    """{(nt, e4m3, pipe): list of opcodes} per kernel instantiation."""
+    out, cur = {}, None
+    for line in sass.splitlines():
+        m = re.search(r"Function : \S*kernelILi(\d)ELb([01])ELb([01])E", line)
+        if m:
+            cur = out.setdefault((int(m.group(1)), m.group(2) == "1", m.group(3) == "1"), [])
+            continue
+        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m and cur is not None:
+            cur.append(m.group(1))
+    return out
+
+
+def test_sass_every_instance_builds_without_spills(sm90_build):
+    usage = _ptxas_usage(sm90_build[0])
+    assert set(usage) == set(INSTANCES), sorted(usage)
+    for (nt, e4m3, pipe), (regs, spill, stack) in usage.items():
+        budget = 65536 // (128 * (3 if nt <= 2 else 2))  # the launch bounds: 3 (2) CTAs of 128 threads per SM
+        what = f"NT={nt} e4m3={e4m3} pipe={pipe}"
+        assert spill == 0 and stack == 0, f"{what}: {spill} B spilled, {stack} B stack"
+        assert regs <= min(255, budget), f"{what}: {regs} registers > {budget}"
+
+
+def test_sass_structure(sm90_build):
+    """Bulk copies on mbarriers, no local memory, 16-byte shared loads of K, and the MMA count of
+    the design: per n-tile and page 8 tiles x 8 k-steps, for the fully visible page and the masked
+    page, plus one multi-pass tile body."""
+    funcs = _functions(sm90_build[1])
+    assert set(funcs) == set(INSTANCES)
+    for (nt, _, _), ops in funcs.items():
+        names = [o.split(".")[0] for o in ops]
+        assert "UBLKCP" in names, "no bulk copy (cp.async.bulk)"
+        assert any(n.startswith("SYNCS") for n in names), "no mbarrier wait"
+        assert not {"LDL", "STL"} & set(names), "local memory in use"
+        assert "LDS.128" in ops, "K is not read with 16-byte shared loads"
+        hmma = names.count("HMMA")
+        print(f"NT={nt}: {len(ops)} instructions, {hmma} HMMA")
+        assert hmma == nt * (2 * 64 + 8), f"NT={nt}: {hmma} HMMA, expected {nt * 136} (loops fully unrolled)"
+
+
+# ---------------------------------------------------------------- GPU: against the oracle
+
+
+def random_mxfp4_cache(gen, pages, single_region=True, scale_lo=122, scale_hi=127):
+    k_data, k_scale = alloc_index_k_cache(pages, "mxfp4", single_region=single_region)
+    fill_random_index_k(gen, k_data, k_scale, scale_lo, scale_hi)
+    if single_region:
+        region = k_data.as_strided((pages, k_data.stride(0)), (k_data.stride(0), 1)).cuda()
+        return mxfp4_page_views(region)
+    return k_data.cuda(), k_scale.cuda()
+
+
+def make_q(gen, rows, H, q_dtype, scale=1.0):
+    q = torch.randn(rows, H, 128, generator=gen) * scale
+    if q_dtype == FP8_DTYPE:
+        q = q.clamp(-448, 448)
+    return q.to(q_dtype).cuda()
+
+
+def assert_scores_close(got, ref, bound):
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    got, ref, bound = got.double().cpu(), ref.double().cpu(), bound.double().cpu()
+    assert not torch.isnan(got).any(), "NaN in scores"
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref)), "-inf pattern differs from the reference"
+    fin = torch.isfinite(ref)
+    assert torch.isfinite(got[fin]).all()
+    err = (got[fin] - ref[fin]).abs()
+    tol = 1e-5 * bound[fin] + 1e-30
+    worst = (err / tol).max().item() if err.numel() else 0.0
+    assert worst <= 1.0, f"error {worst:.3g} x tolerance"
+
+
+def written_mask(ref, seq_lens, S, max_block, cp):
+    """Columns a preallocated buffer receives: each request's pages up to its last visible one."""
+    mask = torch.zeros_like(ref, dtype=torch.bool)
+    for b, n in enumerate(seq_lens):
+        n_global = (n - 1) // PAGE_SIZE + 1 if n >= 1 else 0
+        n_local = min(max_block, max(0, (n_global - cp[0] + cp[1] - 1) // cp[1]))
+        mask[:, b * S : (b + 1) * S, :n_local] = True
+    return mask
+
+
+def check(gen, q_dtype, S, H, seq_lens, max_block, cp=(0, 1), prealloc=True, single=True, scale_range=(122, 127),
+          q_scale=1.0, pages=None):
+    batch = len(seq_lens)
+    pages = pages or batch * max_block + 1
+    k_data, k_scale = random_mxfp4_cache(gen, pages, single, *scale_range)
+    bt = torch.randperm(pages, generator=gen)[: batch * max_block].reshape(batch, max_block).int().cuda()
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    q = make_q(gen, batch * S, H, q_dtype, q_scale)
+    sm_scale = 0.125
+    out = torch.full((H, batch * S, max_block), float("nan"), device="cuda") if prealloc else None
+    got = score_decode(q, k_data, k_scale, bt, seq, S, sm_scale, max_block, out, cp[0], cp[1], backend="cuda")
+    kc, ks = k_data.cpu(), k_scale.cpu()
+    args = (bt.cpu(), seq.cpu(), S, sm_scale, max_block, cp[0], cp[1])
+    ref = score_decode_ref(q.cpu(), kc, ks, *args)
+    bound = score_decode_ref(q.cpu().float().abs().to(q.dtype), *abs_index_k(kc, ks), *args)
+    if prealloc:
+        assert got.data_ptr() == out.data_ptr()
+        mask = written_mask(ref, seq_lens, S, max_block, cp)
+        assert torch.isnan(got.cpu()[~mask]).all(), "preallocated buffer written past a request's last page"
+        got = torch.where(mask.cuda(), got, ref.cuda().float())
+    assert_scores_close(got, ref, bound)
+    return got
+
+
+Q_DTYPES = pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8_DTYPE], ids=["q_bf16", "q_e4m3"])
+GEOMETRIES = [(1, 1), (4, 1), (1, 4), (2, 3), (3, 3), (8, 1), (5, 4), (8, 4)]
+
+
+@pytest.mark.gpu
+@Q_DTYPES
+@pytest.mark.parametrize("S,H", GEOMETRIES)
+@pytest.mark.parametrize("single", [True, False], ids=["single_region", "split_views"])
+def test_decode_matrix(gen, q_dtype, S, H, single):
+    _sm90()
+    lens = [S, 127, 128, 129, 1000, 2047, 2048, 300 + S]
+    check(gen, q_dtype, S, H, [max(n, S) for n in lens], 16, single=single)
+
+
+@pytest.mark.gpu
+@Q_DTYPES
+@pytest.mark.parametrize("S", [1, 4])
+def test_lengths_one_and_empty_requests(gen, q_dtype, S):
+    """Length 1 (S = 1), a request with no visible page (seq_lens 0) and requests shorter than a page."""
+    _sm90()
+    lens = [1, 0, 5, 0, 128, 129] if S == 1 else [4, 0, 5, 131, 0, 256]
+    check(gen, q_dtype, S, 2, lens, 4)
+
+
+@pytest.mark.gpu
+@Q_DTYPES
+@pytest.mark.parametrize("cp", [(0, 2), (1, 2), (3, 4)])
+def test_context_parallel_shards(gen, q_dtype, cp):
+    _sm90()
+    check(gen, q_dtype, 4, 1, [4, 129, 1000, 3000, 4096, 4097], 12, cp=cp)
+
+
+@pytest.mark.gpu
+@Q_DTYPES
+@pytest.mark.parametrize("scale_range,q_scale", [((122, 127), 1.0), ((107, 131), 1.0), ((1, 20), 1.0),
+                                                 ((230, 252), 2.0**-100), ((100, 150), 1.0), ((1, 254), 2.0**-120)],
+                         ids=["seed", "span24", "tiny", "huge", "span50_multipass", "full_range_multipass"])
+def test_scale_ranges(gen, q_dtype, scale_range, q_scale):
+    """One-pass pages (span <= 24 binades) and multi-pass pages (wider), NaN-free extremes; Q scaled
+    so that every exact score fits fp32 (scale byte 254 is 2^127)."""
+    _sm90()
+    check(gen, q_dtype, 4, 2, [129, 1000, 2048, 700], 16, scale_range=scale_range, q_scale=q_scale)
+
+
+@pytest.mark.gpu
+def test_many_requests_and_uneven_lengths(gen):
+    """More than 32 requests (the work map scans them in warps of 32), some empty, uneven lengths:
+    every warp's run of pages crosses requests."""
+    _sm90()
+    lens = torch.randint(0, 3000, (77,), generator=gen).tolist()
+    lens[3] = lens[40] = 0
+    check(gen, torch.bfloat16, 1, 4, [max(n, 1) if i % 5 else n for i, n in enumerate(lens)], 24)
+
+
+@pytest.mark.gpu
+@Q_DTYPES
+def test_default_buffer_reads_minus_inf_past_the_end(gen, q_dtype):
+    _sm90()
+    got = check(gen, q_dtype, 2, 2, [2, 130, 900], 10, prealloc=False)
+    assert torch.isneginf(got[:, 0:2, 1:]).all() and torch.isneginf(got[:, 2:4, 2:]).all()
+
+
+@pytest.mark.gpu
+def test_split_and_single_region_agree_bitwise(gen):
+    _sm90()
+    pages, batch, mb = 40, 3, 12
+    single = random_mxfp4_cache(gen, pages)
+    split = (single[0].contiguous(), single[1].contiguous())
+    bt = torch.randperm(pages, generator=gen)[: batch * mb].reshape(batch, mb).int().cuda()
+    seq = torch.tensor([5, 700, 1536], dtype=torch.int32, device="cuda")
+    q = make_q(gen, batch * 2, 2, torch.bfloat16)
+    a = score_decode(q, *single, bt, seq, 2, 0.3, backend="cuda")
+    b = score_decode(q, *split, bt, seq, 2, 0.3, backend="cuda")
+    assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@Q_DTYPES
+def test_tile_loop_variants_agree_bitwise(gen, q_dtype):
+    """Variant 1 only reorders the tile loop (decode ahead): the same products in the same order."""
+    _sm90()
+    pages, batch, mb = 60, 3, 16
+    k_data, k_scale = random_mxfp4_cache(gen, pages, scale_lo=100, scale_hi=150)
+    bt = torch.randperm(pages, generator=gen)[: batch * mb].reshape(batch, mb).int().cuda()
+    seq = torch.tensor([4, 1000, 2000], dtype=torch.int32, device="cuda")
+    q = make_q(gen, batch * 4, 1, q_dtype)
+    a = cuda_backend.score_decode(q, k_data, k_scale, bt, seq, 4, 0.3, variant=0)
+    b = cuda_backend.score_decode(q, k_data, k_scale, bt, seq, 4, 0.3, variant=1)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay(gen):
+    """Captured once with preallocated buffers, replayed with other lengths, block tables and Q."""
+    _sm90()
+    pages, batch, mb, S, H = 64, 4, 16, 4, 1
+    k_data, k_scale = random_mxfp4_cache(gen, pages)
+    bt = torch.zeros(batch, mb, dtype=torch.int32, device="cuda")
+    seq = torch.full((batch,), S, dtype=torch.int32, device="cuda")
+    q = torch.zeros(batch * S, H, 128, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(H, batch * S, mb, device="cuda")
+
+    def run():
+        score_decode(q, k_data, k_scale, bt, seq, S, 0.5, mb, out, backend="cuda")
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for lens in ([4, 129, 1000, 2048], [2048, 5, 300, 128], [17, 17, 17, 1900]):
+        bt.copy_(torch.randperm(pages, generator=gen)[: batch * mb].reshape(batch, mb))
+        seq.copy_(torch.tensor(lens))
+        q.copy_(make_q(gen, batch * S, H, torch.bfloat16))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        args = (bt.cpu(), seq.cpu(), S, 0.5, mb)
+        kc, ks = k_data.cpu(), k_scale.cpu()
+        ref = score_decode_ref(q.cpu(), kc, ks, *args)
+        bound = score_decode_ref(q.cpu().float().abs().to(q.dtype), *abs_index_k(kc, ks), *args)
+        mask = written_mask(ref, lens, S, mb, (0, 1))
+        assert torch.isnan(out.cpu()[~mask]).all()
+        assert_scores_close(torch.where(mask.cuda(), out, ref.cuda().float()), ref, bound)
+
+
+@pytest.mark.gpu
+def test_dispatcher_picks_cuda_for_mxfp4_on_sm90(gen, monkeypatch):
+    """auto -> the CUDA kernel for MXFP4 (same numbers as forcing it), Triton for fp8."""
+    _sm90()
+    monkeypatch.delenv("M3_SCORE_BACKEND", raising=False)
+    calls = []
+    real = cuda_backend.score_decode
+    monkeypatch.setattr(cuda_backend, "score_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    k_data, k_scale = random_mxfp4_cache(gen, 9)
+    bt = torch.arange(8, dtype=torch.int32, device="cuda").reshape(2, 4)
+    seq = torch.tensor([300, 512], dtype=torch.int32, device="cuda")
+    q = make_q(gen, 2, 4, torch.bfloat16)
+    auto = score_decode(q, k_data, k_scale, bt, seq, 1, 0.2)
+    assert calls == [1]
+    assert torch.equal(auto, real(q, k_data, k_scale, bt, seq, 1, 0.2))
+    fp8 = torch.zeros(9, 128, 128, dtype=torch.uint8, device="cuda").view(FP8_DTYPE)
+    score_decode(q, fp8, None, bt, seq, 1, 0.2)
+    assert calls == [1]  # fp8 went to Triton
+
+
+@pytest.mark.gpu
+def test_rejections(gen):
+    """What the kernel does not take is a ValueError naming the rule, and verify_decode says no."""
+    _sm90()
+    k_data, k_scale = random_mxfp4_cache(gen, 9)
+    bt = torch.arange(8, dtype=torch.int32, device="cuda").reshape(2, 4)
+    seq = torch.tensor([300, 512], dtype=torch.int32, device="cuda")
+    q = make_q(gen, 2, 4, torch.bfloat16)
+    fp8 = torch.zeros(9, 128, 128, dtype=torch.uint8, device="cuda").view(FP8_DTYPE)
+    cases = {
+        "MXFP4 caches only": dict(k_cache=fp8, k_scale=None),
+        "16-byte aligned": dict(q=torch.zeros(2 * 4 * 128 + 4, dtype=torch.bfloat16, device="cuda")[4:].view(2, 4, 128)),
+        "sm_scale": dict(sm_scale=float("nan")),
+        "max_block": dict(max_block=5),
+    }
+    base = dict(q=q, k_cache=k_data, k_scale=k_scale, block_table=bt, seq_lens=seq, S=1, sm_scale=0.2)
+    for match, change in cases.items():
+        args = {**base, **change}
+        ok, reason = cuda_backend.verify_decode(**args)
+        assert not ok and match in reason, (match, reason)
+        with pytest.raises(ValueError, match=match):
+            score_decode(**args, backend="cuda")
+
+
+def test_unavailable_off_gpu_is_a_reason_not_a_crash():
+    """Importing and asking never raises without a GPU; the reason names what is missing."""
+    ok, why = cuda_backend.availability(torch.device("cpu"))
+    assert not ok and "NVIDIA GPU" in why
+    if not torch.cuda.is_available():
+        q = torch.zeros(1, 1, 128, dtype=torch.bfloat16)
+        k_data, k_scale = alloc_index_k_cache(1, "mxfp4")
+        with pytest.raises(NotImplementedError, match="cannot run here"):
+            cuda_backend.score_decode(q, k_data, k_scale, torch.zeros(1, 1, dtype=torch.int32),
+                                      torch.ones(1, dtype=torch.int32), 1, 1.0)
