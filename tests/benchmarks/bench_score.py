@@ -42,7 +42,6 @@ from m3_kernels.ops.write.triton import write_index_k_triton
 
 POOL_PAGES = 300_000  # 2.6 GB MXFP4, 4.9 GB fp8, 9.8 GB bf16: far past the 60 MB L2
 MAX_REGIONS = 8
-VARIANTS = (0, 1)  # tile-loop variants of the CUDA MXFP4 kernel (backends/cuda: score_decode)
 REPLAYS = 25
 SEED_CELLS = [(4, 1, b, c) for b in (8, 16, 32) for c in (32768, 100000, 131072)]
 EXTRA_CELLS = [(4, 1, b, c) for b in (64, 128) for c in (32768, 100000, 131072)] + [
@@ -188,9 +187,8 @@ def bench_cell(pools, peer, S, H, B, ctx, copy_gbs, sm_scale=0.088, peer_max_bat
         kc, ks = pools.cache(fmt)
 
         def f():
-            if kernel.startswith("cuda"):
-                variant = int(kernel[4:]) if kernel[4:] else None
-                cuda_backend.score_decode(qq, kc, ks, bts[r], seq, S, sm_scale, npg, outs[r], variant=variant)
+            if kernel == "cuda":
+                cuda_backend.score_decode(qq, kc, ks, bts[r], seq, S, sm_scale, npg, outs[r])
             else:
                 score_decode_triton(qq, kc, ks, fmt, B, npg, bts[r], seq, S, sm_scale, outs[r])
             if with_select:
@@ -202,7 +200,6 @@ def bench_cell(pools, peer, S, H, B, ctx, copy_gbs, sm_scale=0.088, peer_max_bat
     # Correctness gate on request 0 of region 0 for each of our arms.
     arms = [(IndexKFormat.FP8, q, "fp8", "triton"), (IndexKFormat.MXFP4, q, "mxfp4_triton", "triton"),
             (IndexKFormat.MXFP4, q, "mxfp4", "cuda"), (IndexKFormat.MXFP4, q8, "mxfp4_e4m3q", "cuda")]
-    arms += [(IndexKFormat.MXFP4, q, f"mxfp4_v{v}", f"cuda{v}") for v in VARIANTS]
     for fmt, qq, name, kernel in arms:
         outs[0].fill_(float("nan"))
         scorer(fmt, qq, 0, kernel=kernel)()
@@ -220,9 +217,6 @@ def bench_cell(pools, peer, S, H, B, ctx, copy_gbs, sm_scale=0.088, peer_max_bat
     res["mxfp4_us"] = statistics.mean(rounds["mxfp4"])
     res["spread"] = max(abs(a - b) / min(a, b) for a, b in rounds.values())
     res["mxfp4_triton_us"] = graph_time_us([scorer(IndexKFormat.MXFP4, q, r) for r in range(regions)])
-    for v in VARIANTS:  # the CUDA kernel's tile-loop variants, for the record
-        res[f"mxfp4_v{v}_us"] = graph_time_us([scorer(IndexKFormat.MXFP4, q, r, kernel=f"cuda{v}")
-                                               for r in range(regions)])
     res["mxfp4_e4m3q_us"] = graph_time_us([scorer(IndexKFormat.MXFP4, q8, r, kernel="cuda") for r in range(regions)])
     res["fp8_sel_us"] = graph_time_us([scorer(IndexKFormat.FP8, q, r, True) for r in range(regions)])
     res["mxfp4_sel_us"] = graph_time_us([scorer(IndexKFormat.MXFP4, q, r, True, kernel="cuda")
@@ -301,9 +295,8 @@ def table(results, writer, copy_gbs, header, copy_note=""):
              "+sel: with the MSA top-16 selection (Triton).", ""]
     lines.append("| shape | B | ctx | fp8 us | fp8 % copy | MXFP4 us | MXFP4 GB/s | MXFP4 % copy | MXFP4 floor us | "
                  "MXFP4/fp8 | MXFP4 Triton us | MXFP4 Triton % copy | MXFP4 e4m3-Q us | select us | fp8+sel us | "
-                 "MXFP4+sel us | SGLang us | SGLang % copy | SGLang / MXFP4+sel | "
-                 + " | ".join(f"MXFP4 v{v} us" for v in VARIANTS) + " |")
-    lines.append("|" + "---|" * (19 + len(VARIANTS)))
+                 "MXFP4+sel us | SGLang us | SGLang % copy | SGLang / MXFP4+sel |")
+    lines.append("|" + "---|" * 19)
     for r in results:
         gate = "" if r["gate"] == "pass" else f" (gate {r['gate']})"
         peer = (f"{r['peer_us']:.1f} | {r['peer_pct']:.0f}% | {r['speedup_mxfp4_sel']:.2f}x" if "peer_us" in r
@@ -313,7 +306,7 @@ def table(results, writer, copy_gbs, header, copy_note=""):
             f"{r['mxfp4_us']:.1f} | {r['mxfp4_gbs']:.0f} | {r['mxfp4_pct']:.0f}% | {r['mxfp4_floor_us']:.1f} | "
             f"{r['ratio']:.2f} | {r['mxfp4_triton_us']:.1f} | {r['mxfp4_triton_pct']:.0f}% | "
             f"{r['mxfp4_e4m3q_us']:.1f} | {r['select_us']:.1f} | {r['fp8_sel_us']:.1f} | {r['mxfp4_sel_us']:.1f} | "
-            f"{peer} | " + " | ".join(f"{r[f'mxfp4_v{v}_us']:.1f}" for v in VARIANTS) + " |")
+            f"{peer} |")
     if writer:
         lines += ["", "Index-cache writer, 32768 fp32 tokens to random slots (bytes: fp32 in + slot + cache row):", "",
                   "| format | us | M tokens/s | GB/s | % copy |", "|---|---|---|---|---|"]

@@ -28,7 +28,6 @@ SOURCE = pathlib.Path(__file__).with_name("decode_mxfp4.cuh")
 MIN_CAPABILITY = (9, 0)  # bulk copies on mbarriers (cp.async.bulk) are sm_90+
 MAX_QUERY_VECTORS = 32  # S * H: 4 tiles of 8 MMA columns
 QUERY_ALIGN_BYTES = 16  # the kernel reads Q in 16-byte vectors
-DEFAULT_VARIANT = 0  # tile loop variant (see score_decode)
 
 logger = logging.getLogger(__name__)
 
@@ -122,13 +121,11 @@ def build(device=None) -> None:
 
 
 def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
-                 cp_world=1, variant=None):
+                 cp_world=1):
     """Decode block scores ``fp32 [H, batch*S, max_block]`` (contract: ``ops.score.score_decode``).
 
     With ``out=None`` the buffer is allocated filled with -inf (columns past a row's last visible
     page read -inf); a preallocated ``out`` is written up to each request's last page only.
-    ``variant`` (for benchmarks): 0 the plain tile loop, 1 the next tile decoded before this tile's
-    MMAs are issued; default ``DEFAULT_VARIANT``.
     """
     _, batch, H, max_block, sm_scale = check_cuda_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale,
                                                          max_block, out, cp_rank, cp_world)
@@ -142,5 +139,5 @@ def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_bl
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     _module().score_decode_mxfp4(q.view(torch.uint8), k_cache, k_scale, block_table, seq_lens, out,
                                  int(q.dtype != torch.bfloat16), S, max_block, cp_rank, cp_world, sm_scale,
-                                 _num_sms(index), DEFAULT_VARIANT if variant is None else int(variant))
+                                 _num_sms(index))
     return out

@@ -339,46 +339,6 @@ __device__ __forceinline__ void tile_dots(const uint8_t* data, int tile, int lan
     for (int i = 0; i < 4; ++i) acc[nt][i] += NT <= 2 ? acc2[nt][i] : 0.f;
 }
 
-// A fragments of one tile (rows 16*tile + g, +8), K scaled by m0/m1: a[j] for k-step j.
-__device__ __forceinline__ void tile_decode(const uint8_t* data, int tile, int lane, uint32_t m0, uint32_t m1,
-                                            uint32_t (&a)[8][4]) {
-  const int g = lane >> 2, t = lane & 3;
-  const int r0 = 16 * tile + g;
-  const uint4 w0 = *reinterpret_cast<const uint4*>(data + r0 * kDataRowBytes + 16 * t);
-  const uint4 w1 = *reinterpret_cast<const uint4*>(data + (r0 + 8) * kDataRowBytes + 16 * t);
-  const uint32_t words0[4] = {w0.x, w0.y, w0.z, w0.w};
-  const uint32_t words1[4] = {w1.x, w1.y, w1.z, w1.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    uint32_t x[4], y[4];
-    decode8(words0[k], m0, x);
-    decode8(words1[k], m1, y);
-    a[2 * k][0] = x[0], a[2 * k][1] = y[0], a[2 * k][2] = x[1], a[2 * k][3] = y[1];
-    a[2 * k + 1][0] = x[2], a[2 * k + 1][1] = y[2], a[2 * k + 1][2] = x[3], a[2 * k + 1][3] = y[3];
-  }
-}
-
-template <int NT>
-__device__ __forceinline__ void tile_mma(const uint32_t (&a)[8][4], const QState<NT>& qs, float (&acc)[NT][4]) {
-  float acc2[NT][4];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[nt][i] = acc2[nt][i] = 0.f;
-#pragma unroll
-  for (int j = 0; j < 8; j += 2)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      mma_16816(acc[nt], a[j][0], a[j][1], a[j][2], a[j][3], qs.bq[nt][j][0], qs.bq[nt][j][1]);
-      mma_16816(NT <= 2 ? acc2[nt] : acc[nt], a[j + 1][0], a[j + 1][1], a[j + 1][2], a[j + 1][3],
-                qs.bq[nt][j + 1][0], qs.bq[nt][j + 1][1]);
-    }
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[nt][i] += NT <= 2 ? acc2[nt][i] : 0.f;
-}
-
 // Running max of a tile's 4 C values per n-tile into mx (cols 2t, 2t+1); rows past a column's
 // limit (lim = position - page start) are skipped.
 template <int NT, bool FULL>
@@ -400,28 +360,10 @@ __device__ __forceinline__ void tile_max(const float (&v)[NT][4], int r0, const 
 
 // ------------------------------------------------------------------ one page
 
-template <int NT, bool FULL, bool PIPE>
+template <int NT, bool FULL>
 __device__ __forceinline__ void page_fast(const uint8_t* data, const uint8_t* scale, int E, int lane,
                                           const QState<NT>& qs, const int (&lim)[NT][2], float (&mx)[NT][2]) {
   const int g = lane >> 2, t = lane & 3;
-  if (PIPE) {  // the next tile is decoded before this tile's MMAs are issued
-    uint32_t a[2][8][4];
-    tile_decode(data, 0, lane, group_multiplier(scale[g * kScaleRowBytes + t], E, true),
-                group_multiplier(scale[(g + 8) * kScaleRowBytes + t], E, true), a[0]);
-#pragma unroll
-    for (int tile = 0; tile < 8; ++tile) {
-      const int r0 = 16 * tile + g;
-      if (tile < 7) {
-        const int r1 = r0 + 16;
-        tile_decode(data, tile + 1, lane, group_multiplier(scale[r1 * kScaleRowBytes + t], E, true),
-                    group_multiplier(scale[(r1 + 8) * kScaleRowBytes + t], E, true), a[(tile + 1) & 1]);
-      }
-      float acc[NT][4];
-      tile_mma<NT>(a[tile & 1], qs, acc);
-      tile_max<NT, FULL>(acc, r0, lim, mx);
-    }
-    return;
-  }
 #pragma unroll
   for (int tile = 0; tile < 8; ++tile) {
     const int r0 = 16 * tile + g;
@@ -467,9 +409,57 @@ __device__ void page_multipass(const uint8_t* data, const uint8_t* scale, int E,
   }
 }
 
+// Scores of one page (in shared memory) for every query vector of the request; lanes 0..3 store.
+// Ends with __syncwarp: the page's buffer may be refilled after it returns.
+template <int NT>
+__device__ __forceinline__ void score_page(const Params& p, const uint8_t* data, int page, int seq_len, int lane,
+                                           const QState<NT>& qs) {
+  const int page_start = (page * p.cp_world + p.cp_rank) * kPageTokens;
+  int lim[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) lim[nt][c] = qs.col_pos[nt][c] - page_start;
+  const bool full = page_start + kPageTokens - 1 <= seq_len - p.S;
+  const uint8_t* scale = data + kPageDataBytes;
+  const uint4 sv = *reinterpret_cast<const uint4*>(scale + 16 * lane);
+  const int E = (int)__reduce_max_sync(0xffffffffu, bytes_max(sv));
+  const int E_min = (int)__reduce_min_sync(0xffffffffu, bytes_min(sv));
+
+  float mx[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) mx[nt][0] = mx[nt][1] = -INFINITY;
+  const bool one_pass = E - E_min <= kMaxScaleSpan;
+  if (one_pass) {
+    if (full)
+      page_fast<NT, true>(data, scale, E, lane, qs, lim, mx);
+    else
+      page_fast<NT, false>(data, scale, E, lane, qs, lim, mx);
+  } else {
+    page_multipass<NT>(data, scale, E, lane, qs, lim, mx);
+  }
+  __syncwarp();  // every lane is done with this buffer
+
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float v = mx[nt][c];
+      v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
+      v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 8));
+      v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
+      if (lane < 4 && qs.col_pos[nt][c] >= 0) {
+        v *= p.sm_scale;
+        if (one_pass) v = ldexpf(v, E - 128 + qs.col_qe[nt][c]);
+        p.out[qs.col_out[nt][c] + page] = v;
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------------ kernel
 
-template <int NT, bool Q_E4M3, bool PIPE>
+template <int NT, bool Q_E4M3>
 __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm(NT)) score_decode_mxfp4_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -525,50 +515,8 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm(NT)) score_decode_mxf
       seq_len = p.seq_lens[q_b];
       load_q<NT, Q_E4M3>(p, q_b, seq_len, lane, qs);
     }
-    const int page_start = (cur.page * p.cp_world + p.cp_rank) * kPageTokens;
-    int lim[NT][2];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) lim[nt][c] = qs.col_pos[nt][c] - page_start;
-    const bool full = page_start + kPageTokens - 1 <= seq_len - p.S;
-
     mbar_wait(&bars[stage], (i >> 1) & 1);
-    const uint8_t* data = ring + stage * kStageBytes;
-    const uint8_t* scale = data + kPageDataBytes;
-    const uint4 sv = *reinterpret_cast<const uint4*>(scale + 16 * lane);
-    const int E = (int)__reduce_max_sync(0xffffffffu, bytes_max(sv));
-    const int E_min = (int)__reduce_min_sync(0xffffffffu, bytes_min(sv));
-
-    float mx[NT][2];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) mx[nt][0] = mx[nt][1] = -INFINITY;
-    const bool one_pass = E - E_min <= kMaxScaleSpan;
-    if (one_pass) {
-      if (full)
-        page_fast<NT, true, PIPE>(data, scale, E, lane, qs, lim, mx);
-      else
-        page_fast<NT, false, PIPE>(data, scale, E, lane, qs, lim, mx);
-    } else {
-      page_multipass<NT>(data, scale, E, lane, qs, lim, mx);
-    }
-    __syncwarp();  // every lane is done with this stage before it is refilled
-
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        float v = mx[nt][c];
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 8));
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
-        if (lane < 4 && qs.col_pos[nt][c] >= 0) {
-          v *= p.sm_scale;
-          if (one_pass) v = ldexpf(v, E - 128 + qs.col_qe[nt][c]);
-          p.out[qs.col_out[nt][c] + cur.page] = v;
-        }
-      }
-    }
+    score_page<NT>(p, ring + stage * kStageBytes, cur.page, seq_len, lane, qs);
     cur = nxt;
     nxt = after;
   }
@@ -586,8 +534,8 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm(NT)) score_decode_mxf
 namespace m3_mxfp4 {
 
 template <int NT, bool Q_E4M3>
-void launch(const Params& params, int num_sms, DLDevice device, bool pipe) {
-  auto kernel = pipe ? score_decode_mxfp4_kernel<NT, Q_E4M3, true> : score_decode_mxfp4_kernel<NT, Q_E4M3, false>;
+void launch(const Params& params, int num_sms, DLDevice device) {
+  auto kernel = score_decode_mxfp4_kernel<NT, Q_E4M3>;
   // Per device and cheap; allowed during CUDA-graph capture (not a stream operation).
   host::RuntimeDeviceCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   // Enough warps for one page each, at most a full persistent grid.
@@ -602,7 +550,7 @@ void launch(const Params& params, int num_sms, DLDevice device, bool pipe) {
 inline void score_decode_mxfp4(tvm::ffi::TensorView q_bytes, tvm::ffi::TensorView k_data, tvm::ffi::TensorView k_scale,
                                tvm::ffi::TensorView block_table, tvm::ffi::TensorView seq_lens,
                                tvm::ffi::TensorView out, int64_t q_e4m3, int64_t S, int64_t max_block, int64_t cp_rank,
-                               int64_t cp_world, double sm_scale, int64_t num_sms, int64_t variant) {
+                               int64_t cp_world, double sm_scale, int64_t num_sms) {
   Params p;
   p.k_data = static_cast<const uint8_t*>(k_data.data_ptr());
   p.k_scale = static_cast<const uint8_t*>(k_scale.data_ptr());
@@ -628,14 +576,14 @@ inline void score_decode_mxfp4(tvm::ffi::TensorView q_bytes, tvm::ffi::TensorVie
   const DLDevice device = q_bytes.device();
   const int sms = static_cast<int>(num_sms);
   switch (nt * 2 + (q_e4m3 != 0 ? 1 : 0)) {
-    case 2: launch<1, false>(p, sms, device, variant != 0); break;
-    case 3: launch<1, true>(p, sms, device, variant != 0); break;
-    case 4: launch<2, false>(p, sms, device, variant != 0); break;
-    case 5: launch<2, true>(p, sms, device, variant != 0); break;
-    case 6: launch<3, false>(p, sms, device, variant != 0); break;
-    case 7: launch<3, true>(p, sms, device, variant != 0); break;
-    case 8: launch<4, false>(p, sms, device, variant != 0); break;
-    case 9: launch<4, true>(p, sms, device, variant != 0); break;
+    case 2: launch<1, false>(p, sms, device); break;
+    case 3: launch<1, true>(p, sms, device); break;
+    case 4: launch<2, false>(p, sms, device); break;
+    case 5: launch<2, true>(p, sms, device); break;
+    case 6: launch<3, false>(p, sms, device); break;
+    case 7: launch<3, true>(p, sms, device); break;
+    case 8: launch<4, false>(p, sms, device); break;
+    case 9: launch<4, true>(p, sms, device); break;
     default: host::RuntimeCheck(false, "S * H must be in [1, 32], got ", p.S * p.H);
   }
 }
