@@ -1,13 +1,22 @@
 """Tables and plots of a format comparison: per task and context length, accuracy of each format
 and paired statistics of each format against the baseline (``build``'s ``baseline``, by default
-the first format)."""
+the first format).
 
+``python -m accuracy.report results.json [--restate-binary]`` prints the tables of a saved
+``results.json``; ``--restate-binary`` first recomputes every paired entry from its counts with the
+score interval (for results of 0/1 scores written when the report still used the bootstrap).
+"""
+
+import argparse
+import copy
 import dataclasses
+import json
 from pathlib import Path
 
-from .stats import compare_paired
+from .stats import compare_counts, compare_paired, is_binary
 
 ALL = "all"
+INTERVAL_LABELS = {"tango": "Tango score", "bootstrap": "paired bootstrap"}
 
 
 def _pair(base: list[dict], other: list[dict], task: str, fmt: str):
@@ -31,13 +40,16 @@ def _pair(base: list[dict], other: list[dict], task: str, fmt: str):
 
 
 def build(per_format: dict, formats: list[str], n_boot: int = 10000, seed: int = 0,
-          baseline: str | None = None) -> dict:
+          baseline: str | None = None, confidence: float = 0.95) -> dict:
     """``per_format[fmt][task] -> sample rows`` to ``{"baseline", "formats", "tasks": {task: [group]}}``.
 
     ``baseline`` (default ``formats[0]``) must be one of ``formats``.
 
     A group is one context length (or ``"all"``): ``{"length", "n", "acc": {fmt: acc},
-    "paired": {fmt: PairedResult fields}}`` with ``paired`` for every format but the baseline.
+    "paired": {fmt: PairedResult fields}}`` with ``paired`` for every format but the baseline. The
+    interval of a (task, format) is Tango's score interval when both formats scored every sample of
+    the task 0 or 1, else the paired bootstrap (``n_boot`` resamples, ``seed``), the same for all of
+    the task's groups; ``ci_method`` says which.
     """
     base = formats[0] if baseline is None else baseline
     if base not in formats:
@@ -47,6 +59,9 @@ def build(per_format: dict, formats: list[str], n_boot: int = 10000, seed: int =
         rows = per_format[base][task]
         lengths = sorted({r["length"] for r in rows if r["length"] is not None})
         groups = []
+        interval = {fmt: "tango" if is_binary([r["score"] for r in rows],
+                                              [r["score"] for r in per_format[fmt].get(task, [])]) else "bootstrap"
+                    for fmt in formats if fmt != base}
         for length in [*lengths, ALL] if lengths else [ALL]:
             pick = (lambda r: True) if length == ALL else (lambda r, n=length: r["length"] == n)
             base_rows = [r for r in rows if pick(r)]
@@ -56,7 +71,8 @@ def build(per_format: dict, formats: list[str], n_boot: int = 10000, seed: int =
                 group["acc"][fmt] = sum(r["score"] for r in fmt_rows) / len(fmt_rows) if fmt_rows else None
                 if fmt != base:
                     a, b = _pair(base_rows, fmt_rows, task, fmt)
-                    group["paired"][fmt] = dataclasses.asdict(compare_paired(a, b, n_boot, seed))
+                    result = compare_paired(a, b, n_boot, seed, confidence, interval=interval[fmt])
+                    group["paired"][fmt] = dataclasses.asdict(result)
             groups.append(group)
         tasks[task] = groups
     return {"baseline": base, "formats": formats, "tasks": tasks}
@@ -66,28 +82,77 @@ def _pct(x):
     return "-" if x is None else f"{100 * x:.1f}"
 
 
+def _interval_kinds(groups, fmt) -> set[str]:
+    """The interval kinds of a task's column (results written before ``ci_method`` hold bootstrap ones)."""
+    return {g["paired"][fmt].get("ci_method", "bootstrap") for g in groups}
+
+
+_INTERVAL_NOTES = {
+    "tango": "Tango score: Tango's (1998) asymptotic score interval for paired 0/1 scores; near its nominal coverage "
+             "down to n = 5 and of non-zero width with no discordant pair (then ±z²/(n + z²)). Newcombe's "
+             "method 10 interval is in results.json beside it.",
+    "bootstrap": "paired bootstrap: percentile interval over resampled pairs, for scores other than 0/1; it has zero "
+                 "width when every pair has the same difference.",
+}
+
+
 def markdown(summary: dict) -> str:
-    """One table per task: a row per length, accuracy per format, then paired columns per candidate."""
+    """One table per task: a row per length, accuracy per format, then paired columns per candidate.
+
+    Each candidate's difference column names its interval (Tango score or paired bootstrap); the
+    "±" column is half that interval's width in points.
+    """
     base, formats = summary["baseline"], summary["formats"]
     others = [f for f in formats if f != base]
-    lines = []
+    lines, used = [], set()
     for task, groups in summary["tasks"].items():
         head = ["length", "n"] + [f"{f} acc %" for f in formats]
         for f in others:
-            head += [f"{f} vs {base}: agree %", "only base/only cand", "McNemar p", "diff pts [95% CI]"]
+            kinds = _interval_kinds(groups, f)
+            used |= kinds
+            level = 100 * groups[0]["paired"][f].get("confidence", 0.95)
+            label = " / ".join(INTERVAL_LABELS[k] for k in sorted(kinds))
+            head += [f"{f} vs {base}: agree %", "only base/only cand", "McNemar p",
+                     f"{f} - {base} pts [{label} {level:g}% CI]", "± pts"]
         lines += [f"### {task}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for g in groups:
             cells = [str(g["length"]), str(g["n"])] + [_pct(g["acc"][f]) for f in formats]
             for f in others:
                 p = g["paired"][f]
                 cells += [_pct(p["agreement"]), f"{p['n10']}/{p['n01']}", f"{p['p_mcnemar']:.3g}",
-                          f"{100 * p['diff']:+.1f} [{100 * p['ci_lo']:+.1f}, {100 * p['ci_hi']:+.1f}]"]
+                          f"{100 * p['diff']:+.1f} [{100 * p['ci_lo']:+.1f}, {100 * p['ci_hi']:+.1f}]",
+                          f"{50 * (p['ci_hi'] - p['ci_lo']):.1f}"]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-    lines.append(f"Baseline: {base}. agree: both right or both wrong. only base/only cand: samples right in one "
-                 "format only (McNemar's discordant pairs; exact two-sided p). diff: candidate minus baseline "
-                 "accuracy in points, paired-bootstrap 95% interval.")
-    return "\n".join(lines) + "\n"
+    notes = [f"Baseline: {base}. agree: both right or both wrong. only base/only cand: samples right in one format "
+             "only (McNemar's discordant pairs; exact two-sided p). Difference: candidate minus baseline accuracy "
+             "in points with its interval; ±: half the interval's width, the resolution of this run: differences "
+             "much smaller than it are not told apart from none, whatever the point estimate."]
+    notes += [_INTERVAL_NOTES[k] for k in sorted(used)]
+    return "\n".join(lines) + "\n" + "\n\n".join(notes) + "\n"
+
+
+def restate_binary(summary: dict, confidence: float = 0.95) -> dict:
+    """A copy of a ``build`` summary (a results.json) with every paired entry recomputed by
+    ``compare_counts`` from its stored counts (``n``, ``acc_a``, ``acc_b``, ``n10``, ``n01``).
+
+    For results of 0/1 scores; ValueError when the counts cannot come from 0/1 scores (``n * acc``
+    not a whole number, or inconsistent with the discordant counts).
+    """
+    out = copy.deepcopy(summary)
+    for task, groups in out["tasks"].items():
+        for g in groups:
+            for fmt, p in g["paired"].items():
+                n, n10, n01 = p["n"], p["n10"], p["n01"]
+                right_a, right_b = n * p["acc_a"], n * p["acc_b"]
+                n11 = round(right_a) - n10
+                if (abs(right_a - round(right_a)) > 1e-6 or abs(right_b - round(right_b)) > 1e-6
+                        or round(right_b) != n11 + n01 or n11 < 0 or n11 + n10 + n01 > n):
+                    raise ValueError(f"{task} length {g['length']} {fmt}: counts n={n}, acc_a={p['acc_a']}, "
+                                     f"acc_b={p['acc_b']}, n10={n10}, n01={n01} do not come from 0/1 scores; "
+                                     "restate only results of 0/1 scores")
+                p.update(dataclasses.asdict(compare_counts(n11, n10, n01, n - n11 - n10 - n01, confidence)))
+    return out
 
 
 def plot(summary: dict, path: Path):
@@ -119,3 +184,24 @@ def plot(summary: dict, path: Path):
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def main(argv=None) -> None:
+    """``python -m accuracy.report results.json [--restate-binary] [--out report.md]``."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("results", type=Path, help="a results.json written by m3-accuracy")
+    p.add_argument("--restate-binary", action="store_true",
+                   help="recompute the paired statistics from the stored counts with the score interval "
+                        "(the task scores must be 0/1)")
+    p.add_argument("--out", type=Path, default=None, help="write the markdown here instead of printing it")
+    args = p.parse_args(argv)
+    summary = json.loads(args.results.read_text())
+    text = markdown(restate_binary(summary) if args.restate_binary else summary)
+    if args.out is None:
+        print(text, end="")
+    else:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

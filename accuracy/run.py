@@ -9,7 +9,8 @@ the lm-eval tasks of ``accuracy/tasks`` against it through ``local-completions``
   response, score``);
 - ``report.md``: per task and context length, accuracy of each format and paired statistics of
   each format against the baseline (``--baseline``: fp8 when it is run, else the first format;
-  agreement, exact McNemar p, paired-bootstrap 95% interval of the accuracy difference);
+  agreement, exact McNemar p, 95% interval of the accuracy difference: Tango's score interval for
+  0/1 scores, the paired bootstrap for others, each column labelled, with its half-width);
 - ``results.json``: the same numbers; ``accuracy_vs_length.png``: accuracy against context length.
 
 Examples::
@@ -412,7 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=8, help="parallel requests")
     p.add_argument("--request-timeout", type=int, default=1800)
     p.add_argument("--launch-timeout", type=float, default=1800.0)
-    p.add_argument("--bootstrap", type=int, default=10000, help="paired-bootstrap resamples")
+    p.add_argument("--bootstrap", type=int, default=10000,
+                   help="paired-bootstrap resamples (used only for tasks whose scores are not all 0/1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/accuracy"))
     p.add_argument("--reuse", action="store_true",

@@ -1,8 +1,12 @@
 """Report tables and the plot from constructed per-sample results."""
 
+import copy
+import json
+
 import pytest
 
 from accuracy import report
+from accuracy.stats import tango_interval
 
 
 def _rows(scores_by_length, targets="t"):
@@ -26,9 +30,65 @@ def test_build_pairs_by_length_and_overall(tmp_path):
     assert groups[0]["acc"] == {"fp8": 0.75, "mxfp4": 0.5}
     p = groups[2]["paired"]["mxfp4"]
     assert (p["n"], p["n10"], p["n01"], p["diff"]) == (8, 1, 1, 0.0)
+    assert p["ci_method"] == "tango" and (p["ci_lo"], p["ci_hi"]) == tango_interval(1, 1, 8)
     text = report.markdown(summary)
     assert "### m3_niah_single" in text and "| 1024 | 4 | 75.0 | 50.0 |" in text
+    assert "mxfp4 - fp8 pts [Tango score 95% CI] | ± pts |" in text and "Tango score: Tango's (1998)" in text
+    assert "paired bootstrap:" not in text
     assert report.plot(summary, tmp_path / "a.png").stat().st_size > 1000
+
+
+def test_no_discordant_pair_is_not_a_zero_width_interval():
+    # What scripts/main.sh's short comparison prints for 4 prompts both formats answer: not +0.0 [+0.0, +0.0].
+    rows = _rows({4096: [1, 1, 1, 1]})
+    text = report.markdown(report.build({"fp8": {"t": rows}, "mxfp4": {"t": rows}}, ["fp8", "mxfp4"]))
+    half = 100 * tango_interval(0, 0, 4)[1]  # 100 z^2 / (4 + z^2) = 49.0
+    assert f"| 100.0 | 0/0 | 1 | +0.0 [-{half:.1f}, +{half:.1f}] | {half:.1f} |" in text and f"{half:.1f}" == "49.0"
+
+
+def test_partial_scores_use_the_labelled_bootstrap():
+    base = {"short": _rows({None: [1, 0, 1, 1]}), "needle": _rows({1024: [1, 1, 0, 0]})}
+    cand = {"short": _rows({None: [1, 0.5, 1, 0]}), "needle": _rows({1024: [1, 0, 1, 0]})}
+    summary = report.build({"fp8": base, "mxfp4": cand}, ["fp8", "mxfp4"], n_boot=300)
+    assert summary["tasks"]["short"][0]["paired"]["mxfp4"]["ci_method"] == "bootstrap"
+    assert summary["tasks"]["needle"][0]["paired"]["mxfp4"]["ci_method"] == "tango"
+    text = report.markdown(summary)
+    assert "[paired bootstrap 95% CI]" in text and "[Tango score 95% CI]" in text
+    assert "paired bootstrap: percentile interval" in text and "Tango score: " in text
+
+
+def _old_summary():
+    """A results.json as written before the score interval: bootstrap ends, no ci_method."""
+    rows_a, rows_b = _rows({4096: [1, 1, 1, 0, 0]}), _rows({4096: [1, 1, 0, 1, 0]})
+    summary = report.build({"fp8": {"t": rows_a}, "mxfp4": {"t": rows_b}}, ["fp8", "mxfp4"], n_boot=50)
+    for g in summary["tasks"]["t"]:
+        p = g["paired"]["mxfp4"]
+        for key in ("ci_method", "confidence", "newcombe_lo", "newcombe_hi"):
+            del p[key]
+        p["ci_lo"], p["ci_hi"] = -0.4, 0.4
+    return summary
+
+
+def test_old_results_are_labelled_bootstrap_and_restated_from_counts(tmp_path):
+    old = _old_summary()
+    assert "[paired bootstrap 95% CI]" in report.markdown(old)
+    new = report.restate_binary(old)
+    p = new["tasks"]["t"][0]["paired"]["mxfp4"]
+    assert p["ci_method"] == "tango" and (p["ci_lo"], p["ci_hi"]) == tango_interval(1, 1, 5)
+    assert (p["n"], p["n10"], p["n01"], p["acc_a"], p["acc_b"]) == (5, 1, 1, 0.6, 0.6)
+    assert old["tasks"]["t"][0]["paired"]["mxfp4"]["ci_lo"] == -0.4  # a copy: the input is untouched
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(old))
+    report.main([str(path), "--restate-binary", "--out", str(tmp_path / "report.md")])
+    assert "[Tango score 95% CI]" in (tmp_path / "report.md").read_text()
+
+
+def test_restate_refuses_counts_of_partial_scores():
+    old = _old_summary()
+    bad = copy.deepcopy(old)
+    bad["tasks"]["t"][0]["paired"]["mxfp4"]["acc_b"] = 0.5  # 2.5 of 5 right: not 0/1 scores
+    with pytest.raises(ValueError, match="t length 4096 mxfp4: counts .* do not come from 0/1 scores"):
+        report.restate_binary(bad)
 
 
 def test_short_task_has_one_group():
