@@ -43,9 +43,16 @@ def _select_kernel(
     tl.store(out_ptr + i_h.to(tl.int64) * stride_o_h + i_r.to(tl.int64) * stride_o_r + o_k, res, mask=o_k < TOPK)
 
 
-def select_blocks_triton(scores, n_visible, topk, local_blocks, init_blocks, out=None):
+def _num_warps(block: int) -> int:
+    """Warps per row: the 15 picks are serial reductions, so a row held by one warp (no cross-warp
+    exchange per pick) up to 1024 blocks (128k tokens), more warps beyond."""
+    return 1 if block <= 1024 else 2 if block <= 2048 else 4 if block <= 4096 else 8
+
+
+def select_blocks_triton(scores, n_visible, topk, local_blocks, init_blocks, out=None, num_warps=None):
     """int32 ``[H, rows, topk]``; ``scores [H, rows, nb]`` fp32/bf16 with a contiguous last dim,
-    ``n_visible [rows]`` int32/int64 on the same device. Parameters validated by the caller."""
+    ``n_visible [rows]`` int32/int64 on the same device. Parameters validated by the caller.
+    ``num_warps``: per row (default ``_num_warps``; the benchmark compares others)."""
     H, rows, nb = scores.shape
     if out is None:
         out = torch.empty((H, rows, topk), dtype=torch.int32, device=scores.device)
@@ -58,7 +65,7 @@ def select_blocks_triton(scores, n_visible, topk, local_blocks, init_blocks, out
     _select_kernel[(rows, H)](
         scores, nvis.contiguous(), out, nb, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
         TOPK=topk, LOCAL=local_blocks, INIT=init_blocks, BLOCK=block, TOPK_P2=triton.next_power_of_2(topk),
-        num_warps=4 if block <= 2048 else 8,
+        num_warps=num_warps or _num_warps(block),
     )
     return out
 
