@@ -17,7 +17,16 @@ import subprocess
 import pytest
 import torch
 
-from m3_kernels.formats import FP8_DTYPE, PAGE_SIZE, alloc_index_k_cache, mxfp4_page_views
+from m3_kernels.formats import (
+    E8M0_EXPONENT_BIAS,
+    FP8_DTYPE,
+    MXFP4_DATA_BYTES,
+    MXFP4_PAGE_DATA_BYTES,
+    MXFP4_SCALE_BYTES,
+    PAGE_SIZE,
+    alloc_index_k_cache,
+    mxfp4_page_views,
+)
 from m3_kernels.ops.score import score_decode
 from m3_kernels.ops.score.backends import cuda as cuda_backend
 from m3_kernels.ops.score.naive import score_decode_ref
@@ -33,6 +42,20 @@ def _sm90():
     ok, why = cuda_backend.availability()
     if not ok:
         pytest.skip(why)
+
+
+# ---------------------------------------------------------------- CPU: the source against the formats module
+
+
+def test_kernel_constants_match_the_formats_module():
+    """The C++ source restates the page layout; the formats module owns it."""
+    text = SOURCE.read_text()
+    consts = {name: int(val) for name, val in re.findall(r"constexpr int (k\w+) = (\d+);", text)}
+    assert consts["kPageTokens"] == PAGE_SIZE
+    assert consts["kDataRowBytes"] == MXFP4_DATA_BYTES
+    assert consts["kScaleRowBytes"] == MXFP4_SCALE_BYTES
+    assert consts["kPageTokens"] * consts["kDataRowBytes"] == MXFP4_PAGE_DATA_BYTES
+    assert consts["kE8m0Bias"] == E8M0_EXPONENT_BIAS
 
 
 # ---------------------------------------------------------------- CPU: SASS facts

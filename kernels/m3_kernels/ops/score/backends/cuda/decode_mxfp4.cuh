@@ -50,6 +50,8 @@ constexpr int kStages = 2;
 constexpr int kWarps = 4;                               // warps per CTA
 constexpr int kBarrierBytes = 128;                      // kWarps * kStages mbarriers, padded
 constexpr int kSmemBytes = kBarrierBytes + kWarps * kStages * kStageBytes;
+constexpr int kE8m0Bias = 127;                          // scale byte e means 2^(e - 127)
+constexpr int kFp16Bias = 15;
 constexpr int kMaxScaleSpan = 24;                       // binades one fp16 pass holds exactly
 constexpr int kQTopExp = 14;                            // Q's largest magnitude in [2^14, 2^15)
 
@@ -131,7 +133,7 @@ __device__ __forceinline__ uint32_t hmul2_bits(uint32_t x, uint32_t m) {
 
 // fp16x2 multiplier 2^(e - E + 15) for a scale byte e in [E - 24, E]; 0 outside `in_band`.
 __device__ __forceinline__ uint32_t group_multiplier(int e, int E, bool in_band) {
-  uint32_t bits = static_cast<uint32_t>(e - E + 30) << 10;
+  uint32_t bits = static_cast<uint32_t>(e - E + 15 + kFp16Bias) << 10;  // fp16 exponent field
   return in_band ? bits * 0x00010001u : 0u;
 }
 
@@ -400,7 +402,7 @@ __device__ void page_multipass(const uint8_t* data, const uint8_t* scale, int E,
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) total[nt][i] += ldexpf(acc[nt][i], band - 128 + qs.col_qe[nt][i & 1]);
+        for (int i = 0; i < 4; ++i) total[nt][i] += ldexpf(acc[nt][i], band - kE8m0Bias - 1 + qs.col_qe[nt][i & 1]);
       const int below = band - kMaxScaleSpan;
       const int cand = max(e0 < below ? e0 : -1, e1 < below ? e1 : -1);
       band = __reduce_max_sync(0xffffffffu, cand + 1) - 1;  // -1: no group left
@@ -450,7 +452,7 @@ __device__ __forceinline__ void score_page(const Params& p, const uint8_t* data,
       v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
       if (lane < 4 && qs.col_pos[nt][c] >= 0) {
         v *= p.sm_scale;
-        if (one_pass) v = ldexpf(v, E - 128 + qs.col_qe[nt][c]);
+        if (one_pass) v = ldexpf(v, E - kE8m0Bias - 1 + qs.col_qe[nt][c]);  // K = A * 2^(E - 128)
         p.out[qs.col_out[nt][c] + page] = v;
       }
     }
