@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from m3_kernels.formats import FP8_DTYPE, PAGE_SIZE, prepare_index_q
-from m3_kernels.ops.score import PrefillPlan, plan_prefill, score_decode, score_prefill
+from m3_kernels.ops.score import PrefillPlan, plan_prefill, prepare_decode, score_decode, score_prefill
 from m3_kernels.ops.select import select_blocks, visible_blocks
 from sglang.srt.configs.model_config import get_minimax_sparse_attention_config
 from sglang.srt.layers.attention.minimax_sparse_backend import MiniMaxSparseAttnBackend
@@ -94,6 +94,7 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
         self._decode_meta: Optional[_DecodeMeta] = None
         self._extend_meta: Optional[_ExtendMeta] = None
         self.recorder = SelectionRecorder.from_config(runner.model_config.hf_config, self.sparse_layer_ids)
+        self.decode_scorer = prepare_decode(self.device, settings.fmt.is_mxfp4)  # JIT builds now, not mid-capture
 
     # ---- plan --------------------------------------------------------------------------------
 

@@ -97,6 +97,21 @@ def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_bl
 _CUDA_FALLBACK_LOGGED = set()
 
 
+def prepare_decode(device, storage_is_mxfp4: bool) -> str:
+    """Build now whatever the auto decode path of ``device`` compiles at first use (the CUDA MXFP4
+    kernel: about 45 s the first time, then SGLang's on-disk JIT cache), so a server pays it at
+    start-up, before any CUDA graph is captured. Returns the backend auto decode will use."""
+    device = torch.device(device)
+    name = resolve_backend(device)
+    if name == "triton" and storage_is_mxfp4 and (os.environ.get(ENV_BACKEND, "auto") == "auto") \
+            and _cuda_mxfp4_available(device):
+        from .backends import cuda
+
+        cuda.build(device)
+        return "cuda"
+    return name
+
+
 def _cuda_mxfp4_available(device) -> bool:
     """Whether auto may use the CUDA MXFP4 kernel on ``device``; logs once per device why not, on
     NVIDIA sm_90+ GPUs where it was expected (older GPUs and ROCm use Triton without a word)."""

@@ -27,7 +27,7 @@ from m3_kernels.formats import (
     alloc_index_k_cache,
     mxfp4_page_views,
 )
-from m3_kernels.ops.score import score_decode
+from m3_kernels.ops.score import prepare_decode, score_decode
 from m3_kernels.ops.score.backends import cuda as cuda_backend
 from m3_kernels.ops.score.naive import score_decode_ref
 from m3_kernels.testing import abs_index_k, fill_random_index_k
@@ -378,3 +378,16 @@ def test_unavailable_off_gpu_is_a_reason_not_a_crash():
         with pytest.raises(NotImplementedError, match="cannot run here"):
             cuda_backend.score_decode(q, k_data, k_scale, torch.zeros(1, 1, dtype=torch.int32),
                                       torch.ones(1, dtype=torch.int32), 1, 1.0)
+
+
+def test_prepare_decode_names_the_auto_backend():
+    """A server builds at start-up what auto decode would compile at first use; on CPU: nothing."""
+    assert prepare_decode("cpu", True) == "torch"
+
+
+@pytest.mark.gpu
+def test_prepare_decode_builds_the_cuda_kernel_on_sm90(monkeypatch):
+    _sm90()
+    monkeypatch.delenv("M3_SCORE_BACKEND", raising=False)
+    assert prepare_decode("cuda", True) == "cuda"
+    assert prepare_decode("cuda", False) == "triton"
