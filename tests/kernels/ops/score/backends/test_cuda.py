@@ -116,6 +116,25 @@ def _functions(sass):
     return out
 
 
+def test_host_launcher_compiles(tmp_path):
+    """The TVM-FFI launcher (what load_jit builds) compiles against the installed apache-tvm-ffi."""
+    nvcc = _tool("nvcc")
+    try:
+        import tvm_ffi.libinfo
+    except ImportError:
+        pytest.skip("apache-tvm-ffi not installed")
+    if nvcc is None:
+        pytest.skip("nvcc not installed")
+    src = tmp_path / "module.cu"
+    src.write_text(f'#include "{SOURCE}"\n'
+                   "TVM_FFI_DLL_EXPORT_TYPED_FUNC(score_decode_mxfp4, (m3_mxfp4::score_decode_mxfp4));\n")
+    includes = [f"-I{p}" for p in tvm_ffi.libinfo.include_paths()]
+    includes += [f"-I{p}/dlpack" for p in tvm_ffi.libinfo.include_paths()]
+    res = subprocess.run([nvcc, "-std=c++20", "-O3", "-arch=sm_90a", "-c", "-Xcompiler", "-fPIC", *includes,
+                          "-o", str(tmp_path / "module.o"), str(src)], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
 def test_sass_every_instance_builds_without_spills(sm90_build):
     usage = _ptxas_usage(sm90_build[0])
     assert set(usage) == set(INSTANCES), sorted(usage)

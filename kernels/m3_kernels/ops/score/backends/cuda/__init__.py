@@ -5,7 +5,8 @@ so that a thread's ``mma.sync`` fragment of a token row is one whole MX group, e
 with shifts, masks and byte permutes, one exact fp16 multiply per pair for the group scale, and a
 per-warp ring of page buffers filled by bulk copies. Its docstring states the numerics.
 
-``sglang.jit_kernel.utils.load_jit`` (TVM-FFI + nvcc) compiles it for the current GPU on the first
+``load_jit`` (TVM-FFI + nvcc; ``sglang.jit_kernel.utils`` in 0.5.16, ``sglang.kernels.jit.utils``
+in newer releases) compiles it for the current GPU on the first
 call and caches the module on disk. Importing this package imports neither SGLang nor TVM-FFI;
 where either, nvcc or a Hopper GPU is missing, ``availability`` says why and the dispatcher keeps
 the Triton kernel (one log line).
@@ -101,7 +102,10 @@ def verify_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_b
 @functools.lru_cache(maxsize=None)
 def _module():
     """The compiled TVM-FFI module (built on first use, then loaded from SGLang's JIT cache)."""
-    from sglang.jit_kernel.utils import load_jit
+    try:
+        from sglang.jit_kernel.utils import load_jit  # SGLang 0.5.16
+    except ImportError:
+        from sglang.kernels.jit.utils import load_jit  # newer releases (0.5.23)
 
     return load_jit("m3_score_decode_mxfp4", cuda_files=[str(SOURCE)],
                     cuda_wrappers=[("score_decode_mxfp4", "m3_mxfp4::score_decode_mxfp4")])

@@ -528,23 +528,32 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm(NT)) score_decode_mxf
 
 #ifndef M3_MXFP4_DEVICE_ONLY
 // ------------------------------------------------------------------ host launcher (TVM-FFI)
+// Plain CUDA runtime calls and TVM-FFI only (no SGLang headers, whose namespaces differ between
+// releases); the stream is the caller's current one, as TVM-FFI hands it over from torch.
 #include <dlpack/dlpack.h>
 #include <tvm/ffi/container/tensor.h>
-
-#include <sgl_kernel/utils.cuh>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/extra/c_env_api.h>
 
 namespace m3_mxfp4 {
+
+inline void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) TVM_FFI_THROW(RuntimeError) << what << ": " << cudaGetErrorString(err);
+}
 
 template <int NT, bool Q_E4M3>
 void launch(const Params& params, int num_sms, DLDevice device) {
   auto kernel = score_decode_mxfp4_kernel<NT, Q_E4M3>;
   // Per device and cheap; allowed during CUDA-graph capture (not a stream operation).
-  host::RuntimeDeviceCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
+             "cudaFuncSetAttribute");
   // Enough warps for one page each, at most a full persistent grid.
   const int64_t pages_bound = (int64_t)params.batch * params.max_block;
   const int64_t ctas = std::min<int64_t>((int64_t)num_sms * ctas_per_sm(NT), (pages_bound + kWarps - 1) / kWarps);
   if (ctas <= 0) return;
-  host::LaunchKernel(static_cast<unsigned>(ctas), kWarps * 32, device, kSmemBytes)(kernel, params);
+  auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(device.device_type, device.device_id));
+  kernel<<<static_cast<unsigned>(ctas), kWarps * 32, kSmemBytes, stream>>>(params);
+  check_cuda(cudaGetLastError(), "score_decode_mxfp4 launch");
 }
 
 // Arguments already validated in Python (backends/cuda/__init__.py). `q_bytes` is q viewed as uint8
@@ -586,7 +595,7 @@ inline void score_decode_mxfp4(tvm::ffi::TensorView q_bytes, tvm::ffi::TensorVie
     case 7: launch<3, true>(p, sms, device); break;
     case 8: launch<4, false>(p, sms, device); break;
     case 9: launch<4, true>(p, sms, device); break;
-    default: host::RuntimeCheck(false, "S * H must be in [1, 32], got ", p.S * p.H);
+    default: TVM_FFI_THROW(ValueError) << "S * H must be in [1, 32], got " << p.S * p.H;
   }
 }
 
