@@ -322,15 +322,15 @@ def test_resolve_backend(monkeypatch):
     assert resolve_backend(gpu, op="prefill") == "triton"  # no FlyDSL prefill
     monkeypatch.setattr(flydsl_backend, "is_available", lambda device: False)  # NVIDIA, other AMD
     assert resolve_backend(gpu) == "triton"
-    for forced in ("torch", "triton", "flydsl", "aiter"):
+    for forced in ("torch", "triton", "cuda", "flydsl", "aiter"):
         monkeypatch.setenv("M3_SCORE_BACKEND", forced)
         assert resolve_backend(gpu) == forced and resolve_backend(cpu) == forced
         # Decode-only backends: a forced one leaves prefill on its auto choice (never the torch
         # reference on a GPU).
-        want_gpu = "triton" if forced in ("flydsl", "aiter") else forced
-        want_cpu = "torch" if forced in ("flydsl", "aiter") else forced
+        want_gpu = "triton" if forced in ("cuda", "flydsl", "aiter") else forced
+        want_cpu = "torch" if forced in ("cuda", "flydsl", "aiter") else forced
         assert resolve_backend(gpu, op="prefill") == want_gpu and resolve_backend(cpu, op="prefill") == want_cpu
-    monkeypatch.setenv("M3_SCORE_BACKEND", "cuda")
+    monkeypatch.setenv("M3_SCORE_BACKEND", "bogus")
     with pytest.raises(ValueError, match="M3_SCORE_BACKEND"):
         resolve_backend(gpu)
 
