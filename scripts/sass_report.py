@@ -1,15 +1,17 @@
 """Compile-time proxy for the Triton decode scorer: sm_90 SASS of the page loop, no GPU needed.
 
-    python scripts/sass_report.py [--variants fp8,split,groups,stacked,e4m3] [--q bf16|e4m3] [--dump DIR]
+    python scripts/sass_report.py [--variants fp8,mxfp4,mxfp4_per_group] [--q bf16|e4m3] [--dump DIR]
 
 Compiles ``_score_kernel`` for an sm_90 target (Triton's bundled ptxas), as ``score_decode_triton``
-launches it for the benchmark's S4 H1 decode cells (16 query vectors per tile, 16 pages per program,
-2 pipeline stages, 4 warps, preallocated output), disassembles it with the bundled ``cuobjdump``
-and prints, per variant: instructions per thread in the page loop (the body between the loop label
-and its backward branch; it handles one page per trip), how many of them a forward branch inside the
-loop can skip ("skippable": the position mask where it runs on the tile's last pages only), selected
-opcode counts in that body (a variant with a fallback path has one row per page loop),
-registers per thread and the stack frame (spills). A proxy for issue cost only: it is not a timing.
+launches it for the benchmark's S4 H1 decode cells (4 query vectors per tile, padded to 16, 16 pages
+per program, 2 pipeline stages, 4 warps, preallocated output), disassembles it with the bundled
+``cuobjdump`` and prints, per variant, one row per page loop: instructions per thread in the loop
+(the body between the loop label and its backward branch; it handles one page per trip), how many
+of them a forward branch inside the loop can skip ("skippable": the position mask where it runs on
+the tile's last pages only), selected opcode counts in that body, registers per thread and the stack
+frame (spills). ``mxfp4``: the stacked loop (tiles of <= 8 query vectors), then the per-vector
+fallback loop; ``mxfp4_per_group``: the loop of larger tiles, then the same fallback. A proxy for
+issue cost only: it is not a timing.
 """
 
 import argparse
@@ -29,11 +31,8 @@ from m3_kernels.ops.score import triton as score_triton
 TARGET = GPUTarget("cuda", 90, 32)
 OPCODES = ["HGMMA", "QGMMA", "HMMA", "LDG", "LDGSTS", "LDS", "LDSM", "STS", "PRMT", "LOP3", "SHF", "IMAD", "FMUL",
            "FFMA", "FADD", "F2FP", "BAR", "LDL", "STL"]
-# variant -> (FMT code, MX mode, constexpr overrides)
-VARIANTS = {"fp8": (1, None, {}), "split": (2, "split", {}), "groups": (2, "groups", {}),
-            "stacked": (2, "stacked", {}), "e4m3": (2, "e4m3", {}), "e4m3_t4": (2, "e4m3", {"Q8_TERMS": 4}),
-            "e4m3_t0": (2, "e4m3", {"Q8_TERMS": 0}), "e4m3_unstacked": (2, "e4m3", {"E4M3_STACK": False}),
-            "tile16": (2, "tile16", {}), "tile16_unstacked": (2, "tile16", {"E4M3_STACK": False})}
+# variant -> (FMT code, constexpr overrides)
+VARIANTS = {"fp8": (1, {}), "mxfp4": (2, {}), "mxfp4_per_group": (2, {"MX_STACK": False})}
 
 
 def _tool(name):
@@ -41,7 +40,7 @@ def _tool(name):
     return base if os.path.exists(base) else name
 
 
-def compile_variant(fmt_code, mode, q_fp8=False, nq=16, rows=4, heads=1, pp=16, num_stages=2, num_warps=4,
+def compile_variant(fmt_code, q_fp8=False, nq=16, rows=4, heads=1, pp=16, num_stages=2, num_warps=4,
                     overrides=None):
     """The compiled kernel (``triton.compile`` result) of one decode configuration for sm_90."""
     fn = score_triton._score_kernel
@@ -53,13 +52,10 @@ def compile_variant(fmt_code, mode, q_fp8=False, nq=16, rows=4, heads=1, pp=16, 
                stride_k_page="i32", stride_s_page="i32", stride_bt="i32", stride_o_h="i32", stride_o_r="i32")
     const = dict(cu_ptr=None, tile_ptr=None, FMT=fmt_code, Q_FP8=q_fp8, H=heads, ROWS=rows, NQ=nq, PP=pp,
                  PREFILL=False, FILL_TAIL=False, NUM_STAGES=num_stages, USE_ASM=True)
-    const.update(score_triton._static_constexprs())
-    const.update(score_triton._mode_flags(mode or "split"), INTERPRET=False)
-    const.update(overrides or {})
+    const.update(score_triton._static_constexprs(), INTERPRET=False)
     nv = max(4, triton.next_power_of_2(rows * heads))  # as score_triton._launch
-    const.setdefault("NV", nv)
-    stack = score_triton._E4M3_STACKED and nv <= score_triton._E4M3_STACK_MAX_NV and const["Q8_TERMS"] in (0, 2)
-    const.setdefault("E4M3_STACK", mode in ("e4m3", "tile16") and stack)
+    const.update(NV=nv, MX_STACK=nv <= score_triton._MX_STACK_MAX_NV)
+    const.update(overrides or {})
     if fmt_code != 2:
         const["s_ptr"] = None
     for name in fn.arg_names:
@@ -156,8 +152,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     rows = []
     for name in args.variants.split(","):
-        fmt_code, mode, overrides = VARIANTS[name]
-        kernel = compile_variant(fmt_code, mode, q_fp8=args.q == "e4m3", pp=args.pp, num_stages=args.stages,
+        fmt_code, overrides = VARIANTS[name]
+        kernel = compile_variant(fmt_code, q_fp8=args.q == "e4m3", pp=args.pp, num_stages=args.stages,
                                  num_warps=args.warps, overrides=overrides)
         new_rows, sass = report(name, kernel)
         rows += new_rows
