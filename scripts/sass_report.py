@@ -1,6 +1,7 @@
 """Compile-time proxy for the Triton decode scorer: sm_90 SASS of the page loop, no GPU needed.
 
     python scripts/sass_report.py [--variants fp8,mxfp4,mxfp4_per_group] [--q bf16|e4m3] [--dump DIR]
+    python scripts/sass_report.py --writer
 
 Compiles ``_score_kernel`` for an sm_90 target (Triton's bundled ptxas), as ``score_decode_triton``
 launches it for the benchmark's S4 H1 decode cells (4 query vectors per tile, padded to 16, 16 pages
@@ -12,6 +13,11 @@ the tile's last pages only), selected opcode counts in that body, registers per 
 frame (spills). ``mxfp4``: the stacked loop (tiles of <= 8 query vectors), then the per-vector
 fallback loop; ``mxfp4_per_group``: the loop of larger tiles, then the same fallback. A proxy for
 issue cost only: it is not a timing.
+
+``--writer``: the index-cache writer instead (``ops/write/triton.py``, fp32 keys, int64 slots,
+rceil), plain mxfp4 at its launch and mxfp4_rot at several: SASS instructions per thread of the
+whole kernel (straight-line code; mxfp4_rot's rarely taken range-edge branch included, so an upper
+bound for its common path) and per token (times the program's threads, over its tokens).
 """
 
 import argparse
@@ -26,7 +32,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from m3_kernels.formats import MXFP4_INPUT_MAX
 from m3_kernels.ops.score import triton as score_triton
+from m3_kernels.ops.write import triton as write_triton
 
 TARGET = GPUTarget("cuda", 90, 32)
 OPCODES = ["HGMMA", "QGMMA", "HMMA", "LDG", "LDGSTS", "LDS", "LDSM", "STS", "PRMT", "LOP3", "SHF", "IMAD", "FMUL",
@@ -141,6 +149,47 @@ def report(name, kernel):
     return rows, sass
 
 
+# (format, tokens per program, warps); the first of each format is its default launch
+WRITER_LAUNCHES = [("mxfp4", 16, 4), ("mxfp4_rot", 64, 4), ("mxfp4_rot", 16, 4), ("mxfp4_rot", 16, 2),
+                   ("mxfp4_rot", 32, 2), ("mxfp4_rot", 64, 8)]
+
+
+def compile_writer(rotated, bt, num_warps):
+    """The writer kernel for sm_90 as ``write_index_k_triton`` launches it for fp32 keys, int64 slots
+    and rceil (pointers and strides divisible by 16, as Triton specializes them)."""
+    fn = write_triton._write_mxfp4_rot_kernel if rotated else write_triton._write_index_k_kernel
+    sig = dict(k_ptr="*fp32", loc_ptr="*i64", cache_ptr="*u8", scale_ptr="*u8", n_tokens="i32", capacity="i32",
+               stride_k_t="i32", stride_cache_page="i32", stride_scale_page="i32")
+    const = dict(IN_BF16=False, RCEIL=True, BT=bt, D=128, G=32, PAGE=128, CLAMP=MXFP4_INPUT_MAX, S_MIN=1,
+                 S_MAX=254, SIGN=8)
+    if rotated:
+        sig.update(h_ptr="*fp16", rot_scale="fp32")
+        const.update(sign_ptr=None, SIGNS=False, PRE_CLAMP=write_triton._FP32_MAX)
+    else:
+        const.update(FMT=2)
+    for name in fn.arg_names:
+        sig.setdefault(name, "constexpr")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if (n.endswith("_ptr") and sig[n] != "constexpr") or n.startswith("stride")}
+    return triton.compile(ASTSource(fn, sig, const, attrs), target=TARGET, options=dict(num_warps=num_warps))
+
+
+def writer_report():
+    cols = ["format", "tokens/program", "warps", "per thread", "per token", "reg", "stack", "MMA", "BAR"]
+    print("sm_90 SASS of the index-cache writer, whole kernel (compile-time proxy, not a timing)")
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for fmt, bt, nw in WRITER_LAUNCHES:
+        kernel = compile_writer(fmt == "mxfp4_rot", bt, nw)
+        sass = sass_of(kernel.asm["cubin"])
+        ops = [re.sub(r"^@!?U?P[T0-9]+\s+", "", m.group(2).strip()).split()[0] for m in _INSTR.finditer(sass)]
+        hist = collections.Counter(op.split(".")[0] for op in ops)
+        res = resources(kernel.asm["cubin"])
+        row = [fmt, bt, nw, len(ops), round(len(ops) * 32 * nw / bt), res["reg"], res["stack"],
+               hist["HMMA"] + hist["HGMMA"], hist["BAR"]]
+        print("| " + " | ".join(str(v) for v in row) + " |", flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=",".join(VARIANTS))
@@ -149,7 +198,11 @@ def main(argv=None):
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--q", default="bf16", choices=["bf16", "e4m3"])
     parser.add_argument("--dump", help="write each variant's SASS and TTGIR here")
+    parser.add_argument("--writer", action="store_true", help="the index-cache writer instead (module docstring)")
     args = parser.parse_args(argv)
+    if args.writer:
+        writer_report()
+        return
     rows = []
     for name in args.variants.split(","):
         fmt_code, overrides = VARIANTS[name]
