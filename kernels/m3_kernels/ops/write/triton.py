@@ -192,7 +192,7 @@ def _rotate(x0, x1, x2, x3, rot_scale, h_ptr, G: tl.constexpr, CLAMP: tl.constex
     fw = _pow2f(10 - ez)[:, None]
     # Output factor rot_scale * 2^eo, exact and normal; a row near fp32's underflow takes 2^-64 after
     # it, one near overflow a clamp, in a branch only programs holding such a row take.
-    eo = e + ez - 10
+    eo = tl.where(mz > 0, e + ez - 10, 0)  # a zero row (or a masked one) stays off the branch
     low = eo < -122
     fo = (rot_scale * _pow2f(tl.where(low, eo + 64, eo)))[:, None]
     h = tl.load(h_ptr + tl.arange(0, G)[:, None] * G + tl.arange(0, G)[None, :])
