@@ -209,6 +209,15 @@ def test_decode_mxfp4_q_paths_gpu(gen, octaves, scale_range, q_scale):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("S,H", [(4, 1), (8, 4)], ids=["stacked", "per_group"])
+def test_decode_mxfp4_without_inline_ptx(gen, S, H, monkeypatch):
+    """The e2m1 decode in plain Triton ops (what ROCm and the interpreter run) on the GPU."""
+    monkeypatch.setenv("M3_TRITON_NO_ASM", "1")
+    for q_octaves in (0, -60):
+        check_decode(gen, "cuda", "mxfp4", torch.bfloat16, S, H, [S, 129, 3000], max_block=24, q_octaves=q_octaves)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "bf16"])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8_DTYPE], ids=["q_bf16", "q_e4m3"])
 @pytest.mark.parametrize("S,H", GEOMETRIES)
