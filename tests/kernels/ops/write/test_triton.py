@@ -295,24 +295,29 @@ def test_bad_loc_raises_and_writes_nothing(gen):
 
 
 @pytest.mark.gpu
-def test_writer_in_cuda_graph(gen):
+@pytest.mark.parametrize("fmt,seed", [("mxfp4", None), ("mxfp4_rot", None), ("mxfp4_rot", 7)])
+def test_writer_in_cuda_graph(gen, fmt, seed):
+    """Captured once after a warm-up call, replayed with other keys and slots."""
     k = torch.zeros(300, 128, device="cuda")
     loc = torch.zeros(300, dtype=torch.int64, device="cuda")
     k_cache, k_scale = alloc_index_k_cache(8, "mxfp4", "cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        write_index_k(k, loc, k_cache, k_scale, "mxfp4", check_loc=False)
+        write_index_k(k, loc, k_cache, k_scale, fmt, sign_seed=seed, check_loc=False)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        write_index_k(k, loc, k_cache, k_scale, "mxfp4")  # the slot check is skipped while capturing
+        write_index_k(k, loc, k_cache, k_scale, fmt, sign_seed=seed)  # the slot check is skipped while capturing
     for _ in range(2):
-        kk = corner_keys(gen, 300)
+        kk = corner_keys(gen, 300) if fmt == "mxfp4" else rotation_keys(gen, 300)[0]
         ll = torch.randperm(8 * PAGE_SIZE, generator=gen)[:300]
         k.copy_(kk)
         loc.copy_(ll)
         graph.replay()
-        rows, scales = quantize_index_k(kk, "mxfp4")
-        assert torch.equal(k_cache.cpu()[ll // PAGE_SIZE, ll % PAGE_SIZE], rows)
-        assert torch.equal(k_scale.cpu()[ll // PAGE_SIZE, ll % PAGE_SIZE], scales)
+        data, scale = k_cache.cpu()[ll // PAGE_SIZE, ll % PAGE_SIZE], k_scale.cpu()[ll // PAGE_SIZE, ll % PAGE_SIZE]
+        if fmt == "mxfp4":
+            rows, scales = quantize_index_k(kk, fmt)
+            assert torch.equal(data, rows) and torch.equal(scale, scales)
+        else:
+            rotation_mismatches_explained(kk, data, scale, "rceil", seed)
