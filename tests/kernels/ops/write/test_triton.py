@@ -159,12 +159,11 @@ def rotation_mismatches_explained(k, data, scales, rule, sign_seed):
 
 
 def rotation_keys(gen, tokens):
-    """Keys for the rotated writer: Gaussian rows across 2^-20..2^20 with outlier channels, then
-    rows at the edges of fp32 (all subnormal, mixed normal and subnormal, near 2^125, one whose
-    rotation overflows fp32), a zero row,
-    a constant row (all output in one element), one dominant element over tiny ones, two rows at
-    the rotation's worst case, and a row with NaN, +inf (sanitized to the fp32 maximum) and signed
-    zeros. Returns ``(k, first row of the Gaussian rest)``."""
+    """Keys for the rotated writer: Gaussian rows across 2^-20..2^20 with outlier channels; row 0
+    with NaN, +inf (sanitized to the fp32 maximum) and signed zeros; then rows at the edges of fp32
+    (all subnormal, mixed normal and subnormal, near 2^120, one whose rotation overflows fp32), a
+    zero row, a constant row (all output in one element), one dominant element over small ones and
+    two rows at the rotation's worst case. Returns ``(k, first row of the Gaussian rest)``."""
     k = torch.randn(tokens, 128, generator=gen) * torch.exp2(torch.randint(-20, 20, (tokens, 1), generator=gen).float())
     k[:, :3] *= 50.0  # outlier channels
     edge = [torch.randn(128, generator=gen) * 2.0**-140,  # every element subnormal
