@@ -149,7 +149,8 @@ def report(name, kernel):
     return rows, sass
 
 
-# (format, tokens per program, warps); the first of each format is its default launch
+# (format, tokens per program, warps): mxfp4 at its launch, mxfp4_rot at its two defaults (from 16384 tokens,
+# below: write_triton._rot_launch), then at other launches
 WRITER_LAUNCHES = [("mxfp4", 16, 4), ("mxfp4_rot", 64, 4), ("mxfp4_rot", 16, 4), ("mxfp4_rot", 16, 2),
                    ("mxfp4_rot", 32, 2), ("mxfp4_rot", 64, 8)]
 

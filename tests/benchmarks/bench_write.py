@@ -1,15 +1,16 @@
 """Index-cache writer benchmark on one GPU: bf16, fp8, mxfp4 and mxfp4_rot (Triton), with the
 rotated writer's launch shapes compared.
 
-    python tests/benchmarks/bench_write.py [--out DIR] [--tokens 4096,32768,131072]
+    python tests/benchmarks/bench_write.py [--out DIR] [--tokens 128,4096,32768,131072]
 
 Method (as ``bench_score.py``): fp32 keys ``[tokens, 128]`` written to the rows of random whole
-pages of a 2048-page-per-set cache; every arm is captured once in a CUDA graph of 8 calls over 8
-disjoint input sets and slot lists, the graph is replayed 25 times and the median replay time
+pages of the cache (8 disjoint sets of pages); every arm is captured once in a CUDA graph of 8 calls
+over the 8 input sets and slot lists, the graph is replayed 25 times and the median replay time
 divided by 8 is reported. mxfp4 and mxfp4_rot (default launch, plain Hadamard) run A-B-B-A, the
-mean of the two rounds reported; mxfp4_rot also with random signs (``sign_seed`` 7) and at other
-launch shapes. GB/s counts fp32 in + the int64 slot + the cache row (bytes per token: 520 plus
-256 / 128 / 68). "x mxfp4" is the time over the plain mxfp4 writer's at the same token count.
+mean of the two rounds reported; mxfp4_rot also with random signs (``sign_seed`` 7) and at six
+launch shapes (its default depends on the token count: ``_rot_launch`` in ``ops/write/triton.py``).
+GB/s counts fp32 in + the int64 slot + the cache row (bytes per token: 520 plus 256 / 128 / 68).
+"x mxfp4" is the time over the plain mxfp4 writer's at the same token count.
 
 Gate, before any timing: bf16, fp8 and mxfp4 rows bitwise equal to ``quantize_index_k``; mxfp4_rot
 bytes at least 99% equal to the float64-rotation reference (the rotation's error bound itself is
@@ -32,7 +33,8 @@ from m3_kernels.ops.write.triton import write_index_k_triton
 SETS = 8
 REPLAYS = 25
 # mxfp4_rot arms: (launch, sign seed); launch (tokens per program, warps), None = the writer's default
-ROT_ARMS = [(None, None), (None, 7), ((16, 4), None), ((16, 2), None), ((32, 2), None), ((64, 8), None)]
+ROT_ARMS = [(None, None), (None, 7), ((16, 4), None), ((16, 2), None), ((32, 2), None), ((64, 4), None),
+            ((64, 8), None)]
 
 
 def log(*a):
@@ -163,7 +165,7 @@ def table(rows, header):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--tokens", default="4096,32768,131072")
+    parser.add_argument("--tokens", default="128,4096,32768,131072")
     args = parser.parse_args(argv)
     import triton
 

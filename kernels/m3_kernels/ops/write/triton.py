@@ -65,9 +65,14 @@ from ...formats import (
 
 _FP32_MAX = torch.finfo(torch.float32).max
 _BT = 16  # tokens per program
-# mxfp4_rot: 64 tokens per program, 4 warps, where the tensor-core dots are whole warpgroup tiles on sm_90;
-# the fewest sm_90 SASS instructions per token of the launches compared (docs/perf.md); not timed yet
-_ROT_BT, _ROT_WARPS = 64, 4
+
+
+def _rot_launch(n_tokens: int):
+    """(tokens per program, warps) of the mxfp4_rot writer for ``n_tokens``, chosen on sm_90 SASS
+    counts and occupancy, not timed yet (docs/perf.md): 64 and 4 (whole warpgroup tensor-core
+    tiles, the fewest instructions per token) once the programs fill an H200 (from 16384 tokens);
+    16 and 4 below, where the latency of one program counts more."""
+    return (64, 4) if n_tokens >= 16384 else (16, 4)
 
 # Rounding thresholds of e2m1 as 4*t = 2^a * (1 + F / 2^23): (a, F) for t in
 # F4_E2M1_TIES_DOWN (0.25, 1.25, 2.5, 5.0) and F4_E2M1_TIES_UP (0.75, 1.75, 3.5).
@@ -345,7 +350,8 @@ def write_index_k_triton(k, loc, k_cache, k_scale, fmt: IndexKFormat, scale_rule
 
     ``k [tokens, 128]`` fp32/bf16 (last dim contiguous), ``loc [tokens]`` int32/int64; slots outside
     the cache are skipped (never written). ``tokens_per_program`` (a power of two >= 16) and
-    ``num_warps`` are launch parameters (default 16 and 4; 64 and 4 for ``mxfp4_rot``), for benchmarks.
+    ``num_warps`` are launch parameters for benchmarks (default 16 and 4; ``_rot_launch`` for
+    ``mxfp4_rot``).
     """
     n = k.shape[0]
     if n == 0:
@@ -355,8 +361,9 @@ def write_index_k_triton(k, loc, k_cache, k_scale, fmt: IndexKFormat, scale_rule
     loc = loc.contiguous()
     capacity = k_cache.shape[0] * PAGE_SIZE
     rule = parse_scale_rule(scale_rule)
-    bt = tokens_per_program or (_ROT_BT if fmt.is_rotated else _BT)
-    num_warps = num_warps or (_ROT_WARPS if fmt.is_rotated else 4)
+    default_bt, default_warps = _rot_launch(n) if fmt.is_rotated else (_BT, 4)
+    bt = tokens_per_program or default_bt
+    num_warps = num_warps or default_warps
     grid = (triton.cdiv(n, bt),)
     k_in = k.view(torch.int16) if k.dtype == torch.bfloat16 else k
     common = dict(IN_BF16=k.dtype == torch.bfloat16, RCEIL=rule is ScaleRule.RCEIL, BT=bt, D=INDEX_DIM,

@@ -186,7 +186,7 @@ def rotation_keys(gen, tokens):
 @pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("rule", ["rceil", "floor"])
 @pytest.mark.parametrize("sign_seed", [None, 7])
-@pytest.mark.parametrize("bt", [None, 16], ids=["bt_default", "bt16"])
+@pytest.mark.parametrize("bt", [None, 64], ids=["bt_default", "bt64"])
 def test_rotated_writer_within_rotation_bound(gen, device, rule, sign_seed, bt):
     device = _on(device)
     tokens = 33 if device == "cpu" else 8192
