@@ -187,11 +187,13 @@ def rotation_keys(gen, tokens):
 @pytest.mark.parametrize("rule", ["rceil", "floor"])
 @pytest.mark.parametrize("sign_seed", [None, 7])
 @pytest.mark.parametrize("bt", [None, 64], ids=["bt_default", "bt64"])
-def test_rotated_writer_within_rotation_bound(gen, device, rule, sign_seed, bt):
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rotated_writer_within_rotation_bound(gen, device, rule, sign_seed, bt, in_dtype):
     device = _on(device)
     tokens = 33 if device == "cpu" else 8192
     pages = tokens // PAGE_SIZE + 1
     k, plain = rotation_keys(gen, tokens)
+    k = k.to(in_dtype)
     k_cache, k_scale = alloc_index_k_cache(pages, "mxfp4", device)
     loc = torch.arange(tokens)
     write(k.to(device), loc.to(device), k_cache, k_scale, "mxfp4_rot", rule, sign_seed, bt)
