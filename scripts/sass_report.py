@@ -1,15 +1,23 @@
 """Compile-time proxy for the Triton decode scorer: sm_90 SASS of the page loop, no GPU needed.
 
-    python scripts/sass_report.py [--variants fp8,split,groups,stacked,e4m3] [--q bf16|e4m3] [--dump DIR]
+    python scripts/sass_report.py [--variants fp8,mxfp4,mxfp4_per_group] [--q bf16|e4m3] [--dump DIR]
+    python scripts/sass_report.py --writer
 
 Compiles ``_score_kernel`` for an sm_90 target (Triton's bundled ptxas), as ``score_decode_triton``
-launches it for the benchmark's S4 H1 decode cells (16 query vectors per tile, 16 pages per program,
-2 pipeline stages, 4 warps, preallocated output), disassembles it with the bundled ``cuobjdump``
-and prints, per variant: instructions per thread in the page loop (the body between the loop label
-and its backward branch; it handles one page per trip), how many of them a forward branch inside the
-loop can skip ("skippable": the position mask where it runs on the tile's last pages only), selected
-opcode counts in that body (a variant with a fallback path has one row per page loop),
-registers per thread and the stack frame (spills). A proxy for issue cost only: it is not a timing.
+launches it for the benchmark's S4 H1 decode cells (4 query vectors per tile, padded to 16, 16 pages
+per program, 2 pipeline stages, 4 warps, preallocated output), disassembles it with the bundled
+``cuobjdump`` and prints, per variant, one row per page loop: instructions per thread in the loop
+(the body between the loop label and its backward branch; it handles one page per trip), how many
+of them a forward branch inside the loop can skip ("skippable": the position mask where it runs on
+the tile's last pages only), selected opcode counts in that body, registers per thread and the stack
+frame (spills). ``mxfp4``: the stacked loop (tiles of <= 8 query vectors), then the per-vector
+fallback loop; ``mxfp4_per_group``: the loop of larger tiles, then the same fallback. A proxy for
+issue cost only: it is not a timing.
+
+``--writer``: the index-cache writer instead (``ops/write/triton.py``, fp32 keys, int64 slots,
+rceil), plain mxfp4 at its launch and mxfp4_rot at several: SASS instructions per thread of the
+whole kernel (straight-line code; mxfp4_rot's rarely taken range-edge branch included, so an upper
+bound for its common path) and per token (times the program's threads, over its tokens).
 """
 
 import argparse
@@ -24,16 +32,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from m3_kernels.formats import MXFP4_INPUT_MAX
 from m3_kernels.ops.score import triton as score_triton
+from m3_kernels.ops.write import triton as write_triton
 
 TARGET = GPUTarget("cuda", 90, 32)
 OPCODES = ["HGMMA", "QGMMA", "HMMA", "LDG", "LDGSTS", "LDS", "LDSM", "STS", "PRMT", "LOP3", "SHF", "IMAD", "FMUL",
            "FFMA", "FADD", "F2FP", "BAR", "LDL", "STL"]
-# variant -> (FMT code, MX mode, constexpr overrides)
-VARIANTS = {"fp8": (1, None, {}), "split": (2, "split", {}), "groups": (2, "groups", {}),
-            "stacked": (2, "stacked", {}), "e4m3": (2, "e4m3", {}), "e4m3_t4": (2, "e4m3", {"Q8_TERMS": 4}),
-            "e4m3_t0": (2, "e4m3", {"Q8_TERMS": 0}), "e4m3_unstacked": (2, "e4m3", {"E4M3_STACK": False}),
-            "tile16": (2, "tile16", {}), "tile16_unstacked": (2, "tile16", {"E4M3_STACK": False})}
+# variant -> (FMT code, constexpr overrides)
+VARIANTS = {"fp8": (1, {}), "mxfp4": (2, {}), "mxfp4_per_group": (2, {"MX_STACK": False})}
 
 
 def _tool(name):
@@ -41,7 +48,7 @@ def _tool(name):
     return base if os.path.exists(base) else name
 
 
-def compile_variant(fmt_code, mode, q_fp8=False, nq=16, rows=4, heads=1, pp=16, num_stages=2, num_warps=4,
+def compile_variant(fmt_code, q_fp8=False, nq=16, rows=4, heads=1, pp=16, num_stages=2, num_warps=4,
                     overrides=None):
     """The compiled kernel (``triton.compile`` result) of one decode configuration for sm_90."""
     fn = score_triton._score_kernel
@@ -53,13 +60,10 @@ def compile_variant(fmt_code, mode, q_fp8=False, nq=16, rows=4, heads=1, pp=16, 
                stride_k_page="i32", stride_s_page="i32", stride_bt="i32", stride_o_h="i32", stride_o_r="i32")
     const = dict(cu_ptr=None, tile_ptr=None, FMT=fmt_code, Q_FP8=q_fp8, H=heads, ROWS=rows, NQ=nq, PP=pp,
                  PREFILL=False, FILL_TAIL=False, NUM_STAGES=num_stages, USE_ASM=True)
-    const.update(score_triton._static_constexprs())
-    const.update(score_triton._mode_flags(mode or "split"), INTERPRET=False)
-    const.update(overrides or {})
+    const.update(score_triton._static_constexprs(), INTERPRET=False)
     nv = max(4, triton.next_power_of_2(rows * heads))  # as score_triton._launch
-    const.setdefault("NV", nv)
-    stack = score_triton._E4M3_STACKED and nv <= score_triton._E4M3_STACK_MAX_NV and const["Q8_TERMS"] in (0, 2)
-    const.setdefault("E4M3_STACK", mode in ("e4m3", "tile16") and stack)
+    const.update(NV=nv, MX_STACK=nv <= score_triton._MX_STACK_MAX_NV)
+    const.update(overrides or {})
     if fmt_code != 2:
         const["s_ptr"] = None
     for name in fn.arg_names:
@@ -145,6 +149,48 @@ def report(name, kernel):
     return rows, sass
 
 
+# (format, tokens per program, warps): mxfp4 at its launch, mxfp4_rot at its two defaults (from 16384 tokens,
+# below: write_triton._rot_launch), then at other launches
+WRITER_LAUNCHES = [("mxfp4", 16, 4), ("mxfp4_rot", 64, 4), ("mxfp4_rot", 16, 4), ("mxfp4_rot", 16, 2),
+                   ("mxfp4_rot", 32, 2), ("mxfp4_rot", 64, 8)]
+
+
+def compile_writer(rotated, bt, num_warps):
+    """The writer kernel for sm_90 as ``write_index_k_triton`` launches it for fp32 keys, int64 slots
+    and rceil (pointers and strides divisible by 16, as Triton specializes them)."""
+    fn = write_triton._write_mxfp4_rot_kernel if rotated else write_triton._write_index_k_kernel
+    sig = dict(k_ptr="*fp32", loc_ptr="*i64", cache_ptr="*u8", scale_ptr="*u8", n_tokens="i32", capacity="i32",
+               stride_k_t="i32", stride_cache_page="i32", stride_scale_page="i32")
+    const = dict(IN_BF16=False, RCEIL=True, BT=bt, D=128, G=32, PAGE=128, CLAMP=MXFP4_INPUT_MAX, S_MIN=1,
+                 S_MAX=254, SIGN=8)
+    if rotated:
+        sig.update(h_ptr="*fp16", rot_scale="fp32")
+        const.update(sign_ptr=None, SIGNS=False, PRE_CLAMP=write_triton._FP32_MAX)
+    else:
+        const.update(FMT=2)
+    for name in fn.arg_names:
+        sig.setdefault(name, "constexpr")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if (n.endswith("_ptr") and sig[n] != "constexpr") or n.startswith("stride")}
+    return triton.compile(ASTSource(fn, sig, const, attrs), target=TARGET, options=dict(num_warps=num_warps))
+
+
+def writer_report():
+    cols = ["format", "tokens/program", "warps", "per thread", "per token", "reg", "stack", "MMA", "BAR"]
+    print("sm_90 SASS of the index-cache writer, whole kernel (compile-time proxy, not a timing)")
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for fmt, bt, nw in WRITER_LAUNCHES:
+        kernel = compile_writer(fmt == "mxfp4_rot", bt, nw)
+        sass = sass_of(kernel.asm["cubin"])
+        ops = [re.sub(r"^@!?U?P[T0-9]+\s+", "", m.group(2).strip()).split()[0] for m in _INSTR.finditer(sass)]
+        hist = collections.Counter(op.split(".")[0] for op in ops)
+        res = resources(kernel.asm["cubin"])
+        row = [fmt, bt, nw, len(ops), round(len(ops) * 32 * nw / bt), res["reg"], res["stack"],
+               hist["HMMA"] + hist["HGMMA"], hist["BAR"]]
+        print("| " + " | ".join(str(v) for v in row) + " |", flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=",".join(VARIANTS))
@@ -153,11 +199,15 @@ def main(argv=None):
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--q", default="bf16", choices=["bf16", "e4m3"])
     parser.add_argument("--dump", help="write each variant's SASS and TTGIR here")
+    parser.add_argument("--writer", action="store_true", help="the index-cache writer instead (module docstring)")
     args = parser.parse_args(argv)
+    if args.writer:
+        writer_report()
+        return
     rows = []
     for name in args.variants.split(","):
-        fmt_code, mode, overrides = VARIANTS[name]
-        kernel = compile_variant(fmt_code, mode, q_fp8=args.q == "e4m3", pp=args.pp, num_stages=args.stages,
+        fmt_code, overrides = VARIANTS[name]
+        kernel = compile_variant(fmt_code, q_fp8=args.q == "e4m3", pp=args.pp, num_stages=args.stages,
                                  num_warps=args.warps, overrides=overrides)
         new_rows, sass = report(name, kernel)
         rows += new_rows
