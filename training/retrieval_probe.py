@@ -18,7 +18,10 @@ which holds exactly when greedy decoding emits the whole answer first.
 Budget: cells are filled in rounds of ``--round`` samples, each round over every (length, task) from
 the shortest length up, all modes of a batch together; a batch whose predicted time (its length's last
 batch time) would pass ``--budget-s`` is skipped, and the cell keeps the samples it has. So an early
-stop leaves every cell with about the same ``n``, and ``n`` is reported per cell.
+stop leaves every cell with about the same ``n``, and ``n`` is reported per cell. Every batch holds
+``--batch-tokens // length`` sequences (a short batch is padded with copies of its last prompt, whose
+results are dropped): the training batch shapes, so the compiled flex-attention kernels of training
+(and their inductor cache) serve the probe too.
 
 Intervals: Wilson score 95% per proportion (``scipy.stats.binomtest(...).proportion_ci``); for each pair
 of modes given by ``--pairs`` the discordant counts (first right / second right) and the exact
@@ -126,14 +129,15 @@ def run(model, lengths, tasks, modes, samples: int, budget_s: float, device, rou
                 size = max(1, batch_tokens // T)
                 for b0 in range(0, len(idx), size):
                     chunk = idx[b0:b0 + size]
-                    predicted = last_batch_s.get(T, 0.0) * len(chunk) / size
+                    predicted = last_batch_s.get(T, 0.0)
                     if time.time() + predicted > deadline:
                         skipped += len(chunk)
                         continue
                     t0 = time.time()
                     prompts = [gen.sample(task, random.Random(f"probe-{seed}-{task}-{T}-{i}"), T) for i in chunk]
-                    got = score_batch(model, prompts, T, modes, device, autocast_dtype)
-                    last_batch_s[T] = (time.time() - t0) * size / len(chunk)
+                    got = score_batch(model, prompts + prompts[-1:] * (size - len(chunk)), T, modes, device,
+                                      autocast_dtype)
+                    last_batch_s[T] = time.time() - t0
                     results += [{"task": task, "length": T, "index": i, **{m: got[m][j] for m in modes}}
                                 for j, i in enumerate(chunk)]
         log(f"probe: round {r0 // round_size + 1} done, {len(results)} samples, {time.time() - deadline + budget_s:.0f}s")
@@ -193,6 +197,8 @@ def main(argv=None) -> dict:
     p.add_argument("--budget-s", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--sparse-backend", choices=("auto", "flex", "masked"), default="auto",
+                   help="sparse attention kernel (training.model.sparse_attention); auto = flex on CUDA")
     p.add_argument("--out", type=Path, help="folder for probe.json and probe.md")
     args = p.parse_args(argv)
     lengths, tasks, modes, pairs = _check(args)
@@ -202,6 +208,7 @@ def main(argv=None) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = True
     model, step = load_model(args.checkpoint)
     model = model.to(device)
+    model.sparse_backend = args.sparse_backend
     results = run(model, lengths, tasks, modes, args.samples, args.budget_s - (time.time() - t0), device,
                   args.round, args.batch_tokens, args.seed)
     cells = summarize(results, lengths, tasks, modes, pairs)

@@ -212,7 +212,7 @@ def _validate_plan(plan: dict) -> None:
         raise ValueError(f"--train-s must be >= 0 (0 = a step plan), got {plan['train_s']}")
     if plan["short_steps"] < 0:
         raise ValueError(f"--short-steps must be >= 0, got {plan['short_steps']}")
-    for name in ("short_lengths", "long_lengths"):
+    for name in () if plan.get("curriculum") else ("short_lengths", "long_lengths"):
         for n in _lengths(plan[name], name.replace("_", "-")):
             if n > plan["token_budget"]:
                 raise ValueError(f"--{name.replace('_', '-')}: {n} exceeds --token-budget {plan['token_budget']}")
@@ -330,7 +330,7 @@ def save_portable(path: Path, model, opt, plan: dict, step: int, trained_s: floa
 
     fp32 weights (exact), Adam's per-parameter step count, its moments rounded to bf16 (``moments``:
     ``both``, ``second`` = second moments only, ``none``), the plan, the next step, trained seconds and
-    the RNG states. About 8, 6 or 4 bytes per parameter instead of the exact state's 16.
+    the RNG states. About 8, 6 or 4 bytes per parameter instead of the exact state's 12.
     """
     if moments not in PORTABLE_MOMENTS:
         raise ValueError(f"moments must be one of {PORTABLE_MOMENTS}, got {moments!r}")
