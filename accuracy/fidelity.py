@@ -65,7 +65,6 @@ VARIANTS = (
     ("fp8", None, None),
     ("mxfp4", "rceil", None),
     ("mxfp4", "floor", None),
-    ("mxfp4", "rceil_mse", None),
     ("mxfp4_rot", "rceil", None),
     ("mxfp4_rot", "floor", None),
 )
@@ -301,7 +300,7 @@ def main(argv=None):
                         help="also mxfp4_rot/rceil with H diag(random signs) for each seed "
                              "(the served format has none)")
     parser.add_argument("--variants", nargs="*", default=None,
-                        help="only these variants, e.g. fp8 mxfp4/rceil mxfp4/rceil_mse mxfp4_rot/rceil (default: all)")
+                        help="only these variants, e.g. fp8 mxfp4/rceil mxfp4_rot/rceil (default: all)")
     parser.add_argument("--no-real", action="store_true", help="synthetic keys only (no SmolLM2)")
     parser.add_argument("--out", type=Path, default=None, help="folder for fidelity.json and fidelity.md")
     args = parser.parse_args(argv)

@@ -30,7 +30,8 @@ In both stages the index branch reads a detached copy of its input (inside the m
 trains the main model, the KL trains only the indexer, so the terms are simply added. KL rows:
 the answer rows plus ``kl_rows`` random rows per sample. Lengths: ``short_lengths`` for steps
 ``[0, short_steps)``, then ``long_lengths`` (each step draws one length from the list, then
-``token_budget // length`` samples). AdamW (no decay on norms), linear warm-up then cosine decay to
+``token_budget // length`` samples); or ``curriculum``, any number of phases each with its own
+length list, starting at given fractions of the plan (``curriculum()``). AdamW (no decay on norms), linear warm-up then cosine decay to
 ``min_lr_frac`` x ``lr``, gradient clipping, bf16 autocast on CUDA.
 
 Checkpoints: ``<out>/ckpt/state.pt`` (model, optimizer, next step, plan, RNG; batches are a pure
@@ -38,7 +39,11 @@ function of the step, so that is the data state) every ``ckpt_every_s`` seconds 
 ends; the call ends ``reserve_s`` before ``budget_s`` (or at ``stop_at_step``, or after ``steps``).
 ``--resume <dir>`` continues exactly from ``<dir>/ckpt/state.pt``; given only an export
 (``<dir>/export`` or ``<dir>`` holding ``trainer_state.json``) it continues the plan from the
-exported bf16 weights with a fresh optimizer, which is not exact and says so. ``--init-from <export>``
+exported bf16 weights with a fresh optimizer, which is not exact and says so. With ``--portable``
+each checkpoint also writes ``<out>/portable.pt`` (``save_portable``: fp32 weights, Adam moments in
+bf16 or partly dropped, step, plan, RNG; 4-8 bytes per parameter against the exact state's 12, to
+carry between machines); ``--resume`` of a directory holding it, or its parts ``portable.pt.part-*``,
+continues the plan with the weights exact and says what was not. ``--init-from <export>``
 instead starts a new plan (step 0, fresh optimizer) from an export's weights: fine-tuning, e.g. more
 multi-key training from ``configs/msa-small``. Each call ends with the
 checkpoint, an export (``training.export.export_checkpoint``) into ``<out>/export`` plus

@@ -57,7 +57,7 @@ def test_synthetic_study_orders_formats():
 
 
 def test_variants_select_and_order_rows():
-    only = ["mxfp4/rceil_mse", "fp8"]
+    only = ["mxfp4_rot/rceil", "fp8"]
     rows = fidelity.main(["--no-real", "--lengths", "4096", "--queries", "8", "--variants", *only])
     assert [r["format"] for r in rows] == only
     with pytest.raises(ValueError, match=r"--variants: \['mxfp4/even'\] not among"):

@@ -9,7 +9,6 @@ from .mxfp4 import (
     e2m1_decode,
     e2m1_encode,
     e8m0_scale,
-    e8m0_scale_mse,
     e8m0_to_float,
     pack_e2m1,
     quantize_mxfp4,

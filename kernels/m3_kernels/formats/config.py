@@ -48,18 +48,12 @@ class ScaleRule(str, Enum):
     - ``floor``: ``e = floor(log2(amax)) - 2`` (OCP MX v1.0 section 6.3, torchao's default);
       ``amax / 2^e`` lies in [4, 8), so values above 6 saturate to 6.
 
-    - ``rceil_mse``: per group, ``e = rceil`` or ``e = rceil - 1``, whichever gives the smaller
-      squared error ``sum((x - dequant(x))^2)`` over the group's 32 elements (computed exactly;
-      a tie keeps ``rceil``). ``rceil - 1`` halves the step for every element and clips the
-      largest ones at 6 * 2^e. A writer-side choice only: same 68-byte layout, same reader.
-
-    All clamp the biased exponent to [1, 254]: a zero or tiny group gets byte 1, and bytes 0
-    and 255 are never written (``rceil_mse`` never goes below byte 1).
+    Both clamp the biased exponent to [1, 254]: a zero or tiny group gets byte 1, and bytes 0
+    and 255 are never written.
     """
 
     RCEIL = "rceil"
     FLOOR = "floor"
-    RCEIL_MSE = "rceil_mse"
 
 
 def _validate_choice(enum_cls, value, arg_name: str):

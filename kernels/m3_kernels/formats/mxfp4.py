@@ -11,11 +11,9 @@ Encoding (the contract every kernel meets bit for bit):
   +-``MXFP4_INPUT_MAX`` = 6 * 2^125 before anything else, so a bad element can only move its own
   group's scale and its own code; neighbouring groups, tokens and pages are untouched, and every
   stored value dequantizes to a finite fp32 (6 * 2^125 is the largest that does under both rules).
-- Scale: ``ScaleRule`` (``rceil`` default, ``floor``, ``rceil_mse``), biased exponent clamped to
-  [1, 254]. An all-zero (or all-underflowing) group gets byte 1 and codes 0; bytes 0 and 255 are
-  never written. ``rceil`` and ``floor`` are computed from fp32 bit fields, which is exact (see
-  ``e8m0_scale``); ``rceil_mse`` compares two candidates' squared errors in integers, also exact
-  (see ``e8m0_scale_mse``).
+- Scale: ``ScaleRule`` (``rceil`` default, ``floor``), biased exponent clamped to [1, 254]. An
+  all-zero (or all-underflowing) group gets byte 1 and codes 0; bytes 0 and 255 are never written.
+  Both rules are computed from fp32 bit fields, which is exact (see ``e8m0_scale``).
 - Elements: ``x / 2^e`` rounded to nearest, ties to even code, saturating at 6. The sign bit is
   ``x < 0``, so a small negative value that rounds to zero is stored as code 8 (-0).
 
@@ -59,8 +57,6 @@ def e8m0_scale(amax: torch.Tensor, rule: ScaleRule | str = ScaleRule.RCEIL) -> t
     e8m0 biases are both 127. ``floor``: the exponent field of ``amax`` minus 2.
     """
     rule = parse_scale_rule(rule)
-    if rule is ScaleRule.RCEIL_MSE:
-        raise ValueError("rule rceil_mse needs the group's elements, not only amax: use e8m0_scale_mse(groups)")
     amax = amax.float()
     if rule is ScaleRule.RCEIL:
         bits = (amax / F4_E2M1_MAX).view(torch.int32)
@@ -68,35 +64,6 @@ def e8m0_scale(amax: torch.Tensor, rule: ScaleRule | str = ScaleRule.RCEIL) -> t
     else:
         biased = (amax.view(torch.int32) >> _FP32_MANTISSA_BITS) - 2
     return biased.clamp(E8M0_MIN_WRITTEN, E8M0_MAX_WRITTEN).to(torch.uint8)
-
-
-def e8m0_scale_mse(groups: torch.Tensor) -> torch.Tensor:
-    """``rceil_mse`` exponents (uint8 ``[..., G]``) of fp32 groups ``[..., G, 32]`` (finite, saturated).
-
-    Candidates: ``hi = rceil`` and ``lo = max(rceil - 1, 1)``; ``lo`` wins when its squared error is
-    strictly smaller. Only elements whose codes dequantize differently under the two scales change
-    the comparison, and those have ``|x| > 2^(hi - 3)`` (unbiased ``hi``), so ``x`` and both
-    dequantized values are integer multiples of ``u = 2^(hi - 26)`` (fp32 has 24 significant bits).
-    The errors are compared as int64 sums of squared multiples of ``u``: at most ``3 * 2^26``
-    each, so a group's sum stays below ``2^62`` and no rounding can flip a near-tie.
-    """
-    groups = groups.float()
-    hi = e8m0_scale(groups.abs().amax(dim=-1), ScaleRule.RCEIL)
-    lo = (hi.int() - 1).clamp_min(E8M0_MIN_WRITTEN).to(torch.uint8)
-    x = groups.double()
-    deq_hi, deq_lo = (_quantize_dequantize(x, s) for s in (hi, lo))
-    unit = torch.pow(2.0, hi.double() - E8M0_EXPONENT_BIAS - 26).unsqueeze(-1)
-    differs = deq_hi != deq_lo
-    err_hi = torch.where(differs, (x - deq_hi) / unit, 0.0).long()  # exact integers where differs
-    err_lo = torch.where(differs, (x - deq_lo) / unit, 0.0).long()
-    lo_better = (err_hi * err_hi - err_lo * err_lo).sum(-1) > 0
-    return torch.where(lo_better, lo, hi)
-
-
-def _quantize_dequantize(x: torch.Tensor, scale_e8m0: torch.Tensor) -> torch.Tensor:
-    """float64 ``x [..., G, 32]`` through e2m1 at the scales ``[..., G]`` and back (exact in float64)."""
-    step = torch.pow(2.0, scale_e8m0.double() - E8M0_EXPONENT_BIAS).unsqueeze(-1)
-    return e2m1_decode(e2m1_encode(x / step), torch.float64) * step
 
 
 def e8m0_to_float(scale_e8m0: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -159,11 +126,7 @@ def quantize_mxfp4(k: torch.Tensor, rule: ScaleRule | str = ScaleRule.RCEIL):
         raise ValueError(f"k must be float32 or bfloat16, got {k.dtype}")
     x = sanitize_fp32(k).clamp(-MXFP4_INPUT_MAX, MXFP4_INPUT_MAX)
     groups = x.unflatten(-1, (-1, MX_GROUP_SIZE))  # [..., 4, 32]
-    rule = parse_scale_rule(rule)
-    if rule is ScaleRule.RCEIL_MSE:
-        scale_e8m0 = e8m0_scale_mse(groups)
-    else:
-        scale_e8m0 = e8m0_scale(groups.abs().amax(dim=-1), rule)  # [..., 4]
+    scale_e8m0 = e8m0_scale(groups.abs().amax(dim=-1), rule)  # [..., 4]
     exponent = scale_e8m0.double() - E8M0_EXPONENT_BIAS
     x_scaled = groups.double() * torch.pow(2.0, -exponent).unsqueeze(-1)  # exact in float64
     codes = e2m1_encode(x_scaled).flatten(-2)

@@ -2,7 +2,6 @@
 independent oracle written with Python scalars (math.frexp / exact comparisons)."""
 
 import math
-from fractions import Fraction
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ from m3_kernels.formats import (
     ScaleRule,
     dequantize_mxfp4,
     e2m1_decode,
-    e8m0_scale,
     e8m0_to_float,
     pack_e2m1,
     quantize_mxfp4,
@@ -23,7 +21,6 @@ from m3_kernels.formats import (
 )
 
 FP32_MAX = torch.finfo(torch.float32).max
-RULES = ["rceil", "floor", "rceil_mse"]
 
 
 # ---- independent oracle ---------------------------------------------------------------------
@@ -60,21 +57,6 @@ def oracle_code(x: float, e: int) -> int:
     return best | (8 if x < 0 else 0)
 
 
-def oracle_squared_error(group: list, e: int) -> Fraction:
-    """Exact sum of (x - dequant(x))^2 over a group at unbiased exponent ``e``."""
-    return sum((Fraction(v) - Fraction(e2m1_value(oracle_code(v, e))) * Fraction(2) ** e) ** 2 for v in group)
-
-
-def oracle_group_scale(group: list, rule: str) -> int:
-    """Biased exponent of one group; ``rceil_mse``: rceil or rceil - 1 (never below byte 1) by the
-    exactly smaller squared error, ties to rceil."""
-    if rule != "rceil_mse":
-        return oracle_scale(max(abs(v) for v in group), rule)
-    hi = oracle_scale(max(abs(v) for v in group), "rceil")
-    lo = max(hi - 1, E8M0_MIN_WRITTEN)
-    return lo if oracle_squared_error(group, lo - 127) < oracle_squared_error(group, hi - 127) else hi
-
-
 def oracle_quantize(k: torch.Tensor, rule: str):
     k = torch.nan_to_num(k.float(), nan=0.0).clamp(-MXFP4_INPUT_MAX, MXFP4_INPUT_MAX)
     codes, scales = [], []
@@ -82,7 +64,7 @@ def oracle_quantize(k: torch.Tensor, rule: str):
         crow, srow = [], []
         for g in range(0, len(row), MX_GROUP_SIZE):
             group = row[g : g + MX_GROUP_SIZE]
-            s = oracle_group_scale(group, rule)
+            s = oracle_scale(max(abs(v) for v in group), rule)
             srow.append(s)
             crow += [oracle_code(v, s - 127) for v in group]
         codes.append(crow)
@@ -163,25 +145,22 @@ def _random_keys(gen, tokens=64):
     return k
 
 
-@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("rule", ["rceil", "floor"])
 def test_quantize_matches_oracle(rule, gen):
     k = _random_keys(gen)
     data, scale = quantize_mxfp4(k, rule)
     codes_ref, scale_ref = oracle_quantize(k, rule)
     assert torch.equal(scale, scale_ref)
     assert torch.equal(unpack_e2m1(data), codes_ref)
-    if rule == "rceil_mse":  # both candidates are taken somewhere, so both branches were checked
-        lowered = quantize_mxfp4(k, "rceil")[1] != scale
-        assert lowered.any() and not lowered.all()
 
 
-@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("rule", ["rceil", "floor"])
 def test_bf16_input_is_quantized_from_its_exact_value(rule, gen):
     k = _random_keys(gen).bfloat16()
     assert torch.equal(torch.cat(quantize_mxfp4(k, rule), 1), torch.cat(quantize_mxfp4(k.float(), rule), 1))
 
 
-@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("rule", ["rceil", "floor"])
 def test_roundtrip_error_per_group(rule, gen):
     """Each element is within half a grid step of its scaled value (plus the clip above 6 for floor)."""
     k = _random_keys(gen, 256)
@@ -190,11 +169,9 @@ def test_roundtrip_error_per_group(rule, gen):
     step = torch.pow(2.0, scale.double() - 127).repeat_interleave(MX_GROUP_SIZE, 1)
     a = k.double().abs() / step
     half_step = torch.where(a < 2, 0.25, torch.where(a < 4, 0.5, 1.0))
-    clip = (a - 6).clamp(min=0)  # 0 for rceil by construction; rceil_mse clips at most to rceil - 1
+    clip = (a - 6).clamp(min=0)  # 0 for rceil by construction
     if rule == "rceil":
         assert a.max() <= 6
-    if rule == "rceil_mse":
-        assert a.max() <= 12
     assert ((deq - k.double()).abs() <= (half_step + clip) * step).all()
     # SQNR of the round trip on normal data: a regression guard for the whole pipeline.
     x = torch.randn(4096, 128, generator=gen)
@@ -203,7 +180,7 @@ def test_roundtrip_error_per_group(rule, gen):
     assert sqnr > (16.0 if rule == "rceil" else 15.0), sqnr
 
 
-@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("rule", ["rceil", "floor"])
 @pytest.mark.parametrize(
     "fill",
     [0.0, 1e-45, 1e-40, 2.0**-126, 1e-30, 1.0, 1e30, 1e38, FP32_MAX, -FP32_MAX, float("inf"), float("nan")],
@@ -215,7 +192,7 @@ def test_scale_bytes_never_0_or_255(rule, fill):
     assert scale.min() >= E8M0_MIN_WRITTEN and scale.max() <= E8M0_MAX_WRITTEN
 
 
-@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("rule", ["rceil", "floor"])
 def test_largest_inputs_dequantize_finite_in_fp32(rule):
     k = torch.tensor([[FP32_MAX, 3e38, MXFP4_INPUT_MAX, -FP32_MAX] * 32])
     deq = dequantize_mxfp4(*quantize_mxfp4(k, rule))
@@ -228,7 +205,7 @@ def test_dequantize_is_exact_in_bf16(gen):
     assert torch.equal(dequantize_mxfp4(data, scale, torch.bfloat16).double(), dequantize_mxfp4(data, scale, torch.float64))
 
 
-@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("rule", ["rceil", "floor"])
 def test_non_finite_input_is_documented_and_contained(rule, gen):
     """NaN -> +0, +-inf -> +-6*2^125; only the element's own group can change."""
     k = torch.randn(8, 128, generator=gen)
@@ -258,65 +235,9 @@ def test_rejects_bad_shapes_and_dtypes():
         quantize_mxfp4(torch.zeros(2, 64))
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         quantize_mxfp4(torch.zeros(2, 128, dtype=torch.float16))
-    with pytest.raises(ValueError, match=r"scale_rule must be one of \[rceil, floor, rceil_mse\]"):
+    with pytest.raises(ValueError, match=r"scale_rule must be one of \[rceil, floor\]"):
         quantize_mxfp4(torch.zeros(2, 128), "even")
 
 
 def test_scale_rule_enum_values():
-    assert [r.value for r in ScaleRule] == RULES
-
-
-# ---- rceil_mse: the writer-side choice between rceil and rceil - 1 -------------------------------
-
-def _group(*values):
-    k = torch.zeros(1, 128)
-    k[0, : len(values)] = torch.tensor(values)
-    return k
-
-
-def test_rceil_mse_takes_the_finer_scale_when_it_costs_less():
-    # rceil for 6.5 is 2^1: 6.5 -> 3 * 2 (err .5), each 0.3 -> 0 (err .3): 0.25 + 31 * 0.09 = 3.04.
-    # rceil - 1 (2^0): 6.5 clips to 6 (err .5), each 0.3 -> 0.5 (err .2): 0.25 + 31 * 0.04 = 1.49.
-    k = _group(6.5, *[0.3] * 31)
-    assert quantize_mxfp4(k, "rceil")[1][0, 0].item() == 128
-    data, scale = quantize_mxfp4(k, "rceil_mse")
-    assert scale[0, 0].item() == 127
-    assert unpack_e2m1(data)[0, :2].tolist() == [7, 1]  # 6 (clipped), 0.5
-
-
-def test_rceil_mse_keeps_rceil_when_clipping_costs_more():
-    k = _group(6.0, 0.3)  # rceil 2^0 is exact for 6; 2^-1 would clip it to 3 (err 9)
-    assert quantize_mxfp4(k, "rceil_mse")[1][0, 0].item() == 127
-
-
-def test_rceil_mse_tie_keeps_rceil():
-    # rceil for 0.4375 is 2^-3: 3.5 rounds to 4 (even code) -> 0.5, err 1/16; 2^-4: 7 clips to 6 -> 0.375,
-    # err 1/16. 0.25 is exact under both. Equal errors: rceil stays.
-    group = [0.4375, 0.25] + [0.0] * 30
-    assert oracle_squared_error(group, -3) == oracle_squared_error(group, -4) == Fraction(1, 256)
-    assert quantize_mxfp4(_group(0.4375, 0.25), "rceil_mse")[1][0, 0].item() == 127 - 3
-
-
-def test_rceil_mse_never_writes_byte_0():
-    k = torch.full((1, 128), 2.0**-126)  # rceil gives byte 1; rceil - 1 would be byte 0
-    k[0, 32:] = 1e-40
-    _, scale = quantize_mxfp4(k, "rceil_mse")
-    assert scale.min().item() == E8M0_MIN_WRITTEN
-
-
-def test_rceil_mse_error_never_exceeds_rceil(gen):
-    """Per group, exactly: the chosen scale's squared error is at most rceil's, and below it somewhere."""
-    k = torch.randn(512, 128, generator=gen) * torch.rand(512, 1, generator=gen) * 8
-    err = {}
-    for rule in ("rceil", "rceil_mse"):
-        deq = dequantize_mxfp4(*quantize_mxfp4(k, rule), torch.float64)
-        err[rule] = (deq - k.double()).pow(2).view(512, 4, 32).sum(-1)
-    assert (err["rceil_mse"] <= err["rceil"] * (1 + 1e-12)).all()
-    assert (err["rceil_mse"] < err["rceil"] * (1 - 1e-6)).any()
-    scales = [quantize_mxfp4(k, rule)[1].int() for rule in ("rceil", "rceil_mse")]
-    assert set((scales[0] - scales[1]).unique().tolist()) == {0, 1}
-
-
-def test_e8m0_scale_refuses_rceil_mse():
-    with pytest.raises(ValueError, match="rceil_mse needs the group's elements"):
-        e8m0_scale(torch.ones(4), "rceil_mse")
+    assert [r.value for r in ScaleRule] == ["rceil", "floor"]

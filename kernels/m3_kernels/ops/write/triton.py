@@ -194,9 +194,6 @@ def write_index_k_triton(k, loc, k_cache, k_scale, fmt: IndexKFormat, scale_rule
     loc = loc.contiguous()
     capacity = k_cache.shape[0] * PAGE_SIZE
     rule = parse_scale_rule(scale_rule)
-    if rule is ScaleRule.RCEIL_MSE:
-        raise NotImplementedError("scale_rule rceil_mse has a torch writer only (m3_kernels.ops.write.naive); "
-                                  "the Triton writer supports rceil and floor")
     grid = (triton.cdiv(n, _BT),)
     rot, rot_scale = (None, 1.0)
     if fmt is IndexKFormat.BF16:

@@ -214,13 +214,3 @@ def test_writer_in_cuda_graph(gen):
         rows, scales = quantize_index_k(kk, "mxfp4")
         assert torch.equal(k_cache.cpu()[ll // PAGE_SIZE, ll % PAGE_SIZE], rows)
         assert torch.equal(k_scale.cpu()[ll // PAGE_SIZE, ll % PAGE_SIZE], scales)
-
-
-def test_triton_writer_rejects_rceil_mse():
-    from m3_kernels.ops.write.triton import write_index_k_triton
-
-    k_cache, k_scale = alloc_index_k_cache(1, "mxfp4")
-    with pytest.raises(NotImplementedError, match="rceil_mse has a torch writer only"):
-        write_index_k_triton(torch.ones(1, 128), torch.zeros(1, dtype=torch.int64), k_cache, k_scale,
-                             parse_format("mxfp4"), "rceil_mse")
-    assert k_scale.eq(0).all()  # nothing written
