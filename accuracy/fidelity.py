@@ -75,9 +75,17 @@ def variant_name(fmt: str, rule: str | None, sign_seed: int | None = None) -> st
     return name if sign_seed is None else f"{name}/signs{sign_seed}"
 
 
-def variants(sign_seeds=()) -> tuple:
-    """``VARIANTS`` plus ``mxfp4_rot/rceil`` with each extra random-sign seed."""
-    return VARIANTS + tuple(("mxfp4_rot", "rceil", seed) for seed in sign_seeds)
+def variants(sign_seeds=(), only=None) -> tuple:
+    """``VARIANTS`` plus ``mxfp4_rot/rceil`` with each extra random-sign seed; with ``only`` (a list of
+    ``variant_name``s) just those, in that order (ValueError naming the choices for an unknown one)."""
+    every = VARIANTS + tuple(("mxfp4_rot", "rceil", seed) for seed in sign_seeds)
+    if not only:
+        return every
+    by_name = {variant_name(*v): v for v in every}
+    unknown = [n for n in only if n not in by_name]
+    if unknown:
+        raise ValueError(f"--variants: {unknown} not among [{', '.join(by_name)}]")
+    return tuple(by_name[n] for n in only)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,14 +237,14 @@ def compare(ref_scores, scores, n_visible) -> Fidelity:
 
 
 def study_source(name: str, k: torch.Tensor, q: torch.Tensor, lengths: list[int], queries: int, progress=None,
-                 sign_seeds=()):
+                 sign_seeds=(), only=None):
     """Rows ``{source, length, format, recall16, ...}`` of one key/query source over ``lengths``."""
     rows = []
     for length in lengths:
         kk, qq = k[:length], q[length - queries : length]
         n_visible = visible_blocks(torch.arange(length - queries, length), PAGE_SIZE)
         ref = scores_for(kk, qq, *REFERENCE)
-        for fmt, rule, seed in variants(sign_seeds):
+        for fmt, rule, seed in variants(sign_seeds, only):
             fid = compare(ref, scores_for(kk, qq, fmt, rule, seed), n_visible)
             rows.append({"source": name, "length": length, "format": variant_name(fmt, rule, seed),
                          **dataclasses.asdict(fid)})
@@ -259,7 +267,7 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
-def markdown(rows: list[dict], lengths: list[int], sign_seeds=()) -> str:
+def markdown(rows: list[dict], lengths: list[int], sign_seeds=(), only=None) -> str:
     """One table per source kind: recall@16 (%) and score error per format and length."""
     summary = summarize(rows)
     lines = []
@@ -267,7 +275,7 @@ def markdown(rows: list[dict], lengths: list[int], sign_seeds=()) -> str:
         lines += [f"**{kind}** keys: top-16 recall vs bf16 % (ranked-15 recall %, score err)", ""]
         lines.append("| format | " + " | ".join(f"{n // 1024}k" for n in lengths) + " |")
         lines.append("|---|" + "---|" * len(lengths))
-        for fmt, rule, seed in variants(sign_seeds):
+        for fmt, rule, seed in variants(sign_seeds, only):
             name = variant_name(fmt, rule, seed)
             cells = []
             for n in lengths:
@@ -291,6 +299,8 @@ def main(argv=None):
     parser.add_argument("--sign-seeds", type=int, nargs="*", default=[],
                         help="also mxfp4_rot/rceil with H diag(random signs) for each seed "
                              "(the served format has none)")
+    parser.add_argument("--variants", nargs="*", default=None,
+                        help="only these variants, e.g. fp8 mxfp4/rceil mxfp4_rot/rceil (default: all)")
     parser.add_argument("--no-real", action="store_true", help="synthetic keys only (no SmolLM2)")
     parser.add_argument("--out", type=Path, default=None, help="folder for fidelity.json and fidelity.md")
     args = parser.parse_args(argv)
@@ -301,6 +311,7 @@ def main(argv=None):
         if n % PAGE_SIZE or n // PAGE_SIZE <= TOPK_BLOCKS or n < args.queries:
             raise ValueError(f"--lengths must be multiples of {PAGE_SIZE} above {TOPK_BLOCKS * PAGE_SIZE} tokens "
                              f"and >= --queries, got {n}")
+    variants(args.sign_seeds, args.variants)  # unknown names fail before the model loads
     from tqdm import tqdm
 
     t0 = time.time()
@@ -310,10 +321,11 @@ def main(argv=None):
             sources[f"real:L{layer}"] = (k, q)
     sources["synthetic"] = synthetic_index_vectors(lengths[-1], 4, args.outliers, args.outlier_gain, args.seed)
     rows = []
-    with tqdm(total=len(sources) * len(lengths) * len(variants(args.sign_seeds)), desc="fidelity") as bar:
+    chosen = len(variants(args.sign_seeds, args.variants))
+    with tqdm(total=len(sources) * len(lengths) * chosen, desc="fidelity") as bar:
         for name, (k, q) in sources.items():
-            rows += study_source(name, k, q, lengths, args.queries, bar, args.sign_seeds)
-    table = markdown(rows, lengths, args.sign_seeds)
+            rows += study_source(name, k, q, lengths, args.queries, bar, args.sign_seeds, args.variants)
+    table = markdown(rows, lengths, args.sign_seeds, args.variants)
     print(table)
     print(f"({time.time() - t0:.0f} s)")
     if args.out is not None:

@@ -101,3 +101,30 @@ def load_checkpoint(path, device="cpu", dtype: torch.dtype = torch.float32) -> M
     model = MSAForCausalLM(cfg)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
     return model.to(device=device, dtype=dtype)
+
+
+def export_state(state_path, out_dir, tokenizer_dir=None) -> Path:
+    """Export the weights of a training state (``training.train``'s ``ckpt/state.pt`` or ``portable.pt``)
+    to ``out_dir`` with ``trainer_state.json``; for a call whose trainer was stopped before its own export."""
+    from . import data
+
+    state = torch.load(state_path, map_location="cpu", weights_only=False)
+    plan = state["plan"]
+    config_dict = json.loads(Path(plan["config"]).read_text())
+    model = MSAForCausalLM(MSAConfig.from_dict(config_dict))
+    model.load_state_dict(state["model"])
+    out = export_checkpoint(model, config_dict, tokenizer_dir or plan.get("tokenizer") or data.TOKENIZER_DIR, out_dir)
+    trainer_state = {"step": state["step"], "trained_s": state["trained_s"], "plan": plan,
+                     "exported_from": Path(state_path).name}
+    (out / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="export a training state's weights as an SGLang checkpoint")
+    parser.add_argument("state", help="ckpt/state.pt or portable.pt of a training run")
+    parser.add_argument("out", help="export directory")
+    args = parser.parse_args()
+    print(f"exported {args.state} to {export_state(args.state, args.out)}")

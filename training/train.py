@@ -30,7 +30,8 @@ In both stages the index branch reads a detached copy of its input (inside the m
 trains the main model, the KL trains only the indexer, so the terms are simply added. KL rows:
 the answer rows plus ``kl_rows`` random rows per sample. Lengths: ``short_lengths`` for steps
 ``[0, short_steps)``, then ``long_lengths`` (each step draws one length from the list, then
-``token_budget // length`` samples). AdamW (no decay on norms), linear warm-up then cosine decay to
+``token_budget // length`` samples); or ``curriculum``, any number of phases each with its own
+length list, starting at given fractions of the plan (``curriculum()``). AdamW (no decay on norms), linear warm-up then cosine decay to
 ``min_lr_frac`` x ``lr``, gradient clipping, bf16 autocast on CUDA.
 
 Checkpoints: ``<out>/ckpt/state.pt`` (model, optimizer, next step, plan, RNG; batches are a pure
@@ -38,7 +39,11 @@ function of the step, so that is the data state) every ``ckpt_every_s`` seconds 
 ends; the call ends ``reserve_s`` before ``budget_s`` (or at ``stop_at_step``, or after ``steps``).
 ``--resume <dir>`` continues exactly from ``<dir>/ckpt/state.pt``; given only an export
 (``<dir>/export`` or ``<dir>`` holding ``trainer_state.json``) it continues the plan from the
-exported bf16 weights with a fresh optimizer, which is not exact and says so. ``--init-from <export>``
+exported bf16 weights with a fresh optimizer, which is not exact and says so. With ``--portable``
+each checkpoint also writes ``<out>/portable.pt`` (``save_portable``: fp32 weights, Adam moments in
+bf16 or partly dropped, step, plan, RNG; 4-8 bytes per parameter against the exact state's 12, to
+carry between machines); ``--resume`` of a directory holding it, or its parts ``portable.pt.part-*``,
+continues the plan with the weights exact and says what was not. ``--init-from <export>``
 instead starts a new plan (step 0, fresh optimizer) from an export's weights: fine-tuning, e.g. more
 multi-key training from ``configs/msa-small``. Each call ends with the
 checkpoint, an export (``training.export.export_checkpoint``) into ``<out>/export`` plus
@@ -55,6 +60,7 @@ top-16 of the first answer row (mean over KV heads).
 """
 
 import argparse
+import io
 import json
 import math
 import os
@@ -88,6 +94,10 @@ PLAN_DEFAULTS = {
     "short_steps": 1800,
     "short_lengths": "512,1024,2048",
     "long_lengths": "4096,8192,16384,32768",
+    # "" = the two phases above; else phases "START:LENGTHS;START:LENGTHS;..." with START the fraction of
+    # the plan where the phase begins (the first 0, increasing), e.g. "0:512,1024;0.4:4096,8192;0.7:131072".
+    # It replaces short_lengths, long_lengths and short_steps.
+    "curriculum": "",
     "token_budget": 65536,
     "task_weights": "single=0.1,multikey=0.3,kv=0.3,vt=0.1,copy=0.2",
     "lr": 2e-3,
@@ -112,6 +122,8 @@ PLAN_DEFAULTS = {
     "init_from": "",
 }
 STATE_FILE = "state.pt"
+PORTABLE_FILE = "portable.pt"  # split into PORTABLE_FILE + ".part-*" to travel; find_resume joins them
+PORTABLE_MOMENTS = ("both", "second", "none")
 TRAINER_STATE = "trainer_state.json"
 
 
@@ -135,6 +147,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile the model (off by default)")
     p.add_argument("--prefetch", type=int, default=4, help="batches generated ahead by a background thread")
     p.add_argument("--no-export", action="store_true")
+    p.add_argument("--portable", action="store_true",
+                   help=f"also write <out>/{PORTABLE_FILE} at every checkpoint: fp32 weights, Adam moments in bf16 "
+                        "(--portable-moments), step, RNG; a smaller file to carry between machines")
+    p.add_argument("--portable-moments", choices=PORTABLE_MOMENTS, default="both",
+                   help="Adam moments kept in the portable state: both (8 B/param in all), second (6 B/param; "
+                        "first moments restart at 0 on resume), none (4 B/param; fresh optimizer)")
+    p.add_argument("--tf32", action="store_true",
+                   help="allow TF32 for fp32 matmuls on CUDA (index block scores, KL targets): faster, "
+                        "selection from scores rounded to 10-bit mantissas; off by default")
     for name, default in PLAN_DEFAULTS.items():
         kind = type(default) if default is not None else str
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
@@ -196,10 +217,13 @@ def _validate_plan(plan: dict) -> None:
         raise ValueError(f"--train-s must be >= 0 (0 = a step plan), got {plan['train_s']}")
     if plan["short_steps"] < 0:
         raise ValueError(f"--short-steps must be >= 0, got {plan['short_steps']}")
-    for name in ("short_lengths", "long_lengths"):
+    for name in () if plan.get("curriculum") else ("short_lengths", "long_lengths"):
         for n in _lengths(plan[name], name.replace("_", "-")):
             if n > plan["token_budget"]:
                 raise ValueError(f"--{name.replace('_', '-')}: {n} exceeds --token-budget {plan['token_budget']}")
+    for n in plan_lengths(plan):
+        if n > plan["token_budget"]:
+            raise ValueError(f"--curriculum: {n} exceeds --token-budget {plan['token_budget']}")
     _spec(plan, 0)  # task weights and row counts
 
 
@@ -210,15 +234,43 @@ def progress(plan: dict, step: int, trained_s: float = 0.0) -> float:
     return step / plan["steps"]
 
 
+def curriculum(plan: dict) -> list[tuple[float, str, str]]:
+    """Phases ``(start fraction, name, lengths text)`` in order: ``plan["curriculum"]`` (names ``c0``, ``c1``,
+    ...) or, without one, ``short`` from 0 and ``long`` from ``short_steps / steps``."""
+    text = plan.get("curriculum") or ""
+    if not text:
+        return [(0.0, "short", plan.get("short_lengths")),
+                (plan["short_steps"] / plan["steps"], "long", plan.get("long_lengths"))]
+    phases = []
+    for i, item in enumerate(text.split(";")):
+        start, sep, lengths = item.partition(":")
+        try:
+            frac = float(start)
+        except ValueError:
+            frac = float("nan")
+        if not sep or not 0.0 <= frac < 1.0 or (phases and frac <= phases[-1][0]) or (not phases and frac != 0.0):
+            raise ValueError(f"--curriculum: phases 'START:LENGTHS' separated by ';', starts increasing in [0, 1) "
+                             f"from 0, got {text!r}")
+        _lengths(lengths, "curriculum")
+        phases.append((frac, f"c{i}", lengths))
+    return phases
+
+
 def phase(plan: dict, step: int, trained_s: float = 0.0) -> str:
-    """Curriculum phase: ``short`` lengths before ``short_steps / steps`` of the plan, then ``long``."""
-    return "short" if progress(plan, step, trained_s) < plan["short_steps"] / plan["steps"] else "long"
+    """Curriculum phase of ``step``: the last phase of ``curriculum(plan)`` that has begun."""
+    done = progress(plan, step, trained_s)
+    return [name for start, name, _ in curriculum(plan) if done >= start][-1]
+
+
+def plan_lengths(plan: dict) -> list[int]:
+    """Every sequence length the plan trains on."""
+    return sorted({n for _, _, lengths in curriculum(plan) for n in _lengths(lengths, "lengths")})
 
 
 def _spec(plan: dict, step: int, trained_s: float = 0.0, which: str | None = None) -> data.BatchSpec:
     """The batch spec of ``step``: the length list of its curriculum phase (or of phase ``which``)."""
     which = which or phase(plan, step, trained_s)
-    lengths = _lengths(plan["short_lengths"] if which == "short" else plan["long_lengths"], "lengths")
+    lengths = _lengths({name: lengths for _, name, lengths in curriculum(plan)}[which], "lengths")
     return data.BatchSpec(tuple(lengths), plan["token_budget"], _task_weights(plan["task_weights"]),
                           plan["lm_rows"], plan["kl_rows"], plan.get("queries", 1),
                           plan.get("query_weight", 0.0) > 0)
@@ -278,16 +330,80 @@ def save_state(path: Path, model, opt, plan: dict, step: int, trained_s: float) 
     os.replace(tmp, path / STATE_FILE)
 
 
+def save_portable(path: Path, model, opt, plan: dict, step: int, trained_s: float, moments: str) -> None:
+    """Atomically writes ``path`` (a file): the portable resume state.
+
+    fp32 weights (exact), Adam's per-parameter step count, its moments rounded to bf16 (``moments``:
+    ``both``, ``second`` = second moments only, ``none``), the plan, the next step, trained seconds and
+    the RNG states. About 8, 6 or 4 bytes per parameter instead of the exact state's 12.
+    """
+    if moments not in PORTABLE_MOMENTS:
+        raise ValueError(f"moments must be one of {PORTABLE_MOMENTS}, got {moments!r}")
+    names = {id(p): n for n, p in model.named_parameters()}
+    keep = {"both": ("exp_avg", "exp_avg_sq"), "second": ("exp_avg_sq",), "none": ()}[moments]
+    state = {
+        "kind": "msa-portable-1", "moments": moments,
+        "model": {n: t.detach().to("cpu", torch.float32) for n, t in model.state_dict().items()},
+        "adam_step": {}, "exp_avg": {}, "exp_avg_sq": {},
+        "plan": plan, "step": step, "trained_s": trained_s, "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+    for p, st in opt.state.items():
+        name = names[id(p)]
+        if keep and "step" in st:
+            state["adam_step"][name] = float(st["step"])
+        for key in keep:
+            state[key][name] = st[key].detach().to("cpu", torch.bfloat16)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_portable(path: Path) -> dict:
+    """The portable state at ``path``: the file itself or, when absent, its parts ``path.part-*`` joined in order."""
+    if path.is_file():
+        return torch.load(path, map_location="cpu", weights_only=False)
+    parts = sorted(path.parent.glob(path.name + ".part-*"))
+    if not parts:
+        raise ValueError(f"{path}: neither the file nor parts {path.name}.part-* exist")
+    return torch.load(io.BytesIO(b"".join(part.read_bytes() for part in parts)), map_location="cpu",
+                      weights_only=False)
+
+
+def restore_portable(saved: dict, model, opt) -> str:
+    """Loads a portable state into ``model`` and ``opt`` (built from its plan); returns what was not exact."""
+    if saved.get("kind") != "msa-portable-1":
+        raise ValueError(f"not a portable training state (kind {saved.get('kind')!r})")
+    model.load_state_dict(saved["model"])
+    for name, p in model.named_parameters():
+        if name not in saved["adam_step"]:
+            continue
+        second = saved["exp_avg_sq"][name].to(p.device, torch.float32)
+        first = saved["exp_avg"][name].to(p.device, torch.float32) if name in saved["exp_avg"] else torch.zeros_like(p)
+        opt.state[p] = {"step": torch.tensor(saved["adam_step"][name], dtype=torch.float32),
+                        "exp_avg": first, "exp_avg_sq": second}
+    return {"both": "Adam moments rounded to bf16",
+            "second": "second moments rounded to bf16, first moments restarted at 0",
+            "none": "fresh optimizer"}[saved["moments"]]
+
+
 def find_resume(resume: str) -> tuple[str, Path]:
-    """``("exact", state.pt)`` or ``("weights", export dir)`` for ``--resume``."""
+    """``("exact", state.pt)``, ``("portable", portable.pt)`` (the file or its parts) or ``("weights", export
+    dir)`` for ``--resume``."""
     root = Path(resume)
     for cand in (root / "ckpt" / STATE_FILE, root / STATE_FILE):
         if cand.is_file():
             return "exact", cand
+    for cand in (root / PORTABLE_FILE, root / "portable" / PORTABLE_FILE):
+        if cand.is_file() or list(cand.parent.glob(cand.name + ".part-*")):
+            return "portable", cand
     for cand in (root / "export", root):
         if (cand / TRAINER_STATE).is_file() and (cand / "config.json").is_file():
             return "weights", cand
-    raise ValueError(f"--resume {resume}: no ckpt/{STATE_FILE}, {STATE_FILE}, or export with {TRAINER_STATE} there")
+    raise ValueError(f"--resume {resume}: no ckpt/{STATE_FILE}, {STATE_FILE}, {PORTABLE_FILE}(.part-*), "
+                     f"or export with {TRAINER_STATE} there")
 
 
 # -- metrics -------------------------------------------------------------------------------------------
@@ -438,24 +554,35 @@ def main(argv=None) -> dict:
         if resume_kind == "exact":
             saved = torch.load(resume_path, map_location="cpu", weights_only=False)
             plan = _check_plan(given, saved["plan"])
+        elif resume_kind == "portable":
+            saved = load_portable(resume_path)
+            plan = _check_plan(given, saved["plan"])
         else:
             saved = json.loads((resume_path / TRAINER_STATE).read_text())
             plan = _check_plan(given, saved["plan"])
     else:
         plan = _complete_plan(given)
 
+    if args.tf32 and device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
     model, cfg, config_dict, tok = build_model(plan, device)
     opt = build_optimizer(model, plan)
     start_step, trained_s = 0, 0.0
-    if resume_kind == "exact":
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
+    if resume_kind in ("exact", "portable"):
+        if resume_kind == "exact":
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optimizer"])
+        else:
+            inexact = restore_portable(saved, model, opt)
         start_step, trained_s = saved["step"], saved["trained_s"]
         torch.set_rng_state(saved["torch_rng"])
         random.setstate(saved["python_rng"])
         if saved.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(saved["cuda_rng"])
-        log.line(f"resume exact from {resume_path} at step {start_step}")
+        if resume_kind == "exact":
+            log.line(f"resume exact from {resume_path} at step {start_step}")
+        else:
+            log.line(f"resume from portable state {resume_path} at step {start_step}: fp32 weights exact, {inexact}")
     elif resume_kind is None and plan.get("init_from"):
         from training.export import load_checkpoint
 
@@ -475,8 +602,7 @@ def main(argv=None) -> dict:
     autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
     model.train()
 
-    plan_lengths = _lengths(plan["short_lengths"], "short-lengths") + _lengths(plan["long_lengths"], "long-lengths")
-    gen = data.TaskGenerator(tok, data.TRAIN_HAYSTACK_SEED, num_sentences=_pool_sentences(max(plan_lengths)))
+    gen = data.TaskGenerator(tok, data.TRAIN_HAYSTACK_SEED, num_sentences=_pool_sentences(max(plan_lengths(plan))))
     eval_lengths = _lengths(args.eval_lengths, "eval-lengths")
     eval_tasks = [t for t in args.eval_tasks.split(",") if t]
     heldout = heldout_batches(plan, tok, eval_lengths, eval_tasks, args.eval_samples) if args.eval_samples > 0 else []
@@ -497,6 +623,8 @@ def main(argv=None) -> dict:
     def checkpoint():
         nonlocal last_ckpt
         save_state(out / "ckpt", raw_model, opt, plan, step, trained_s)
+        if args.portable:
+            save_portable(out / PORTABLE_FILE, raw_model, opt, plan, step, trained_s, args.portable_moments)
         last_ckpt = time.time()
 
     def flush(mode, batch):

@@ -56,6 +56,14 @@ def test_synthetic_study_orders_formats():
         assert 1 / TOPK_BLOCKS <= r["recall16"] <= 1.0
 
 
+def test_variants_select_and_order_rows():
+    only = ["mxfp4_rot/rceil", "fp8"]
+    rows = fidelity.main(["--no-real", "--lengths", "4096", "--queries", "8", "--variants", *only])
+    assert [r["format"] for r in rows] == only
+    with pytest.raises(ValueError, match=r"--variants: \['mxfp4/even'\] not among"):
+        fidelity.main(["--no-real", "--lengths", "4096", "--variants", "mxfp4/even"])
+
+
 def test_lengths_are_validated():
     with pytest.raises(ValueError, match="--lengths"):
         fidelity.main(["--no-real", "--lengths", "1000"])

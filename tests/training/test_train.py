@@ -136,3 +136,77 @@ def test_init_from_an_export_starts_a_new_plan_from_its_weights(config, tmp_path
 
     with pytest.raises(ValueError, match="--init-from"):  # a resumed run keeps its plan
         train.main(CALL + ["--out", str(tmp_path / "b"), "--resume", str(tmp_path / "b"), "--init-from", "x"])
+
+
+def test_curriculum_phases_and_validation(config, tmp_path):
+    plan = {"steps": 100, "short_steps": 0, "curriculum": "0:256,512;0.5:1024;0.8:2048,4096"}
+    assert [(s, n) for s, n, _ in train.curriculum(plan)] == [(0.0, "c0"), (0.5, "c1"), (0.8, "c2")]
+    assert [train.phase(plan, s) for s in (0, 49, 50, 79, 80, 100)] == ["c0", "c0", "c1", "c1", "c2", "c2"]
+    assert train.plan_lengths(plan) == [256, 512, 1024, 2048, 4096]
+    assert train._spec(plan | {"token_budget": 4096, "task_weights": "single=1", "lm_rows": 1, "kl_rows": 1},
+                       80).lengths == (2048, 4096)
+    legacy = {"steps": 10, "short_steps": 4, "short_lengths": "256", "long_lengths": "512"}
+    assert [train.phase(legacy, s) for s in (3, 4)] == ["short", "long"] and train.plan_lengths(legacy) == [256, 512]
+    for bad in ("0.1:256", "0:256;0.5:512;0.4:1024", "0:256;1.0:512", "256", "0:250", "x:256"):
+        with pytest.raises(ValueError, match="--curriculum"):
+            train.main(["--config", config, "--out", str(tmp_path), "--curriculum", bad])
+    with pytest.raises(ValueError, match="--curriculum: 2048 exceeds --token-budget 1024"):
+        train.main(["--config", config, "--out", str(tmp_path), "--token-budget", "1024", "--short-lengths", "512",
+                    "--long-lengths", "512", "--curriculum", "0:512;0.5:2048"])
+
+
+def test_curriculum_run_trains_each_phase(config, tmp_path):
+    train.main(["--config", config, "--out", str(tmp_path), "--steps", "6", "--dense-steps", "4", "--curriculum",
+                "0:256;0.33:512;0.66:768", "--token-budget", "768", "--lm-rows", "16", "--kl-rows", "16",
+                "--warmup-steps", "1", *CALL, "--no-export"])
+    lengths = [json.loads(line)["T"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lengths == [256, 256, 512, 512, 768, 768]
+
+
+@pytest.fixture(scope="module")
+def interrupted(config, tmp_path_factory):
+    """An uninterrupted 5-step run's losses and the exact checkpoint of the same plan stopped at step 3."""
+    root = tmp_path_factory.mktemp("interrupted")
+    straight = train.main(_plan(config) + CALL + ["--out", str(root / "a"), "--no-export"])
+    train.main(_plan(config) + CALL + ["--out", str(root / "b"), "--stop-at-step", "3", "--no-export"])
+    return straight["losses"], root / "b" / "ckpt" / train.STATE_FILE
+
+
+@pytest.mark.parametrize("moments", ["both", "second", "none"])
+def test_portable_resume_from_split_parts(interrupted, tmp_path, moments):
+    """Weights come back exactly (the first resumed loss is bitwise the uninterrupted run's); Adam
+    moments as bf16 (or restarted); the state file is smaller than the exact one; parts are joined."""
+    import torch
+
+    losses, exact_path = interrupted
+    exact = torch.load(exact_path, weights_only=False)
+    model, *_ = train.build_model(exact["plan"], "cpu")
+    opt = train.build_optimizer(model, exact["plan"])
+    model.load_state_dict(exact["model"])
+    opt.load_state_dict(exact["optimizer"])
+    torch.set_rng_state(exact["torch_rng"])
+    train.save_portable(tmp_path / train.PORTABLE_FILE, model, opt, exact["plan"], exact["step"], exact["trained_s"],
+                        moments)
+    blob = (tmp_path / train.PORTABLE_FILE).read_bytes()
+    assert len(blob) < ({"both": 8, "second": 6, "none": 4}[moments] / 12 + 0.03) * exact_path.stat().st_size
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    for i, suffix in enumerate(("aa", "ab", "ac")):
+        (carried / f"{train.PORTABLE_FILE}.part-{suffix}").write_bytes(blob[i * len(blob) // 3:(i + 1) * len(blob) // 3])
+    rest = train.main(CALL + ["--out", str(tmp_path / "c"), "--resume", str(carried), "--no-export"])
+    assert rest["step"] == 5
+    assert rest["losses"][0] == losses[3]
+    assert rest["losses"][1] == pytest.approx(losses[4], rel=0.05)
+    log = (tmp_path / "c" / "train.log").read_text()
+    assert "resume from portable state" in log and "fp32 weights exact" in log
+    portable = train.load_portable(carried / train.PORTABLE_FILE)
+    for name, value in exact["model"].items():
+        assert torch.equal(portable["model"][name], value.float()), name
+    kept = {"both": {"exp_avg", "exp_avg_sq"}, "second": {"exp_avg_sq"}, "none": set()}[moments]
+    params = dict(model.named_parameters())
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert set(portable[key]) == (set(params) if key in kept else set())
+        for name, t in portable[key].items():
+            assert torch.equal(t, opt.state[params[name]][key].bfloat16()), name
+    with pytest.raises(ValueError, match="--lr"):
+        train.main(CALL + ["--out", str(tmp_path / "d"), "--resume", str(carried), "--lr", "0.5"])
