@@ -105,19 +105,18 @@ def prepare_decode(device, storage_is_mxfp4: bool) -> str:
     name = resolve_backend(device)
     if name == "triton" and storage_is_mxfp4 and (os.environ.get(ENV_BACKEND, "auto") == "auto") \
             and _cuda_mxfp4_available(device):
-        from .backends import cuda
-
-        cuda.build(device)
         return "cuda"
     return name
 
 
 def _cuda_mxfp4_available(device) -> bool:
-    """Whether auto may use the CUDA MXFP4 kernel on ``device``; logs once per device why not, on
-    NVIDIA sm_90+ GPUs where it was expected (older GPUs and ROCm use Triton without a word)."""
+    """Whether auto may use the CUDA MXFP4 kernel on ``device`` (building it on first use); logs once
+    per device why not on NVIDIA sm_90+ GPUs, where it was expected (older GPUs and ROCm use Triton
+    without a word). A failed build falls back the same way."""
     from .backends import cuda
 
-    ok, why = cuda.availability(device)
+    ok = cuda.availability(device)[0] and cuda.ensure_built(device)  # builds once, at the first call
+    why = cuda.availability(device)[1]
     if not ok and device not in _CUDA_FALLBACK_LOGGED and not getattr(torch.version, "hip", None) \
             and torch.cuda.get_device_capability(device) >= cuda.MIN_CAPABILITY:
         _CUDA_FALLBACK_LOGGED.add(device)

@@ -410,3 +410,23 @@ def test_prepare_decode_builds_the_cuda_kernel_on_sm90(monkeypatch):
     monkeypatch.delenv("M3_SCORE_BACKEND", raising=False)
     assert prepare_decode("cuda", True) == "cuda"
     assert prepare_decode("cuda", False) == "triton"
+
+
+def test_a_failed_build_is_remembered_and_reported(monkeypatch):
+    """A compiler failure makes the backend unavailable with its reason (auto then keeps Triton)."""
+    monkeypatch.setattr(cuda_backend, "_availability", _fake_ok_availability)
+    monkeypatch.setattr(cuda_backend, "_build_error", None)
+
+    def broken():
+        raise OSError("nvcc exited with 1")
+
+    monkeypatch.setattr(cuda_backend, "_module", broken)
+    assert cuda_backend.ensure_built("cuda") is False
+    assert cuda_backend._build_error == "OSError: nvcc exited with 1"
+
+
+def _fake_ok_availability(device_type, index):
+    return (False, f"the JIT build failed: {cuda_backend._build_error}") if cuda_backend._build_error else (True, "")
+
+
+_fake_ok_availability.cache_clear = lambda: None

@@ -15,6 +15,7 @@ the Triton kernel (one log line).
 import functools
 import importlib.util
 import logging
+import os
 import pathlib
 import shutil
 import sys
@@ -31,6 +32,7 @@ MAX_QUERY_VECTORS = 32  # S * H: 4 tiles of 8 MMA columns
 QUERY_ALIGN_BYTES = 16  # the kernel reads Q in 16-byte vectors
 
 logger = logging.getLogger(__name__)
+_build_error: str | None = None  # set when the JIT build failed once: this backend is then unavailable
 
 
 def default_device() -> torch.device:
@@ -53,8 +55,11 @@ def _availability(device_type: str, index: int | None) -> tuple[bool, str]:
         return False, f"the CUDA scorer needs sm_90 or newer (bulk copies), this GPU is sm_{cap[0]}{cap[1]}"
     if not (_importable("sglang") and _importable("tvm_ffi")):
         return False, "SGLang's JIT loader (sglang.jit_kernel, apache-tvm-ffi) is not installed"
-    if shutil.which("nvcc") is None and not pathlib.Path("/usr/local/cuda/bin/nvcc").exists():
-        return False, "nvcc is not on PATH (the kernel is compiled at first use)"
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    if shutil.which("nvcc") is None and not (pathlib.Path(cuda_home) / "bin" / "nvcc").exists():
+        return False, "nvcc is not on PATH or in $CUDA_HOME/bin (the kernel is compiled at first use)"
+    if _build_error is not None:
+        return False, f"the JIT build failed: {_build_error}"
     return True, ""
 
 
@@ -117,11 +122,27 @@ def _num_sms(index: int) -> int:
 
 
 def build(device=None) -> None:
-    """Compile (or load) the kernel now, e.g. before CUDA-graph capture; RuntimeError if it cannot run."""
+    """Compile (or load) the kernel now, e.g. before CUDA-graph capture; RuntimeError if it cannot run.
+    A failed build is remembered: ``availability`` then says why, and auto dispatch keeps Triton."""
+    global _build_error
     ok, why = availability(device)
     if not ok:
         raise RuntimeError(f"CUDA scorer unavailable: {why}")
-    _module()
+    try:
+        _module()
+    except Exception as e:  # a compiler or loader failure, not a caller's mistake
+        _build_error = f"{type(e).__name__}: {e}"[:1000]
+        _availability.cache_clear()
+        raise RuntimeError(f"CUDA scorer build failed: {_build_error}") from e
+
+
+def ensure_built(device=None) -> bool:
+    """``build`` without raising: True when the kernel is ready, False (the reason in ``availability``)."""
+    try:
+        build(device)
+    except RuntimeError:
+        return False
+    return True
 
 
 def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
