@@ -18,10 +18,10 @@ which holds exactly when greedy decoding emits the whole answer first.
 Budget: cells are filled in rounds of ``--round`` samples, each round over every (length, task) from
 the shortest length up, all modes of a batch together; a batch whose predicted time (its length's last
 batch time) would pass ``--budget-s`` is skipped, and the cell keeps the samples it has. So an early
-stop leaves every cell with about the same ``n``, and ``n`` is reported per cell. Every batch holds
-``--batch-tokens // length`` sequences (a short batch is padded with copies of its last prompt, whose
-results are dropped): the training batch shapes, so the compiled flex-attention kernels of training
-(and their inductor cache) serve the probe too.
+stop leaves every cell with about the same ``n``, and ``n`` is reported per cell. On CUDA every batch
+holds ``--batch-tokens // length`` sequences (a short batch is padded with copies of its last prompt,
+whose results are dropped): the training batch shapes, so the compiled flex-attention kernels of
+training (and their inductor cache) serve the probe too. Elsewhere batches are not padded.
 
 Intervals: Wilson score 95% per proportion (``scipy.stats.binomtest(...).proportion_ci``); for each pair
 of modes given by ``--pairs`` the discordant counts (first right / second right) and the exact
@@ -129,18 +129,19 @@ def run(model, lengths, tasks, modes, samples: int, budget_s: float, device, rou
                 size = max(1, batch_tokens // T)
                 for b0 in range(0, len(idx), size):
                     chunk = idx[b0:b0 + size]
-                    predicted = last_batch_s.get(T, 0.0)
+                    predicted = last_batch_s.get(T, 0.0) * (1 if device.type == "cuda" else len(chunk) / size)
                     if time.time() + predicted > deadline:
                         skipped += len(chunk)
                         continue
                     t0 = time.time()
                     prompts = [gen.sample(task, random.Random(f"probe-{seed}-{task}-{T}-{i}"), T) for i in chunk]
-                    got = score_batch(model, prompts + prompts[-1:] * (size - len(chunk)), T, modes, device,
-                                      autocast_dtype)
-                    last_batch_s[T] = time.time() - t0
+                    pad = prompts[-1:] * (size - len(chunk)) if device.type == "cuda" else []
+                    got = score_batch(model, prompts + pad, T, modes, device, autocast_dtype)
+                    last_batch_s[T] = (time.time() - t0) * (1 if device.type == "cuda" else size / len(chunk))
                     results += [{"task": task, "length": T, "index": i, **{m: got[m][j] for m in modes}}
                                 for j, i in enumerate(chunk)]
-        log(f"probe: round {r0 // round_size + 1} done, {len(results)} samples, {time.time() - deadline + budget_s:.0f}s")
+        spent = time.time() - deadline + budget_s
+        log(f"probe: round {r0 // round_size + 1} done, {len(results)} samples, {spent:.0f}s")
     if skipped:
         log(f"probe: budget reached, {skipped} samples not scored (cells report their n)")
     return results

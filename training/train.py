@@ -31,8 +31,8 @@ trains the main model, the KL trains only the indexer, so the terms are simply a
 the answer rows plus ``kl_rows`` random rows per sample. Lengths: ``short_lengths`` for steps
 ``[0, short_steps)``, then ``long_lengths`` (each step draws one length from the list, then
 ``token_budget // length`` samples); or ``curriculum``, any number of phases each with its own
-length list, starting at given fractions of the plan (``curriculum()``). AdamW (no decay on norms), linear warm-up then cosine decay to
-``min_lr_frac`` x ``lr``, gradient clipping, bf16 autocast on CUDA.
+length list, starting at given fractions of the plan (``curriculum()``). AdamW (no decay on norms),
+linear warm-up then cosine decay to ``min_lr_frac`` x ``lr``, gradient clipping, bf16 autocast on CUDA.
 
 Checkpoints: ``<out>/ckpt/state.pt`` (model, optimizer, next step, plan, RNG; batches are a pure
 function of the step, so that is the data state) every ``ckpt_every_s`` seconds and when the call

@@ -400,6 +400,31 @@ def test_default_export_keeps_files_under_16_mb(gen, tmp_path):
     assert all(f.stat().st_size < 16 * 2**20 for f in out.iterdir())
 
 
+def test_medium_config_has_m3_sparse_geometry_and_a_small_export(gen, tmp_path):
+    """msa-medium: M3's index geometry on 8 layers (6 MSA), weights well under 12 MiB in one shard, and a
+    sparse training step at 20 blocks (top-16 drops 4) that gives finite losses and gradients."""
+    d = json.loads(MEDIUM.read_text())
+    cfg = MSAConfig.from_dict(d)
+    assert (cfg.num_hidden_layers, len(cfg.sparse_layer_ids)) == (8, 6) and cfg.sparse_layer_ids == list(range(2, 8))
+    assert (cfg.block_size, cfg.topk_blocks, cfg.index_dim, cfg.num_index_heads) == (128, 16, 128, 4)
+    geometry = (cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim, cfg.local_blocks, cfg.init_blocks)
+    assert geometry == (4, 128, 64, 1, 0)
+    assert d["qk_norm_type"] == "per_head" and cfg.use_gemma_norm
+    assert d["max_position_embeddings"] >= 131072 + 4096
+    model = random_model(gen, d)
+    out = export_checkpoint(model, d, TINY, tmp_path / "ckpt")
+    shards = list(out.glob("model-*.safetensors"))
+    assert len(shards) == 1 and shards[0].stat().st_size < 10 * 2**20
+    T = 20 * BLOCK
+    ids = torch.randint(3, cfg.vocab_size, (1, T), generator=gen)
+    rows = torch.randint(0, T, (1, 32), generator=gen)
+    logits, aux = model(ids, attention="sparse", kl_rows=rows, logit_rows=rows)
+    loss = F.cross_entropy(logits[0], ids[0, (rows[0] + 1).clamp(max=T - 1)]) + aux["index_kl"]
+    loss.backward()
+    assert torch.isfinite(loss) and aux["recall"] < 1.0  # some dense attention mass left the selection
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 # ---- the exported checkpoint served by SGLang ------------------------------------------------------
 
 def _server_module():
@@ -449,9 +474,14 @@ def _flip_margin(scores, n_visible, cfg):
     return float(cand[ranked - 1] - cand[ranked])
 
 
+MEDIUM = REPO / "training" / "configs" / "msa-medium.json"
+
+
 @pytest.mark.slow
-def test_sglang_serves_the_exported_checkpoint_like_the_torch_model(gen, tmp_path):
-    d = config_dict()
+@pytest.mark.parametrize("geometry", ["tiny", "msa-medium"])
+def test_sglang_serves_the_exported_checkpoint_like_the_torch_model(gen, tmp_path, geometry):
+    """The tiny serving geometry, and msa-medium's (8 layers, hidden 128 below 8 x 128 query features)."""
+    d = config_dict() if geometry == "tiny" else {**json.loads(MEDIUM.read_text()), "index_k_format": "bf16"}
     trained = random_model(gen, d)
     ckpt = export_checkpoint(trained, d, TINY, tmp_path / "ckpt")
     server = CheckpointServer(ckpt, tmp_path / "server.log", tmp_path / "selection.jsonl")

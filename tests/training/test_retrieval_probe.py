@@ -29,6 +29,7 @@ ARGS = ["--lengths", "512,1024", "--tasks", "single,kv", "--samples", "3", "--ro
         "--device", "cpu"]
 
 
+@pytest.mark.slow
 def test_probe_fills_every_cell_and_pairs_modes(export, tmp_path):
     out = retrieval_probe.main([str(export), *ARGS, "--modes", "dense,sparse,fp8,mxfp4", "--pairs",
                                 "fp8:mxfp4,dense:sparse", "--out", str(tmp_path)])

@@ -191,8 +191,9 @@ def test_portable_resume_from_split_parts(interrupted, tmp_path, moments):
     assert len(blob) < ({"both": 8, "second": 6, "none": 4}[moments] / 12 + 0.03) * exact_path.stat().st_size
     carried = tmp_path / "carried"
     carried.mkdir()
+    cuts = [0, len(blob) // 3, 2 * len(blob) // 3, len(blob)]
     for i, suffix in enumerate(("aa", "ab", "ac")):
-        (carried / f"{train.PORTABLE_FILE}.part-{suffix}").write_bytes(blob[i * len(blob) // 3:(i + 1) * len(blob) // 3])
+        (carried / f"{train.PORTABLE_FILE}.part-{suffix}").write_bytes(blob[cuts[i]:cuts[i + 1]])
     rest = train.main(CALL + ["--out", str(tmp_path / "c"), "--resume", str(carried), "--no-export"])
     assert rest["step"] == 5
     assert rest["losses"][0] == losses[3]
