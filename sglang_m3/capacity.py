@@ -9,6 +9,7 @@ argument instead of free device memory, so the numbers are exact and repeatable.
 """
 
 import argparse
+import contextlib
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -30,12 +31,15 @@ def _kv_configurator(hf_config, tp: int, kv_dtype: torch.dtype):
         v_head_dim=hf_config.head_dim,
         get_num_kv_heads=lambda tp_size: max(1, hf_config.num_key_value_heads // tp_size),
         linear_attn_registry_result=None,
+        quantization=None,
+        context_len=getattr(hf_config, "max_position_embeddings", 0),
     )
     no_spec = SimpleNamespace(is_eagle=lambda: False, is_standalone=lambda: False, is_dflash_family=lambda: False)
+    server_args = SimpleNamespace(kv_cache_dtype="auto", attention_backend=None, enable_hisparse=False)
     return SimpleNamespace(
-        model_config=model_config, kv_cache_dtype=kv_dtype, model_dtype=torch.bfloat16, use_mla_backend=False,
-        layer_info=SimpleNamespace(start_layer=0, end_layer=layers, num_effective_layers=layers),
-        spec_algorithm=no_spec, is_draft_worker=False, server_args=SimpleNamespace(kv_cache_dtype="auto"),
+        model_config=model_config, kv_cache_dtype=kv_dtype, kv_cache_dtype_str="auto", model_dtype=torch.bfloat16,
+        use_mla_backend=False, layer_info=SimpleNamespace(start_layer=0, end_layer=layers, num_effective_layers=layers),
+        spec_algorithm=no_spec, is_draft_worker=False, pp_size=1, server_args=server_args,
     )
 
 
@@ -49,11 +53,19 @@ def pool_tokens(hf_config, budget_bytes: int, index_k_format: str | None, tp: in
 
     cfg = hf_config.__class__.from_dict(hf_config.to_dict())
     cfg.index_k_format = index_k_format
-    parallel = SimpleNamespace(attn_tp_size=tp, tp_size=tp)
-    with mock.patch.object(pool_configurator, "get_parallel", lambda: parallel), \
-         mock.patch("sglang.srt.runtime_context.get_parallel", lambda: parallel), \
-         mock.patch("sglang.srt.layers.cp.utils.get_glm_dsa_layer_split_effective_num_layers",
-                    lambda kvc, n: n, create=True):
+    parallel = SimpleNamespace(attn_tp_size=tp, tp_size=tp, attn_dcp_size=1)
+    # What a server publishes at start-up (SGLang >= 0.5.17 reads these from its runtime context):
+    # no fixed token cap, no HiSparse, no KV-shard scratch.
+    bags = {"get_parallel": lambda: parallel, "get_schedule": lambda: SimpleNamespace(max_total_tokens=None),
+            "get_memory": lambda: SimpleNamespace(enable_hisparse=False),
+            "compute_page_shard_scratch_bytes": lambda kvc, **kwargs: 0}
+    with contextlib.ExitStack() as patches:
+        for name, value in bags.items():
+            if hasattr(pool_configurator, name):
+                patches.enter_context(mock.patch.object(pool_configurator, name, value))
+        patches.enter_context(mock.patch("sglang.srt.runtime_context.get_parallel", lambda: parallel))
+        patches.enter_context(mock.patch("sglang.srt.layers.cp.utils.get_glm_dsa_layer_split_effective_num_layers",
+                                         lambda kvc, n: n, create=True))
         kvc = _kv_configurator(cfg, tp, kv_dtype)
         if index_k_format is None:
             configurator = DefaultPoolConfigurator(kvc)
