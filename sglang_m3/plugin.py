@@ -13,17 +13,17 @@ supported release):
 
 | target | kind | SGLang | why |
 |---|---|---|---|
-| ``ServerArgs.add_cli_args`` / ``from_cli_args`` | after / before | | ``--index-k-format`` flag, folded into ``--json-model-override-args`` |
-| ``ServerArgs._parse_cuda_graph_config`` | after | < 0.5.19 | prefill without a CUDA graph (host-planned scorer); decode graphs stay |
-| ``arg_groups.cuda_graph_hook.handle_cuda_graph_config`` | after | >= 0.5.19 | the same, declared as a resolution |
+| ``ServerArgs.add_cli_args`` / ``from_cli_args`` | after / before | | ``--index-k-format`` into the model overrides |
+| ``ServerArgs._parse_cuda_graph_config`` | after | < 0.5.19 | prefill without a CUDA graph (host-planned scorer) |
+| ``cuda_graph_hook.handle_cuda_graph_config`` | after | >= 0.5.19 | the same, declared as a resolution |
 | ``ModelConfig.__init__`` | after | | validate the format at start-up (message names the choices) |
 | ``get_model_architecture`` | around | | serve ``MiniMaxM3SparseForCausalLM`` with this package's class |
-| ``KVCacheConfigurator._build_minimax_sparse_kv_pool`` | around | | build ``MiniMaxM31SparseKVPool`` (index cache in the format) |
-| ``DefaultPoolConfigurator._compute_cell_size`` | around | | budget the format's bytes, so ``max_total_num_tokens`` grows with a smaller format |
+| ``KVCacheConfigurator._build_minimax_sparse_kv_pool`` | around | | build ``MiniMaxM31SparseKVPool`` |
+| ``DefaultPoolConfigurator._compute_cell_size`` | around | | budget the format's bytes (capacity grows with it) |
 | ``attn_backend_wrapper`` | around | | pair the dense backend with ``MiniMaxM31SparseAttnBackend`` |
 | ``TokenizerManager._validate_one_request`` | before | | reject token ids outside the vocabulary (HTTP 400) |
-| ``Engine._launch_detokenizer_subprocesses`` | around | < 0.5.22 | the detokenizer loads plugins, so it knows the config class |
-| ``PagedTokenToKVPoolAllocator.alloc_extend`` / ``alloc_decode`` | around | < 0.5.22 | torch slots off CUDA (SGLang's were Triton only) |
+| ``Engine._launch_detokenizer_subprocesses`` | around | < 0.5.22 | the detokenizer loads plugins (knows the config) |
+| ``PagedTokenToKVPoolAllocator.alloc_extend`` / ``_decode`` | around | < 0.5.22 | torch slots off CUDA |
 
 plus an SGLang model-override provider that defaults ``--page-size`` to 128 for this model.
 """

@@ -78,5 +78,5 @@ def test_every_applying_hook_is_patched_into_sglang():
 
     load_plugins()
     version = compat.sglang_version()
-    missing = [row.target for row in hook_table() if row.applies_to(version) and row.target not in HookRegistry._patched]
+    missing = [r.target for r in hook_table() if r.applies_to(version) and r.target not in HookRegistry._patched]
     assert not missing
