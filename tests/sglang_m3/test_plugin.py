@@ -13,6 +13,7 @@ from sglang_m3.plugin import (
     _check_input_ids_in_vocab,
     _no_prefill_cuda_graph,
     _no_prefill_cuda_graph_declared,
+    _validate_index_k_settings,
 )
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "configs" / "minimax-m3.1-tiny"
@@ -22,12 +23,22 @@ def _unreachable(*args, **kwargs):
     raise AssertionError("SGLang's own pool builder must not run for an index-K config")
 
 
-def test_hierarchical_cache_is_refused_before_any_pool_is_built():
+@pytest.mark.parametrize("flag", ["enable_hierarchical_cache", "enable_hisparse"])
+def test_host_cache_copies_are_refused_before_any_pool_is_built(flag):
     hf_config = MiniMaxM31Config(sparse_attention_config={"sparse_index_dim": 128}, index_k_format="mxfp4")
     kvc = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config),
-                          server_args=SimpleNamespace(enable_hierarchical_cache=True, page_size=128))
-    with pytest.raises(NotImplementedError, match="--enable-hierarchical-cache"):
+                          server_args=SimpleNamespace(**{flag: True}, page_size=128))
+    with pytest.raises(NotImplementedError, match=f"{flag}: .*launch without --{flag.replace('_', '-')}"):
         _build_index_k_pool(_unreachable, kvc, max_total_num_tokens=1024)
+
+
+def test_upstream_nvfp4_quantization_is_refused_with_an_index_k_format():
+    hf_config = MiniMaxM31Config(sparse_attention_config={"sparse_index_dim": 128}, index_k_format="fp8")
+    with pytest.raises(NotImplementedError, match="quantization 'minimax_m3_nvfp4'.*index_k_format='fp8'"):
+        _validate_index_k_settings(None, SimpleNamespace(hf_config=hf_config, quantization="minimax_m3_nvfp4"))
+    _validate_index_k_settings(None, SimpleNamespace(hf_config=hf_config, quantization=None))
+    upstream = SimpleNamespace(sparse_attention_config={"sparse_index_dim": 128})  # no index_k_format: SGLang's path
+    _validate_index_k_settings(None, SimpleNamespace(hf_config=upstream, quantization="minimax_m3_nvfp4"))
 
 
 def _resolved_server_args(index_k_format, prefill_backend, explicit):
