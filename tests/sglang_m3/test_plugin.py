@@ -107,3 +107,26 @@ def test_out_of_vocabulary_ids_raise_value_error(input_ids, shown):
         _check_input_ids_in_vocab(manager, None, input_ids)
     assert _check_input_ids_in_vocab(manager, None, [0, 2047]) is None
     assert _check_input_ids_in_vocab(manager, None, None) is None
+
+
+def _record_call(*args, **kwargs):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    return args, kwargs, "sglang.srt.configs.model_config.ModelConfig.__init__" in HookRegistry._patched
+
+
+def test_detokenizer_target_is_picklable_and_loads_plugins_first():
+    """Before 0.5.22 the detokenizer process starts through ``_run_after_loading_plugins``: the
+    target travels by pickle (spawn) and runs only after the plugins (our hooks) are loaded."""
+    import pickle
+
+    from sglang_m3.plugin import _detokenizer_loads_plugins
+
+    seen = {}
+
+    def launch(engine_cls, server_args, port_args, run_detokenizer_process_func):
+        seen["target"] = pickle.loads(pickle.dumps(run_detokenizer_process_func))
+        return "procs"
+
+    assert _detokenizer_loads_plugins(launch, object, "args", "ports", _record_call) == "procs"
+    assert seen["target"]("args", "ports") == (("args", "ports"), {}, True)
