@@ -29,6 +29,7 @@ from sglang.srt.configs.model_config import get_minimax_sparse_attention_config
 from sglang.srt.layers.attention.minimax_sparse_backend import MiniMaxSparseAttnBackend
 from sglang.srt.runtime_context import get_parallel
 
+from .compat import setting
 from .config import IndexKSettings
 from .debug import SelectionRecorder
 from .sparse_attention import sparse_attention_decode, sparse_attention_extend
@@ -60,7 +61,7 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
     """Sparse-layer backend reading the ``MiniMaxM31SparseKVPool`` index cache (see module docstring)."""
 
     def __init__(self, runner, settings: IndexKSettings):
-        spec = getattr(getattr(runner, "server_args", None), "speculative_algorithm", None)
+        spec = setting(runner.server_args, "speculative_algorithm", None) if hasattr(runner, "server_args") else None
         if spec is not None:  # fail at start-up, not at the first verify batch inside the scheduler
             raise NotImplementedError(
                 f"speculative_algorithm={spec!r}: speculative decoding is not supported with the MiniMax-M3.1 "

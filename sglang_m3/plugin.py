@@ -1,33 +1,44 @@
 """The ``sglang.srt.plugins`` entry point: registers MiniMax-M3.1 with SGLang in every process.
 
 Installing the package is all it takes (SGLang loads the entry point in the launcher, tokenizer
-manager, scheduler and detokenizer). The vocabulary check and the allocator hooks (the last two
-rows) act for every model served where this package is installed, the allocator only off CUDA; the
-others engage only for a config with ``index_k_format`` (the flag only when given), so upstream
-MiniMax-M3 configs keep SGLang's own path:
+manager, scheduler and, from 0.5.22, detokenizer). The entry point first checks that the installed
+SGLang is one this plugin supports (``compat``: 0.5.16 through 0.5.23) and stops the server with
+a message naming that range otherwise. The vocabulary check, the detokenizer row and the
+allocator rows act for every model served where this package is installed, the allocator only off
+CUDA; the others engage only for a config with ``index_k_format`` (the flag only when given), so
+upstream MiniMax-M3 configs keep SGLang's own path.
 
-| target | kind | why |
-|---|---|---|
-| ``ServerArgs.add_cli_args`` / ``from_cli_args`` | after / before | ``--index-k-format`` flag, folded into ``--json-model-override-args`` |
-| ``ServerArgs._parse_cuda_graph_config`` | after | prefill without a CUDA graph (host-planned scorer); decode graphs stay |
-| ``ModelConfig.__init__`` | after | validate the format at start-up (message names the choices) |
-| ``get_model_architecture`` | around | serve ``MiniMaxM3SparseForCausalLM`` with this package's class |
-| ``KVCacheConfigurator._build_minimax_sparse_kv_pool`` | around | build ``MiniMaxM31SparseKVPool`` (index cache in the format) |
-| ``DefaultPoolConfigurator._compute_cell_size`` | around | budget the format's bytes, so ``max_total_num_tokens`` grows with a smaller format |
-| ``attn_backend_wrapper`` | around | pair the dense backend with ``MiniMaxM31SparseAttnBackend`` |
-| ``TokenizerManager._validate_one_request`` | before | reject token ids outside the vocabulary (HTTP 400) |
-| ``PagedTokenToKVPoolAllocator.alloc_extend`` / ``alloc_decode`` | around | torch slots off CUDA (SGLang's are Triton) |
+One table, keyed by SGLang release (``since`` inclusive, ``until`` exclusive; blank: every
+supported release):
+
+| target | kind | SGLang | why |
+|---|---|---|---|
+| ``ServerArgs.add_cli_args`` / ``from_cli_args`` | after / before | | ``--index-k-format`` into the model overrides |
+| ``ServerArgs._parse_cuda_graph_config`` | after | < 0.5.19 | prefill without a CUDA graph (host-planned scorer) |
+| ``cuda_graph_hook.handle_cuda_graph_config`` | after | >= 0.5.19 | the same, declared as a resolution |
+| ``ModelConfig.__init__`` | after | | validate the format at start-up (message names the choices) |
+| ``get_model_architecture`` | around | | serve ``MiniMaxM3SparseForCausalLM`` with this package's class |
+| ``KVCacheConfigurator._build_minimax_sparse_kv_pool`` | around | | build ``MiniMaxM31SparseKVPool`` |
+| ``DefaultPoolConfigurator._compute_cell_size`` | around | | budget the format's bytes (capacity grows with it) |
+| ``attn_backend_wrapper`` | around | | pair the dense backend with ``MiniMaxM31SparseAttnBackend`` |
+| ``TokenizerManager._validate_one_request`` | before | | reject token ids outside the vocabulary (HTTP 400) |
+| ``Engine._launch_detokenizer_subprocesses`` | around | < 0.5.22 | the detokenizer loads plugins (knows the config) |
+| ``PagedTokenToKVPoolAllocator.alloc_extend`` / ``_decode`` | around | < 0.5.22 | torch slots off CUDA |
 
 plus an SGLang model-override provider that defaults ``--page-size`` to 128 for this model.
 """
 
+import functools
 import json
 import logging
+from typing import Callable, NamedTuple
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from packaging.version import Version
 
 from m3_kernels.formats import PAGE_SIZE, IndexKFormat
 
+from . import compat
+from .compat import ALLOCATOR_OFF_TRITON, DETOKENIZER_LOADS_PLUGINS, RESOLUTION_PIPELINE, setting
 from .config import ARCHITECTURE, MODEL_TYPE, MiniMaxM31Config, index_k_settings
 
 logger = logging.getLogger(__name__)
@@ -59,41 +70,71 @@ def _fold_index_k_format_flag(cls, args):
 
 def _page_size_default(server_args, hf_config) -> dict:
     """SGLang model-override provider: one cache page per MSA block unless the user chose."""
-    if index_k_settings(hf_config) is not None and server_args.page_size is None:
+    if index_k_settings(hf_config) is not None and server_args.page_size is None:  # the input, not the resolution
         return {"page_size": PAGE_SIZE}
     return {}
 
 
-def _no_prefill_cuda_graph(result, server_args, *args, **kwargs):
-    """After SGLang resolves ``cuda_graph_config``: an index-K config runs prefill without a CUDA graph.
+def _turn_off_prefill_graph(prefill_backend, explicit: bool, hf_config: Callable) -> bool:
+    """Whether an index-K config's prefill CUDA graph must be turned off (``hf_config()`` is read
+    only when a graph is on); ValueError when the user asked for that graph explicitly.
 
     The prefill scorer plans its page tiles on the host from each batch's lengths (read back from
     the device), which a captured graph can neither record nor replay, so SGLang's CUDA default
-    (``breakable`` prefill graphs) is turned off; an explicitly requested prefill graph is refused.
-    Decode CUDA graphs are unaffected.
+    (``breakable`` prefill graphs) is turned off. Decode CUDA graphs are unaffected.
     """
-    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase
+    from sglang.srt.model_executor.cuda_graph_config import Backend
 
-    prefill = server_args.cuda_graph_config.prefill
-    if prefill.backend == Backend.DISABLED or index_k_settings(server_args.get_model_config().hf_config) is None:
-        return None
-    if (Phase.PREFILL, "backend") in server_args._cuda_graph_config_locked:
+    if prefill_backend == Backend.DISABLED or index_k_settings(hf_config()) is None:
+        return False
+    if explicit:
         raise ValueError(
-            f"cuda_graph_config prefill backend {prefill.backend!r}: MiniMax-M3.1 with an index-K cache "
+            f"cuda_graph_config prefill backend {prefill_backend!r}: MiniMax-M3.1 with an index-K cache "
             "runs prefill without a CUDA graph; use --cuda-graph-backend-prefill disabled (decode graphs stay on)"
         )
-    logger.info("MiniMax-M3.1 index-K cache: prefill CUDA graph %r turned off (decode graphs stay on)",
-                prefill.backend)
-    prefill.backend = Backend.DISABLED
-    server_args._cuda_graph_config_locked.add((Phase.PREFILL, "backend"))
-    return None
+    logger.info("MiniMax-M3.1 index-K cache: prefill CUDA graph %r turned off (decode graphs stay on)", prefill_backend)
+    return True
+
+
+def _no_prefill_cuda_graph(result, server_args, *args, **kwargs):
+    """After ``ServerArgs._parse_cuda_graph_config`` (SGLang < 0.5.19): see ``_turn_off_prefill_graph``."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase
+
+    prefill, locked = server_args.cuda_graph_config.prefill, server_args._cuda_graph_config_locked
+    if _turn_off_prefill_graph(prefill.backend, (Phase.PREFILL, "backend") in locked,
+                               lambda: server_args.get_model_config().hf_config):
+        prefill.backend = Backend.DISABLED
+        locked.add((Phase.PREFILL, "backend"))
+
+
+def _no_prefill_cuda_graph_declared(result, server_args, *args, **kwargs):
+    """After ``handle_cuda_graph_config`` (SGLang >= 0.5.19): the same, declared as a resolution
+    and locked, so SGLang's later defaults (prefill context parallelism) leave it alone."""
+    from sglang.srt.arg_groups.model_override_base import model_config_of, resolving_view
+    from sglang.srt.arg_groups.overrides import declare_resolution
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
+
+    config, locked = resolving_view(server_args).cuda_graph_config, server_args._cuda_graph_config_locked
+    if _turn_off_prefill_graph(config.prefill.backend, (Phase.PREFILL, "backend") in locked,
+                               lambda: model_config_of(server_args).hf_config):
+        declare_resolution(server_args, "sglang_m3", cuda_graph_config=with_phase(config, Phase.PREFILL,
+                                                                                   backend=Backend.DISABLED))
+        locked.add((Phase.PREFILL, "backend"))
 
 
 # ---- model config, model class ---------------------------------------------------------------
 
+UPSTREAM_NVFP4_QUANTIZATION = "minimax_m3_nvfp4"  # SGLang 0.5.23's M3.1 NVFP4 stack: its own index-K pool
+
+
 def _validate_index_k_settings(result, model_config, *args, **kwargs):
     settings = index_k_settings(model_config.hf_config)
     if settings is not None:
+        if getattr(model_config, "quantization", None) == UPSTREAM_NVFP4_QUANTIZATION:
+            raise NotImplementedError(
+                f"quantization {UPSTREAM_NVFP4_QUANTIZATION!r} brings SGLang's own NVFP4 index-K cache; it cannot be "
+                f"combined with index_k_format={settings.fmt.value!r}: drop one of them"
+            )
         logger.info("MiniMax-M3.1 index-K cache: %s (scale rule %s)", settings.fmt.value, settings.scale_rule.value)
 
 
@@ -120,13 +161,14 @@ def _build_index_k_pool(original, kvc, *, max_total_num_tokens: int):
     settings = index_k_settings(kvc.model_config.hf_config)
     if settings is None:
         return original(kvc, max_total_num_tokens=max_total_num_tokens)
-    if getattr(kvc.server_args, "enable_hierarchical_cache", False):
-        # SGLang's host copy of the index cache assumes one [slots, 1, 128] row per token slot;
-        # the paged index layout (and MXFP4's per-page scales) would be copied wrongly.
-        raise NotImplementedError(
-            "enable_hierarchical_cache: the MiniMax-M3.1 index-K cache has no host (HiCache) copy; "
-            "launch without --enable-hierarchical-cache"
-        )
+    for flag in ("enable_hierarchical_cache", "enable_hisparse"):
+        if setting(kvc.server_args, flag, False):
+            # SGLang's host copy of the index cache assumes one [slots, 1, 128] row per token slot;
+            # the paged index layout (and MXFP4's per-page scales) would be copied wrongly.
+            raise NotImplementedError(
+                f"{flag}: the MiniMax-M3.1 index-K cache has no host (HiCache) copy; "
+                f"launch without --{flag.replace('_', '-')}"
+            )
     from sglang.srt.configs.model_config import (
         get_minimax_sparse_attention_config,
         get_minimax_sparse_disable_value_layer_ids,
@@ -140,7 +182,7 @@ def _build_index_k_pool(original, kvc, *, max_total_num_tokens: int):
     dense_ids, sparse_ids = get_minimax_sparse_layer_ids(sparse_cfg)
     return MiniMaxM31SparseKVPool(
         size=max_total_num_tokens,
-        page_size=kvc.server_args.page_size,
+        page_size=setting(kvc.server_args, "page_size"),
         dtype=kvc.kv_cache_dtype,
         head_num=kvc.model_config.get_num_kv_heads(get_parallel().attn_tp_size),
         head_dim=kvc.model_config.head_dim,
@@ -150,7 +192,7 @@ def _build_index_k_pool(original, kvc, *, max_total_num_tokens: int):
         disable_value_sparse_layer_ids=get_minimax_sparse_disable_value_layer_ids(sparse_cfg),
         device=kvc.device,
         settings=settings,
-        enable_memory_saver=kvc.server_args.enable_memory_saver,
+        enable_memory_saver=setting(kvc.server_args, "enable_memory_saver"),
         start_layer=kvc.layer_info.start_layer,
         end_layer=kvc.layer_info.end_layer,
     )
@@ -202,28 +244,64 @@ def _check_input_ids_in_vocab(tokenizer_manager, obj, input_ids, *args, **kwargs
     return None
 
 
+# ---- processes ---------------------------------------------------------------------------------
+
+def _run_after_loading_plugins(target, *args, **kwargs):
+    """Child-process entry: load SGLang plugins (this package's config class among them), then run."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    return target(*args, **kwargs)
+
+
+def _detokenizer_loads_plugins(original, engine_cls, server_args, port_args, run_detokenizer_process_func):
+    """Before 0.5.22 the detokenizer never loaded plugins, so transformers did not know
+    ``minimax_m3_1`` there and warned while loading the tokenizer ("a model of type ``"); its
+    process now starts through ``_run_after_loading_plugins``."""
+    target = functools.partial(_run_after_loading_plugins, run_detokenizer_process_func)
+    return original(engine_cls, server_args=server_args, port_args=port_args, run_detokenizer_process_func=target)
+
+
 # ---- entry point -----------------------------------------------------------------------------
 
-def _hooks():
+class Hook(NamedTuple):
+    """One row of the hook table: applies to SGLang releases in ``[since, until)`` (None: open)."""
+
+    target: str
+    hook: Callable
+    kind: str  # HookType member name
+    since: Version | None = None
+    until: Version | None = None
+
+    def applies_to(self, version: Version) -> bool:
+        return (self.since is None or version >= self.since) and (self.until is None or version < self.until)
+
+
+def hook_table() -> tuple[Hook, ...]:
+    """Every hooked SGLang target (see the module docstring), for every supported release."""
     from . import cpu_alloc
 
+    server_args = "sglang.srt.server_args.ServerArgs"
+    allocator = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator"
     return (
-        ("sglang.srt.server_args.ServerArgs.add_cli_args", _add_index_k_format_flag, HookType.AFTER),
-        ("sglang.srt.server_args.ServerArgs.from_cli_args", _fold_index_k_format_flag, HookType.BEFORE),
-        ("sglang.srt.server_args.ServerArgs._parse_cuda_graph_config", _no_prefill_cuda_graph, HookType.AFTER),
-        ("sglang.srt.configs.model_config.ModelConfig.__init__", _validate_index_k_settings, HookType.AFTER),
-        ("sglang.srt.model_loader.utils.get_model_architecture", _model_architecture, HookType.AROUND),
-        ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_minimax_sparse_kv_pool",
-         _build_index_k_pool, HookType.AROUND),
-        ("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
-         _index_k_cell_size, HookType.AROUND),
-        ("sglang.srt.layers.attention.attention_registry.attn_backend_wrapper", _attn_backend, HookType.AROUND),
-        ("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
-         _check_input_ids_in_vocab, HookType.BEFORE),
-        ("sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_extend", cpu_alloc.alloc_extend,
-         HookType.AROUND),
-        ("sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_decode", cpu_alloc.alloc_decode,
-         HookType.AROUND),
+        Hook(f"{server_args}.add_cli_args", _add_index_k_format_flag, "AFTER"),
+        Hook(f"{server_args}.from_cli_args", _fold_index_k_format_flag, "BEFORE"),
+        Hook(f"{server_args}._parse_cuda_graph_config", _no_prefill_cuda_graph, "AFTER", until=RESOLUTION_PIPELINE),
+        Hook("sglang.srt.arg_groups.cuda_graph_hook.handle_cuda_graph_config", _no_prefill_cuda_graph_declared,
+             "AFTER", since=RESOLUTION_PIPELINE),
+        Hook("sglang.srt.configs.model_config.ModelConfig.__init__", _validate_index_k_settings, "AFTER"),
+        Hook("sglang.srt.model_loader.utils.get_model_architecture", _model_architecture, "AROUND"),
+        Hook("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_minimax_sparse_kv_pool",
+             _build_index_k_pool, "AROUND"),
+        Hook("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
+             _index_k_cell_size, "AROUND"),
+        Hook("sglang.srt.layers.attention.attention_registry.attn_backend_wrapper", _attn_backend, "AROUND"),
+        Hook("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+             _check_input_ids_in_vocab, "BEFORE"),
+        Hook("sglang.srt.entrypoints.engine.Engine._launch_detokenizer_subprocesses", _detokenizer_loads_plugins,
+             "AROUND", until=DETOKENIZER_LOADS_PLUGINS),
+        Hook(f"{allocator}.alloc_extend", cpu_alloc.alloc_extend, "AROUND", until=ALLOCATOR_OFF_TRITON),
+        Hook(f"{allocator}.alloc_decode", cpu_alloc.alloc_decode, "AROUND", until=ALLOCATOR_OFF_TRITON),
     )
 
 
@@ -231,16 +309,27 @@ _registered = False
 
 
 def register() -> None:
-    """Register the config class, the hooks and the page-size default (idempotent)."""
+    """Entry point: check the SGLang release, then register the config class, the hooks of that
+    release and the page-size default (idempotent).
+
+    Outside the supported range it raises SystemExit with the range: SGLang's plugin loader logs
+    and skips any Exception, which would leave the server to fail later in an unhooked path.
+    """
     global _registered
     if _registered:
         return
+    try:
+        version = compat.sglang_version()
+    except compat.UnsupportedSGLangError as e:
+        raise SystemExit(f"sglang-m3: {e}") from e
     _registered = True
     from transformers import AutoConfig
 
     from sglang.srt.arg_groups.overrides import register_model_override
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     AutoConfig.register(MODEL_TYPE, MiniMaxM31Config, exist_ok=True)
     register_model_override(ARCHITECTURE)(_page_size_default)
-    for target, hook, kind in _hooks():
-        HookRegistry.register(target, hook, kind)
+    for row in hook_table():
+        if row.applies_to(version):
+            HookRegistry.register(row.target, row.hook, HookType[row.kind])

@@ -1,9 +1,11 @@
 """Torch paths of SGLang's page-aligned allocator (CPU) against a slot-by-slot oracle."""
 
+import pytest
 import torch
 
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang_m3 import cpu_alloc
+from sglang_m3.compat import ALLOCATOR_OFF_TRITON, at_least
 
 PAGE = 4
 
@@ -86,3 +88,26 @@ def test_extend_without_enough_pages_returns_none_and_keeps_the_free_list():
     last_loc = torch.tensor([-1])
     assert cpu_alloc.alloc_extend(_unreachable, alloc, prefix, prefix, seq, seq, last_loc, 2 * PAGE + 1) is None
     assert alloc.free_pages.tolist() == [3, 4]
+
+
+@pytest.mark.skipif(not at_least(ALLOCATOR_OFF_TRITON), reason="before SGLang 0.5.22 the plugin's torch path serves")
+def test_sglang_own_torch_path_matches_the_oracle_where_the_plugin_rows_are_dropped(gen):
+    """From 0.5.22 SGLang picks torch allocator paths where Triton is missing, so the plugin's
+    allocator rows do not apply; that path must give the oracle's slots (decode included)."""
+    from sglang.srt.platforms import current_platform
+
+    assert not current_platform.capabilities.supports_triton  # on this CPU, SGLang takes its torch path
+    prefix = torch.tensor([0, 0, PAGE, PAGE - 1, 1, 2 * PAGE + 1])
+    seq = torch.tensor([1, PAGE + 1, PAGE + 1, PAGE, PAGE - 1, 2 * PAGE + 2])
+    used = torch.randperm(40, generator=gen)[:6] + 1
+    last_loc = torch.where(prefix > 0, used * PAGE + (prefix - 1) % PAGE, -1)
+    alloc = _allocator()
+    alloc.use_triton_kernels, alloc.debug_mode, alloc.staged_pages, alloc.num_staged_pages = False, False, [], 0
+    alloc.free_pages = torch.randperm(40, generator=gen)[:12] + 41
+    free = alloc.free_pages.tolist()
+    out = PagedTokenToKVPoolAllocator.alloc_extend(alloc, prefix, prefix, seq, seq, last_loc, int((seq - prefix).sum()))
+    assert out.tolist() == _extend_oracle(prefix.tolist(), seq.tolist(), last_loc.tolist(), free)
+    alloc.free_pages = torch.tensor([5, 3, 7], dtype=torch.int64)
+    seq_lens, last_loc = torch.tensor([6, 5, 9]), torch.tensor([20, 15, 43])
+    assert PagedTokenToKVPoolAllocator.alloc_decode(alloc, seq_lens, seq_lens, last_loc).tolist() == [21, 20, 12]
+    assert alloc.free_pages.tolist() == [7]

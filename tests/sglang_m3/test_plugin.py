@@ -7,7 +7,14 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_m3.config import MiniMaxM31Config
-from sglang_m3.plugin import _build_index_k_pool, _check_input_ids_in_vocab, _no_prefill_cuda_graph
+from sglang_m3.compat import RESOLUTION_PIPELINE, at_least, setting
+from sglang_m3.plugin import (
+    _build_index_k_pool,
+    _check_input_ids_in_vocab,
+    _no_prefill_cuda_graph,
+    _no_prefill_cuda_graph_declared,
+    _validate_index_k_settings,
+)
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "configs" / "minimax-m3.1-tiny"
 
@@ -16,51 +23,75 @@ def _unreachable(*args, **kwargs):
     raise AssertionError("SGLang's own pool builder must not run for an index-K config")
 
 
-def test_hierarchical_cache_is_refused_before_any_pool_is_built():
+@pytest.mark.parametrize("flag", ["enable_hierarchical_cache", "enable_hisparse"])
+def test_host_cache_copies_are_refused_before_any_pool_is_built(flag):
     hf_config = MiniMaxM31Config(sparse_attention_config={"sparse_index_dim": 128}, index_k_format="mxfp4")
     kvc = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config),
-                          server_args=SimpleNamespace(enable_hierarchical_cache=True, page_size=128))
-    with pytest.raises(NotImplementedError, match="--enable-hierarchical-cache"):
+                          server_args=SimpleNamespace(**{flag: True}, page_size=128))
+    with pytest.raises(NotImplementedError, match=f"{flag}: .*launch without --{flag.replace('_', '-')}"):
         _build_index_k_pool(_unreachable, kvc, max_total_num_tokens=1024)
 
 
+def test_upstream_nvfp4_quantization_is_refused_with_an_index_k_format():
+    hf_config = MiniMaxM31Config(sparse_attention_config={"sparse_index_dim": 128}, index_k_format="fp8")
+    with pytest.raises(NotImplementedError, match="quantization 'minimax_m3_nvfp4'.*index_k_format='fp8'"):
+        _validate_index_k_settings(None, SimpleNamespace(hf_config=hf_config, quantization="minimax_m3_nvfp4"))
+    _validate_index_k_settings(None, SimpleNamespace(hf_config=hf_config, quantization=None))
+    upstream = SimpleNamespace(sparse_attention_config={"sparse_index_dim": 128})  # no index_k_format: SGLang's path
+    _validate_index_k_settings(None, SimpleNamespace(hf_config=upstream, quantization="minimax_m3_nvfp4"))
+
+
 def _resolved_server_args(index_k_format, prefill_backend, explicit):
-    """What ``ServerArgs._parse_cuda_graph_config`` leaves behind, for the hook to act on."""
+    """What SGLang's CUDA-graph resolution leaves behind, for the hook to act on: the config on
+    the record before 0.5.19, declared over it (read through ``resolving_view``) from 0.5.19."""
     from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig, Phase
 
     hf_config = (MiniMaxM31Config(sparse_attention_config={"sparse_index_dim": 128}, index_k_format=index_k_format)
                  if index_k_format else SimpleNamespace(sparse_attention_config={"sparse_index_dim": 128}))
     config = CudaGraphConfig()
     config.prefill.backend = prefill_backend
+    model_config = SimpleNamespace(hf_config=hf_config)
     return SimpleNamespace(cuda_graph_config=config, _cuda_graph_config_locked={(Phase.PREFILL, "backend")} if explicit
-                           else set(), get_model_config=lambda: SimpleNamespace(hf_config=hf_config))
+                           else set(), get_model_config=lambda: model_config, _model_config=model_config,
+                           _resolved_overrides=[])
+
+
+def _run_prefill_hook(server_args):
+    """The CUDA-graph row of the installed SGLang's hook table, run as SGLang would; the prefill backend after it."""
+    hook = _no_prefill_cuda_graph_declared if at_least(RESOLUTION_PIPELINE) else _no_prefill_cuda_graph
+    hook(None, server_args)
+    return setting(server_args, "cuda_graph_config")
 
 
 @pytest.mark.parametrize("backend", ["breakable", "tc_piecewise", "full"])
 def test_prefill_cuda_graph_is_off_for_index_k_configs(backend):
+    from sglang.srt.model_executor.cuda_graph_config import Phase
+
     args = _resolved_server_args("mxfp4", backend, explicit=False)
-    _no_prefill_cuda_graph(None, args)
-    assert args.cuda_graph_config.prefill.backend == "disabled"
-    assert args.cuda_graph_config.decode.backend == "full"  # decode graphs untouched
+    config = _run_prefill_hook(args)
+    assert config.prefill.backend == "disabled"
+    assert config.decode.backend == "full"  # decode graphs untouched
+    assert (Phase.PREFILL, "backend") in args._cuda_graph_config_locked  # later SGLang defaults leave it off
     with pytest.raises(ValueError, match=f"prefill backend '{backend}'.*--cuda-graph-backend-prefill disabled"):
-        _no_prefill_cuda_graph(None, _resolved_server_args("fp8", backend, explicit=True))
+        _run_prefill_hook(_resolved_server_args("fp8", backend, explicit=True))
     upstream = _resolved_server_args(None, backend, explicit=True)  # no index_k_format: SGLang's choice stands
-    _no_prefill_cuda_graph(None, upstream)
-    assert upstream.cuda_graph_config.prefill.backend == backend
+    assert _run_prefill_hook(upstream).prefill.backend == backend
     disabled = _resolved_server_args("mxfp4", "disabled", explicit=True)
-    _no_prefill_cuda_graph(None, disabled)
-    assert disabled.cuda_graph_config.prefill.backend == "disabled"
+    assert _run_prefill_hook(disabled).prefill.backend == "disabled"
 
 
 def test_prefill_cuda_graph_hook_is_wired_into_server_args():
-    """The hook's target exists in SGLang 0.5.16 and runs when ServerArgs resolves its CUDA-graph config."""
+    """The hook's target exists in the installed SGLang and runs when it resolves its CUDA-graph config
+    (at construction before 0.5.19, at ``resolve_once`` from then on)."""
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
 
     load_plugins()
     with pytest.raises(ValueError, match="prefill backend 'breakable'"):
-        ServerArgs(model_path=str(TINY_MODEL), device="cpu", load_format="dummy",
-                   cuda_graph_backend_prefill="breakable")
+        args = ServerArgs(model_path=str(TINY_MODEL), device="cpu", load_format="dummy",
+                          cuda_graph_backend_prefill="breakable")
+        if at_least(RESOLUTION_PIPELINE):
+            args.resolve_once()
 
 
 @pytest.mark.parametrize("input_ids,shown", [
@@ -76,3 +107,26 @@ def test_out_of_vocabulary_ids_raise_value_error(input_ids, shown):
         _check_input_ids_in_vocab(manager, None, input_ids)
     assert _check_input_ids_in_vocab(manager, None, [0, 2047]) is None
     assert _check_input_ids_in_vocab(manager, None, None) is None
+
+
+def _record_call(*args, **kwargs):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    return args, kwargs, "sglang.srt.configs.model_config.ModelConfig.__init__" in HookRegistry._patched
+
+
+def test_detokenizer_target_is_picklable_and_loads_plugins_first():
+    """Before 0.5.22 the detokenizer process starts through ``_run_after_loading_plugins``: the
+    target travels by pickle (spawn) and runs only after the plugins (our hooks) are loaded."""
+    import pickle
+
+    from sglang_m3.plugin import _detokenizer_loads_plugins
+
+    seen = {}
+
+    def launch(engine_cls, server_args, port_args, run_detokenizer_process_func):
+        seen["target"] = pickle.loads(pickle.dumps(run_detokenizer_process_func))
+        return "procs"
+
+    assert _detokenizer_loads_plugins(launch, object, "args", "ports", _record_call) == "procs"
+    assert seen["target"]("args", "ports") == (("args", "ports"), {}, True)

@@ -62,6 +62,13 @@ def test_generate_and_completions(mxfp4):
     assert isinstance(body["choices"][0]["text"], str)
 
 
+def test_start_up_log_has_no_config_class_warning(mxfp4):
+    """Every server process knows ``minimax_m3_1`` (the detokenizer too), so transformers never
+    falls back to its base config class, which logs "... to instantiate a model of type ``"."""
+    assert mxfp4.healthy()  # all processes up (the detokenizer loaded its tokenizer), their output in one log
+    assert "to instantiate a model of type" not in mxfp4.log_tail(chars=1 << 24)
+
+
 def test_long_prompt_selection_drops_blocks(mxfp4):
     prompt = long_prompt(seed=11)
     body, recs = _new_records(mxfp4, lambda: mxfp4.generate(prompt, max_new_tokens=3))
