@@ -1,14 +1,18 @@
 """Main-head attention over the MSA-selected blocks.
 
 On CUDA this calls SGLang's own Triton sparse-attention kernels (they take a block list per KV
-head and query row); elsewhere it runs ``sparse_attention_torch``, a plain torch version written
-for clarity (the CPU serving path). Block ids are request-relative (block ``p`` = tokens
-``p*block_size .. p*block_size + block_size - 1`` of the request), -1 pads the end of a list.
+head and query row); elsewhere it runs ``sparse_attention_gather`` (the CPU serving path), which
+reads only the selected blocks. ``sparse_attention_torch`` is the plain version written for
+clarity (every row against its whole context, masked), kept as the tests' reference. Block ids
+are request-relative (block ``p`` = tokens ``p*block_size .. p*block_size + block_size - 1`` of
+the request), -1 pads the end of a list.
 """
 
 import torch
+import torch.nn.functional as F
 
 _ROW_CHUNK = 256  # query rows attended at once (bounds the [Hkv, G, rows, L] logits)
+_GATHER_ELEMS = 1 << 23  # mask entries (query row x head x key) one tile chunk of the gather path holds
 
 
 def sparse_attention_torch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, cu_rows, positions,
@@ -58,6 +62,87 @@ def sparse_attention_torch(q, k_cache, v_cache, req_to_token, req_pool_indices, 
     return out
 
 
+def _row_tiles(cu_rows: list[int], positions: torch.Tensor, block_size: int):
+    """Tiles of consecutive rows of one request in one query block: ``(tile_of_row [rows], starts, lens,
+    request of each tile)``, all int64 tensors."""
+    rows = positions.shape[0]
+    request = torch.repeat_interleave(torch.arange(len(cu_rows) - 1), torch.tensor(cu_rows).diff())
+    key = request * (1 << 40) + torch.div(positions.long().cpu(), block_size, rounding_mode="floor")
+    new = torch.ones(rows, dtype=torch.bool)
+    new[1:] = key[1:] != key[:-1]
+    tile_of_row = torch.cumsum(new.long(), 0) - 1
+    starts = new.nonzero().squeeze(1)
+    lens = torch.diff(starts, append=torch.tensor([rows]))
+    return tile_of_row, starts, lens, request[starts]
+
+
+def sparse_attention_gather(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, cu_rows, positions,
+                            topk_idx, block_size: int, sm_scale: float):
+    """``sparse_attention_torch``'s result, reading only selected blocks (the CPU serving path).
+
+    Rows of one request inside one query block form a tile; per KV head a tile reads the union of
+    its rows' selected blocks once (a decode row is a tile of one, reading its own blocks), and each
+    row attends through a mask of its own blocks and its causal limit. Attention runs in
+    ``scaled_dot_product_attention`` in the cache dtype. Same arguments and result as
+    ``sparse_attention_torch``.
+    """
+    rows, hq, d = q.shape
+    out = torch.empty_like(q)
+    if rows == 0:
+        return out
+    hkv, topk = k_cache.shape[1], topk_idx.shape[2]
+    group = hq // hkv
+    dev, dtype = q.device, k_cache.dtype
+    tile_of_row, starts, lens, tile_req = _row_tiles(cu_rows.tolist(), positions, block_size)
+    n_tiles, tile_rows = starts.shape[0], int(lens.max())
+    tile_of_row, starts, lens, tile_req = (t.to(dev) for t in (tile_of_row, starts, lens, tile_req))
+    nb = (int(seq_lens.max()) + block_size - 1) // block_size
+    sel = topk_idx.long()
+    sel = torch.where(sel < 0, nb, sel)  # padding -> a spare column
+    # Union of each tile's selected blocks, per KV head: [hkv, n_tiles, width] (width = the largest union).
+    chosen = torch.zeros(hkv, n_tiles * (nb + 1), dtype=torch.bool, device=dev)
+    chosen.scatter_(1, (tile_of_row[None, :, None] * (nb + 1) + sel).view(hkv, -1), True)
+    chosen = chosen.view(hkv, n_tiles, nb + 1)[..., :nb]
+    n_union = chosen.sum(-1)  # [hkv, n_tiles]
+    width = max(1, int(n_union.max()))
+    union = torch.sort(chosen.to(torch.uint8), dim=-1, descending=True, stable=True).indices[..., :width]
+    union_ok = torch.arange(width, device=dev) < n_union[..., None]  # [hkv, n_tiles, width]
+    # Rows of each tile ([n_tiles, tile_rows], padding rows repeat the tile's first row and are not written back).
+    offs = torch.arange(tile_rows, device=dev)
+    row_ok = offs[None] < lens[:, None]
+    row_idx = torch.where(row_ok, starts[:, None] + offs[None], starts[:, None])
+    row_pos = positions.long()[row_idx]  # [n_tiles, tile_rows]
+    heads = torch.arange(hkv, device=dev)[:, None, None]
+    tok = torch.arange(block_size, device=dev)
+    keys = width * block_size
+    step = max(1, min(_GATHER_ELEMS // (hq * tile_rows * keys), _GATHER_ELEMS // (hkv * keys * d)))
+    for t0 in range(0, n_tiles, step):
+        t1 = min(t0 + step, n_tiles)
+        nt = t1 - t0
+        blocks = union[:, t0:t1]  # [hkv, nt, width]
+        tok_pos = (blocks[..., None] * block_size + tok).view(hkv, nt, keys)  # request-relative token positions
+        req = tile_req[t0:t1]
+        tok_ok = union_ok[:, t0:t1, :, None].expand(-1, -1, -1, block_size).reshape(hkv, nt, keys)
+        tok_ok = tok_ok & (tok_pos < seq_lens.long()[req][None, :, None])
+        slots = req_to_token[req_pool_indices.long()[req][None, :, None], tok_pos.clamp(max=req_to_token.shape[1] - 1)]
+        slots = torch.where(tok_ok, slots.long(), 0)
+        k = k_cache[slots, heads].view(hkv * nt, 1, keys, d)
+        v = v_cache[slots, heads].view(hkv * nt, 1, keys, d)
+        # Row r keeps union block j when j is among its own selected blocks, and tokens up to its position.
+        r_idx = row_idx[t0:t1]  # [nt, tile_rows]
+        own = sel[:, r_idx]  # [hkv, nt, tile_rows, topk]
+        member = (blocks[:, :, None, :, None] == own[:, :, :, None, :]).any(-1)  # [hkv, nt, tile_rows, width]
+        mask = member[..., None].expand(-1, -1, -1, -1, block_size).reshape(hkv, nt, tile_rows, keys)
+        mask = mask & tok_ok[:, :, None] & (tok_pos[:, :, None] <= row_pos[t0:t1][None, :, :, None])
+        qt = q[r_idx].view(nt, tile_rows, hkv, group, d).permute(2, 0, 1, 3, 4).reshape(hkv * nt, 1, -1, d)
+        mask = mask[:, :, :, None].expand(-1, -1, -1, group, -1).reshape(hkv * nt, 1, -1, keys)
+        o = F.scaled_dot_product_attention(qt.to(dtype), k, v, attn_mask=mask, scale=sm_scale)
+        o = o.view(hkv, nt, tile_rows, group, d).permute(1, 2, 0, 3, 4).reshape(nt, tile_rows, hq, d)
+        ok = row_ok[t0:t1]
+        out[r_idx[ok]] = o[ok].to(q.dtype)
+    return out
+
+
 def sparse_attention_extend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, prefix_lens, cu_seqlens_q,
                             max_seqlen_q: int, positions, topk_idx, block_size: int, sm_scale: float):
     """Prefill/extend rows (``[tokens, Hq, D]``) over their selected blocks."""
@@ -69,8 +154,8 @@ def sparse_attention_extend(q, k_cache, v_cache, req_to_token, req_pool_indices,
             topk_idx=topk_idx, block_size_q=1, block_size_k=block_size, cu_seqlens=cu_seqlens_q, seq_lens=seq_lens,
             prefix_lens=prefix_lens, max_seqlen_q=max_seqlen_q, sm_scale=sm_scale,
         )
-    return sparse_attention_torch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, cu_seqlens_q,
-                                  positions, topk_idx, block_size, sm_scale)
+    return sparse_attention_gather(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, cu_seqlens_q,
+                                   positions, topk_idx, block_size, sm_scale)
 
 
 def sparse_attention_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, topk_idx, block_size: int,
@@ -85,5 +170,5 @@ def sparse_attention_decode(q, k_cache, v_cache, req_to_token, req_pool_indices,
         )
     batch = q.shape[0]
     cu_rows = torch.arange(batch + 1, device=q.device)
-    return sparse_attention_torch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, cu_rows,
-                                  seq_lens - 1, topk_idx, block_size, sm_scale)
+    return sparse_attention_gather(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, cu_rows,
+                                   seq_lens - 1, topk_idx, block_size, sm_scale)
