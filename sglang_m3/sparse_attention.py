@@ -76,6 +76,19 @@ def _row_tiles(cu_rows: list[int], positions: torch.Tensor, block_size: int):
     return tile_of_row, starts, lens, request[starts]
 
 
+def _tile_chunks(widths: list[int], elems_per_key: int, block_size: int):
+    """``(t0, t1, width)`` runs of consecutive tiles whose mask, K and V (``elems_per_key`` entries per key
+    and tile) fit ``_GATHER_ELEMS`` at the run's widest union (in blocks); a single tile always runs."""
+    t0 = 0
+    while t0 < len(widths):
+        t1, w = t0 + 1, widths[t0]
+        while t1 < len(widths) and (t1 + 1 - t0) * max(w, widths[t1]) * block_size * elems_per_key <= _GATHER_ELEMS:
+            w = max(w, widths[t1])
+            t1 += 1
+        yield t0, t1, w
+        t0 = t1
+
+
 def sparse_attention_gather(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, cu_rows, positions,
                             topk_idx, block_size: int, sm_scale: float):
     """``sparse_attention_torch``'s result, reading only selected blocks (the CPU serving path).
@@ -99,7 +112,8 @@ def sparse_attention_gather(q, k_cache, v_cache, req_to_token, req_pool_indices,
     nb = (int(seq_lens.max()) + block_size - 1) // block_size
     sel = topk_idx.long()
     sel = torch.where(sel < 0, nb, sel)  # padding -> a spare column
-    # Union of each tile's selected blocks, per KV head: [hkv, n_tiles, width] (width = the largest union).
+    # Union of each tile's selected blocks, per KV head: [hkv, n_tiles, width] (width = the largest union);
+    # a run of tiles reads the first w columns, w its widest union.
     chosen = torch.zeros(hkv, n_tiles * (nb + 1), dtype=torch.bool, device=dev)
     chosen.scatter_(1, (tile_of_row[None, :, None] * (nb + 1) + sel).view(hkv, -1), True)
     chosen = chosen.view(hkv, n_tiles, nb + 1)[..., :nb]
@@ -114,15 +128,12 @@ def sparse_attention_gather(q, k_cache, v_cache, req_to_token, req_pool_indices,
     row_pos = positions.long()[row_idx]  # [n_tiles, tile_rows]
     heads = torch.arange(hkv, device=dev)[:, None, None]
     tok = torch.arange(block_size, device=dev)
-    keys = width * block_size
-    step = max(1, min(_GATHER_ELEMS // (hq * tile_rows * keys), _GATHER_ELEMS // (hkv * keys * d)))
-    for t0 in range(0, n_tiles, step):
-        t1 = min(t0 + step, n_tiles)
-        nt = t1 - t0
-        blocks = union[:, t0:t1]  # [hkv, nt, width]
+    for t0, t1, w in _tile_chunks(n_union.amax(0).clamp(min=1).tolist(), hq * tile_rows + 2 * hkv * d, block_size):
+        nt, keys = t1 - t0, w * block_size
+        blocks = union[:, t0:t1, :w]  # [hkv, nt, w]
         tok_pos = (blocks[..., None] * block_size + tok).view(hkv, nt, keys)  # request-relative token positions
         req = tile_req[t0:t1]
-        tok_ok = union_ok[:, t0:t1, :, None].expand(-1, -1, -1, block_size).reshape(hkv, nt, keys)
+        tok_ok = union_ok[:, t0:t1, :w, None].expand(-1, -1, -1, block_size).reshape(hkv, nt, keys)
         tok_ok = tok_ok & (tok_pos < seq_lens.long()[req][None, :, None])
         slots = req_to_token[req_pool_indices.long()[req][None, :, None], tok_pos.clamp(max=req_to_token.shape[1] - 1)]
         slots = torch.where(tok_ok, slots.long(), 0)

@@ -105,10 +105,14 @@ def test_rows_past_one_chunk(gen, attend, monkeypatch):
         torch.testing.assert_close(out[r].double(), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("budget", [None, 12000], ids=["one-run", "runs-of-few-tiles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gather_matches_the_clear_version_on_random_selections(gen, dtype):
+def test_gather_matches_the_clear_version_on_random_selections(gen, dtype, budget, monkeypatch):
     """Three requests (a cached prefix, a single row, a long one), random distinct block lists per KV head and
-    row (own block last, -1 padding), tiles whose union is wider than one row's list."""
+    row (own block last, -1 padding), tiles whose union is wider than one row's list; all tiles in one run, or
+    runs of a few tiles of different widths."""
+    if budget is not None:
+        monkeypatch.setattr(sa, "_GATHER_ELEMS", budget)
     hq, hkv, d, topk, width = 8, 2, 16, 4, 64
     lens, new = [37, 9, 61], [13, 1, 61]
     k_cache = torch.randn(300, hkv, d, generator=gen).to(dtype)
