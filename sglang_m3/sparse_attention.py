@@ -1,18 +1,21 @@
 """Main-head attention over the MSA-selected blocks.
 
 On CUDA this calls SGLang's own Triton sparse-attention kernels (they take a block list per KV
-head and query row); elsewhere it runs ``sparse_attention_gather`` (the CPU serving path), which
-reads only the selected blocks. ``sparse_attention_torch`` is the plain version written for
+head and query row); elsewhere (the CPU serving path) prefill runs ``sparse_attention_by_block``
+and decode ``sparse_attention_gather``, which both read only the selected blocks. ``sparse_attention_torch`` is the plain version written for
 clarity (every row against its whole context, masked), kept as the tests' reference. Block ids
 are request-relative (block ``p`` = tokens ``p*block_size .. p*block_size + block_size - 1`` of
 the request), -1 pads the end of a list.
 """
+
+import itertools
 
 import torch
 import torch.nn.functional as F
 
 _ROW_CHUNK = 256  # query rows attended at once (bounds the [Hkv, G, rows, L] logits)
 _GATHER_ELEMS = 1 << 23  # mask entries (query row x head x key) one tile chunk of the gather path holds
+_BY_BLOCK_ELEMS = 1 << 25  # fp32 logits (row x slot x head x key) one row chunk of the by-block path holds
 
 
 def sparse_attention_torch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, cu_rows, positions,
@@ -154,6 +157,71 @@ def sparse_attention_gather(q, k_cache, v_cache, req_to_token, req_pool_indices,
     return out
 
 
+def sparse_attention_by_block(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, cu_rows, positions,
+                              topk_idx, block_size: int, sm_scale: float):
+    """``sparse_attention_torch``'s result in fp32 arithmetic, organised by key block (the CPU prefill path).
+
+    Per chunk of rows and KV head, the (row, selected block) pairs are grouped by block: each block's keys
+    and values are read once and multiplied by the query rows that picked it, so the work is that of the
+    selected blocks only, however different the rows' lists are. A row's logits over its blocks are then
+    softmaxed together. A block listed twice in a row counts once, as in ``sparse_attention_torch``.
+    Same arguments and result as ``sparse_attention_torch``.
+    """
+    rows, hq, d = q.shape
+    hkv, topk = k_cache.shape[1], topk_idx.shape[2]
+    group = hq // hkv
+    dev = q.device
+    out = torch.empty_like(q)
+    if rows == 0:
+        return out
+    request = torch.repeat_interleave(torch.arange(cu_rows.shape[0] - 1, device=dev), torch.diff(cu_rows.long()))
+    nb = (int(seq_lens.max()) + block_size - 1) // block_size
+    seq = seq_lens.long()
+    pos = positions.long()
+    tok = torch.arange(block_size, device=dev)
+    step = max(1, _BY_BLOCK_ELEMS // (topk * group * block_size))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        n = r1 - r0
+        local = torch.arange(n, device=dev)
+        for h in range(hkv):
+            sel = topk_idx[h, r0:r1].long()  # [n, topk]
+            key = request[r0:r1, None] * nb + sel.clamp(min=0)  # (request, block) of each pair
+            pair = (sel >= 0).flatten().nonzero().squeeze(1)  # pair id = row * topk + slot
+            flat = (key * n + local[:, None]).flatten()[pair]
+            flat, order = torch.sort(flat)
+            pair = pair[order]
+            first = torch.ones_like(flat, dtype=torch.bool)
+            first[1:] = flat[1:] != flat[:-1]  # drops a block listed twice in one row
+            pair, flat = pair[first], flat[first]
+            blocks, counts = torch.unique_consecutive(flat // n, return_counts=True)
+            req, blk = blocks // nb, blocks % nb
+            tok_pos = blk[:, None] * block_size + tok  # [U, block_size]
+            tok_ok = tok_pos < seq[req][:, None]
+            slots = req_to_token[req_pool_indices.long()[req][:, None], tok_pos.clamp(max=req_to_token.shape[1] - 1)]
+            slots = torch.where(tok_ok, slots.long(), 0)
+            k = k_cache[slots, h].float()  # [U, block_size, d]
+            v = v_cache[slots, h].float()
+            qh = q[r0:r1, h * group : (h + 1) * group].float()  # [n, G, d]
+            logits = torch.full((n * topk, group, block_size), float("-inf"), device=dev)
+            groups = []
+            ends = list(itertools.accumulate(counts.tolist()))
+            for u, (c0, c1) in enumerate(zip([0, *ends[:-1]], ends)):
+                pid = pair[c0:c1]  # the pairs of block u
+                rr = pid // topk
+                lg = torch.matmul(qh[rr], k[u].t()) * sm_scale  # [c, G, block_size]
+                seen = tok_ok[u][None] & (tok_pos[u][None] <= pos[r0 + rr][:, None])  # [c, block_size]
+                logits[pid] = lg.masked_fill_(~seen[:, None], float("-inf"))
+                groups.append((pid, rr))
+            p = torch.softmax(logits.view(n, topk, group, block_size).transpose(1, 2).reshape(n, group, -1), dim=-1)
+            p = p.view(n, group, topk, block_size).transpose(1, 2).reshape(n * topk, group, block_size)
+            oh = torch.zeros(n, group, d, device=dev)
+            for u, (pid, rr) in enumerate(groups):
+                oh.index_add_(0, rr, torch.matmul(p[pid], v[u]))
+            out[r0:r1, h * group : (h + 1) * group] = oh.to(q.dtype)
+    return out
+
+
 def sparse_attention_extend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, prefix_lens, cu_seqlens_q,
                             max_seqlen_q: int, positions, topk_idx, block_size: int, sm_scale: float):
     """Prefill/extend rows (``[tokens, Hq, D]``) over their selected blocks."""
@@ -165,8 +233,8 @@ def sparse_attention_extend(q, k_cache, v_cache, req_to_token, req_pool_indices,
             topk_idx=topk_idx, block_size_q=1, block_size_k=block_size, cu_seqlens=cu_seqlens_q, seq_lens=seq_lens,
             prefix_lens=prefix_lens, max_seqlen_q=max_seqlen_q, sm_scale=sm_scale,
         )
-    return sparse_attention_gather(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, cu_seqlens_q,
-                                   positions, topk_idx, block_size, sm_scale)
+    return sparse_attention_by_block(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, cu_seqlens_q,
+                                     positions, topk_idx, block_size, sm_scale)
 
 
 def sparse_attention_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, topk_idx, block_size: int,

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 import sglang_m3.sparse_attention as sa
-from sglang_m3.sparse_attention import (_ROW_CHUNK, sparse_attention_decode, sparse_attention_gather,
-                                        sparse_attention_torch)
+from sglang_m3.sparse_attention import (_ROW_CHUNK, sparse_attention_by_block, sparse_attention_decode,
+                                        sparse_attention_gather, sparse_attention_torch)
 
-BOTH = pytest.mark.parametrize("attend", [sparse_attention_torch, sparse_attention_gather], ids=["torch", "gather"])
+BOTH = pytest.mark.parametrize("attend", [sparse_attention_torch, sparse_attention_gather, sparse_attention_by_block],
+                               ids=["torch", "gather", "by_block"])
 
 BLOCK = 4  # small blocks keep the oracle cheap; the code takes block_size as an argument
 
@@ -90,6 +91,7 @@ def test_rows_past_one_chunk(gen, attend, monkeypatch):
     """More query rows than one ``_ROW_CHUNK``: every chunk (the last one partial) is attended; the gather
     path's tile chunks are shrunk to a few tiles so that it also runs several."""
     monkeypatch.setattr(sa, "_GATHER_ELEMS", 3 * 2 * BLOCK * 2 * BLOCK)
+    monkeypatch.setattr(sa, "_BY_BLOCK_ELEMS", 100 * 2 * 1 * BLOCK)  # by-block path: row chunks of 100
     hq, hkv, d = 2, 1, 8
     rows = _ROW_CHUNK + 3
     k_cache = torch.randn(rows, hkv, d, generator=gen)
@@ -113,6 +115,7 @@ def test_gather_matches_the_clear_version_on_random_selections(gen, dtype, budge
     runs of a few tiles of different widths."""
     if budget is not None:
         monkeypatch.setattr(sa, "_GATHER_ELEMS", budget)
+        monkeypatch.setattr(sa, "_BY_BLOCK_ELEMS", 10 * 4 * 4 * BLOCK)  # row chunks of 10 that split requests
     hq, hkv, d, topk, width = 8, 2, 16, 4, 64
     lens, new = [37, 9, 61], [13, 1, 61]
     k_cache = torch.randn(300, hkv, d, generator=gen).to(dtype)
@@ -132,11 +135,28 @@ def test_gather_matches_the_clear_version_on_random_selections(gen, dtype, budge
     q = torch.randn(rows, hq, d, generator=gen).to(dtype)
     args = (q, k_cache, v_cache, req_to_token, req_pool_indices, torch.tensor(lens), cu_rows, positions, sel, BLOCK,
             0.3)
-    got = sparse_attention_gather(*args)
     want = sparse_attention_torch(*args)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(sparse_attention_by_block(*args).float(), want.float(), rtol=tol, atol=tol)
+    got = sparse_attention_gather(*args)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     r = 20  # one row (request 2, req_to_token row 3) against the float64 oracle as well
     slots = req_to_token[3, : lens[2]]
     ref = _oracle(q[r].float(), k_cache.float(), v_cache.float(), slots, int(positions[r]), sel[:, r], 0.3)
     torch.testing.assert_close(got[r].double(), ref, rtol=tol, atol=tol)
+
+
+@BOTH
+def test_a_block_listed_twice_counts_once(gen, attend):
+    hq, hkv, d = 4, 2, 8
+    k_cache = torch.randn(16, hkv, d, generator=gen)
+    v_cache = torch.randn(16, hkv, d, generator=gen)
+    req_to_token = torch.randperm(16, generator=gen)[None]
+    positions = torch.tensor([9, 10])
+    sel = torch.tensor([[[0, 0, 2], [2, 1, 2]], [[1, 2, -1], [0, 2, 0]]], dtype=torch.int32)
+    q = torch.randn(2, hq, d, generator=gen)
+    out = attend(q, k_cache, v_cache, req_to_token, torch.tensor([0]), torch.tensor([11]), torch.tensor([0, 2]),
+                 positions, sel, BLOCK, 0.5)
+    for r in range(2):
+        ref = _oracle(q[r], k_cache, v_cache, req_to_token[0], int(positions[r]), sel[:, r], 0.5)
+        torch.testing.assert_close(out[r].double(), ref, rtol=1e-5, atol=1e-5)
