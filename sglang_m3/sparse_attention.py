@@ -202,22 +202,26 @@ def sparse_attention_by_block(q, k_cache, v_cache, req_to_token, req_pool_indice
             slots = torch.where(tok_ok, slots.long(), 0)
             k = k_cache[slots, h].float()  # [U, block_size, d]
             v = v_cache[slots, h].float()
-            qh = q[r0:r1, h * group : (h + 1) * group].float()  # [n, G, d]
-            logits = torch.full((n * topk, group, block_size), float("-inf"), device=dev)
-            groups = []
+            # Pairs sorted by block: block u owns pairs ends[u-1]:ends[u]; rr = their rows (chunk-local).
+            rr = pair // topk
+            qp = q[r0 + rr, h * group : (h + 1) * group].float()  # [P, G, d]
             ends = list(itertools.accumulate(counts.tolist()))
-            for u, (c0, c1) in enumerate(zip([0, *ends[:-1]], ends)):
-                pid = pair[c0:c1]  # the pairs of block u
-                rr = pid // topk
-                lg = torch.matmul(qh[rr], k[u].t()) * sm_scale  # [c, G, block_size]
-                seen = tok_ok[u][None] & (tok_pos[u][None] <= pos[r0 + rr][:, None])  # [c, block_size]
-                logits[pid] = lg.masked_fill_(~seen[:, None], float("-inf"))
-                groups.append((pid, rr))
-            p = torch.softmax(logits.view(n, topk, group, block_size).transpose(1, 2).reshape(n, group, -1), dim=-1)
-            p = p.view(n, group, topk, block_size).transpose(1, 2).reshape(n * topk, group, block_size)
-            oh = torch.zeros(n, group, d, device=dev)
-            for u, (pid, rr) in enumerate(groups):
-                oh.index_add_(0, rr, torch.matmul(p[pid], v[u]))
+            spans = list(zip([0, *ends[:-1]], ends))
+            logits = torch.empty(rr.shape[0], group, block_size, device=dev)
+            for u, (c0, c1) in enumerate(spans):
+                torch.matmul(qp[c0:c1], k[u].t(), out=logits[c0:c1])
+            u_of_pair = torch.repeat_interleave(torch.arange(len(spans), device=dev), counts)
+            seen = tok_ok[u_of_pair] & (tok_pos[u_of_pair] <= pos[r0 + rr][:, None])  # [P, block_size]
+            logits = logits.mul_(sm_scale).masked_fill_(~seen[:, None], float("-inf"))
+            # Softmax over each row's pairs: row max, exp, row sum (scatter over rows).
+            row_max = torch.full((n, group), float("-inf"), device=dev)
+            row_max.scatter_reduce_(0, rr[:, None].expand(-1, group), logits.amax(-1), "amax")
+            w = torch.exp(logits - row_max[rr][..., None])  # [P, G, block_size]
+            row_sum = torch.zeros(n, group, device=dev).index_add_(0, rr, w.sum(-1))
+            o = torch.empty(rr.shape[0], group, d, device=dev)
+            for u, (c0, c1) in enumerate(spans):
+                torch.matmul(w[c0:c1], v[u], out=o[c0:c1])
+            oh = torch.zeros(n, group, d, device=dev).index_add_(0, rr, o) / row_sum[..., None]
             out[r0:r1, h * group : (h + 1) * group] = oh.to(q.dtype)
     return out
 
