@@ -27,7 +27,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from m3_kernels.formats import PAGE_SIZE, IndexKFormat
+from m3_kernels.formats import PAGE_SIZE, TOPK_BLOCKS, IndexKFormat
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINED_MODEL = REPO / "configs" / "msa-small"
@@ -139,7 +139,7 @@ def _server_info(url: str) -> dict:
 def run_needle(url: str, model: Path, length: int, seed: int, record: Path, new_tokens: int) -> bool:
     from transformers import AutoTokenizer
 
-    from accuracy import needle
+    from accuracy import agreement, needle
 
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     doc = needle_doc(tokenizer, length, seed)
@@ -152,7 +152,7 @@ def run_needle(url: str, model: Path, length: int, seed: int, record: Path, new_
     record.unlink(missing_ok=True)  # drop what the health probe recorded
     t0 = time.monotonic()
     out = _post(url, {"input_ids": doc["input_ids"], "sampling_params": {"max_new_tokens": new_tokens,
-                                                                          "temperature": 0}})
+                                                                          "temperature": 0, "stop": ["\n"]}})
     dt = time.monotonic() - t0
     answer = out["text"]
     right = needle.score(answer, doc["target"]) == 1.0
@@ -162,6 +162,11 @@ def run_needle(url: str, model: Path, length: int, seed: int, record: Path, new_
     picked = last_row_selections(records, doc["prompt_len"] - 1)
     print(f"blocks picked for the last prompt token (top-16 of {n_blocks}; needle block(s) starred):")
     print("\n".join(selection_lines(picked, doc["needle_blocks"], n_blocks)) or "  (no selection recorded)")
+    lists = [set(blocks) for heads in picked.values() for blocks in heads]
+    hits = sum(set(doc["needle_blocks"]) <= blocks for blocks in lists)
+    chance = agreement.chance_recall(n_blocks, doc["needle_blocks"], TOPK_BLOCKS)
+    print(f"the needle's block(s) in {hits} of {len(lists)} (layer, head) lists; a random top-{TOPK_BLOCKS} list "
+          f"would hold them with probability {chance:.2f}")
     return right
 
 
@@ -217,7 +222,11 @@ def main(argv=None) -> int:
     print("server stopped")
     if not args.no_capacity:
         print("\npool capacity per index-K format (full-size MiniMax-M3.1, SGLang's own pool sizing):")
-        subprocess.run([sys.executable, "-m", "sglang_m3.capacity"], check=True)
+        run = subprocess.run([sys.executable, "-m", "sglang_m3.capacity"], capture_output=True, text=True)
+        print(run.stdout, end="")
+        if run.returncode != 0:
+            print(run.stderr[-4000:], file=sys.stderr)
+            return run.returncode
     return 0
 
 
