@@ -16,7 +16,8 @@ prefilled first, then the same prompts again with 33 new tokens: the radix cache
 so the time is one token of prefill plus 32 decode steps); prefill tokens/s of fresh random prompts
 (1 new token). Rounds interleave the arms (ABC, then CBA, ...); the table prints each round and
 ``uptime``'s 1-minute load when the arm started. Timings are wall-clock and shared-box noise shows
-up in them: compare within a round. A request past ``--timeout`` prints ``>T``.
+up in them: compare within a round. A request past ``--timeout`` prints ``>T`` (for a rate: ``<1/T``) and
+ends that arm's round (the server is still busy with it); the cells left print ``-``.
 """
 
 import argparse
@@ -62,6 +63,10 @@ def load1() -> float:
     return os.getloadavg()[0]
 
 
+class Busy(Exception):
+    """A request ran past the timeout: the server is still working on it."""
+
+
 class Arm:
     def __init__(self, name: str, model: Path, tree: Path, extra: list[str], env: dict):
         self.name, self.model, self.tree, self.extra, self.env = name, model, tree, extra, env
@@ -85,16 +90,20 @@ def post(url: str, payload: dict, timeout: float) -> dict:
         return json.loads(r.read())
 
 
-def timed(fn, timeout: float):
-    """(seconds, result) of fn(); (None, None) past the timeout."""
+def timed(fn, row: dict, key: str, scale: float = 1.0):
+    """Seconds of fn() into ``row[key]`` (``scale / seconds`` when ``scale`` is not 1, for a rate); past the
+    timeout ``row[key] = None`` and Busy."""
     t0 = time.monotonic()
     try:
-        res = fn()
+        fn()
     except (TimeoutError, urllib.error.URLError) as e:
         if "timed out" in str(e) or isinstance(e, TimeoutError):
-            return None, None
+            row[key] = None
+            raise Busy(key) from None
         raise
-    return time.monotonic() - t0, res
+    dt = time.monotonic() - t0
+    row[key] = dt if scale == 1.0 else scale / dt
+    return dt
 
 
 def gen_ids(url, ids_list, new_tokens, timeout):
@@ -117,25 +126,19 @@ def measure(arm: Arm, args, vocab: int, rng: random.Random) -> dict:
                                      delete=False) as log:
         proc = start(arm, port, args.max_total_tokens, log)
         try:
-            t0 = time.monotonic()
-            wait_ready(url, proc, timeout_s=args.timeout)
-            row["ready_s"] = time.monotonic() - t0
+            timed(lambda: wait_ready(url, proc, timeout_s=args.ready_timeout), row, "ready_s")
             demo = {"text": PROMPT * 34, "sampling_params": {"max_new_tokens": 16, "temperature": 0,
                                                              "ignore_eos": True}}
-            row["demo_s"], _ = timed(lambda: post(url, demo, args.timeout), args.timeout)
+            timed(lambda: post(url, demo, args.timeout), row, "demo_s")
             for bs, ctx, key in ((1, 4096, "dec1_tps"), (16, 1024, "dec16_tps")):
                 prompts = [random_ids(rng, ctx - 40, vocab) for _ in range(bs)]
-                # Prefill once; the radix cache keeps the prompts.
-                dt, _ = timed(lambda: gen_ids(url, prompts, 1, args.timeout), args.timeout)
-                if dt is not None:
-                    dt, _ = timed(lambda: gen_ids(url, prompts, 33, args.timeout), args.timeout)
-                row[key] = None if dt is None else bs * 32 / dt
+                timed(lambda: gen_ids(url, prompts, 1, args.timeout), row, key)  # prefill; the radix cache keeps it
+                timed(lambda: gen_ids(url, prompts, 33, args.timeout), row, key, scale=bs * 32)
             for n in args.prefill:
                 ids = random_ids(rng, n, vocab)
-                dt, _ = timed(lambda: gen_ids(url, [ids], 1, args.timeout), args.timeout)
-                row[f"pre{n}_tps"] = None if dt is None else n / dt
-                if dt is None:
-                    break
+                timed(lambda: gen_ids(url, [ids], 1, args.timeout), row, f"pre{n}_tps", scale=n)
+        except Busy:
+            pass
         except Exception:
             log.flush()
             print(Path(log.name).read_text(errors="replace")[-3000:], file=sys.stderr)
@@ -145,7 +148,10 @@ def measure(arm: Arm, args, vocab: int, rng: random.Random) -> dict:
     return row
 
 
-def fmt(v, key: str, timeout: float) -> str:
+def fmt(row: dict, key: str, timeout: float) -> str:
+    if key not in row:
+        return "-"
+    v = row[key]
     if v is None:
         return f">{timeout:.0f}s" if key.endswith("_s") else f"<{1 / timeout:.2g}"
     return f"{v:.1f}" if key.endswith("_s") or v < 100 else f"{v:.0f}"
@@ -158,7 +164,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill", default="2048,4096,8192,16384", help="prompt lengths of the prefill column(s)")
     p.add_argument("--arms", default="before,after,dense", help="subset and order of arms in the first round")
     p.add_argument("--max-total-tokens", type=int, default=70000)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (and for start-up)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for a server to start")
     p.add_argument("--env", action="append", default=[], help="NAME=VALUE for every server (repeatable)")
     args = p.parse_args(argv)
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
@@ -193,7 +200,7 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         for name in (order if r % 2 == 0 else order[::-1]):
             row = measure(arms[name], args, vocab, rng)
-            cells = [str(r + 1), row["arm"], f"{row['load']:.1f}"] + [fmt(row.get(c), c, args.timeout) for c in cols]
+            cells = [str(r + 1), row["arm"], f"{row['load']:.1f}"] + [fmt(row, c, args.timeout) for c in cols]
             print("| " + " | ".join(cells) + " |", flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
