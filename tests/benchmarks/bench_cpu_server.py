@@ -16,7 +16,7 @@ prefilled first, then the same prompts again with 33 new tokens: the radix cache
 so the time is one token of prefill plus 32 decode steps); prefill tokens/s of fresh random prompts
 (1 new token). Rounds interleave the arms (ABC, then CBA, ...); the table prints each round and
 ``uptime``'s 1-minute load when the arm started. Timings are wall-clock and shared-box noise shows
-up in them: compare within a round. A request past ``--timeout`` prints ``>T`` (for a rate: ``<1/T``) and
+up in them: compare within a round. A request past ``--timeout`` prints ``>T`` (for a rate: ``timeout``) and
 ends that arm's round (the server is still busy with it); the cells left print ``-``.
 """
 
@@ -153,7 +153,7 @@ def fmt(row: dict, key: str, timeout: float) -> str:
         return "-"
     v = row[key]
     if v is None:
-        return f">{timeout:.0f}s" if key.endswith("_s") else f"<{1 / timeout:.2g}"
+        return f">{timeout:.0f}s" if key.endswith("_s") else f"timeout ({timeout:.0f} s)"
     return f"{v:.1f}" if key.endswith("_s") or v < 100 else f"{v:.0f}"
 
 
