@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Main job on the bundled default: start the tiny MiniMax-M3.1 server (dummy weights) with the
-# MXFP4 index-K cache on the CPU, show it answering a /generate request, then stop it.
+# Main job on the bundled default: serve the small MSA model trained here (configs/msa-small, real weights)
+# with the MXFP4 index-K cache on the CPU, ask it one needle question it has never seen in an 8k-token
+# context, print the answer, whether it is right and the blocks each index head picked against the needle's
+# block, then the pool capacity per index-K format. `--model configs/minimax-m3.1-tiny` serves the tiny
+# config with dummy weights instead (gibberish answers, by construction).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/python -m sglang_m3.demo --index-k-format mxfp4 "$@"

@@ -24,6 +24,7 @@ import torch
 
 from m3_kernels.formats import FP8_DTYPE, PAGE_SIZE, prepare_index_q
 from m3_kernels.ops.score import PrefillPlan, plan_prefill, prepare_decode, score_decode, score_prefill
+from m3_kernels.ops.score.cpu import score_decode_cpu, score_prefill_cpu
 from m3_kernels.ops.select import select_blocks, visible_blocks
 from sglang.srt.configs.model_config import get_minimax_sparse_attention_config
 from sglang.srt.layers.attention.minimax_sparse_backend import MiniMaxSparseAttnBackend
@@ -178,8 +179,12 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
 
         padded_tokens, n = q.shape[0], meta.num_tokens  # DP attention may pad q past the real tokens
         q, idx_q, positions = q[:n], idx_q[:n], forward_batch.positions[:n]
-        scores = score_prefill(self._index_q(idx_q), idx_cache, idx_scale, meta.block_table, meta.seq_lens,
-                               meta.cu_seqlens_q, self.idx_sm_scale, max_block=meta.max_block, plan=meta.plan)
+        if q.device.type == "cpu":  # the fast torch scorer (checked against naive.py in tests/kernels)
+            scores = score_prefill_cpu(self._index_q(idx_q), idx_cache, idx_scale, meta.block_table, meta.seq_lens,
+                                       meta.cu_seqlens_q, self.idx_sm_scale, max_block=meta.max_block)
+        else:
+            scores = score_prefill(self._index_q(idx_q), idx_cache, idx_scale, meta.block_table, meta.seq_lens,
+                                   meta.cu_seqlens_q, self.idx_sm_scale, max_block=meta.max_block, plan=meta.plan)
         n_visible = visible_blocks(positions, PAGE_SIZE)
         selected = self._select(scores, n_visible)
         o = sparse_attention_extend(q, k_cache, v_cache, self.req_to_token, forward_batch.req_pool_indices,
@@ -199,8 +204,9 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
         k_cache, v_cache = self.kv_pool.get_kv_buffer(layer.layer_id)
         idx_cache, idx_scale = self.kv_pool.get_index_k_buffer(layer.layer_id)
 
-        scores = score_decode(self._index_q(idx_q), idx_cache, idx_scale, meta.block_table, meta.seq_lens, 1,
-                              self.idx_sm_scale, max_block=self.max_blocks, out=meta.scores)
+        score = score_decode_cpu if q.device.type == "cpu" else score_decode
+        scores = score(self._index_q(idx_q), idx_cache, idx_scale, meta.block_table, meta.seq_lens, 1,
+                       self.idx_sm_scale, max_block=self.max_blocks, out=meta.scores)
         selected = self._select(scores, meta.n_visible)
         o = sparse_attention_decode(q, k_cache, v_cache, self.req_to_token, forward_batch.req_pool_indices,
                                     meta.seq_lens, selected, self.block_size_k, layer.scaling)

@@ -10,7 +10,12 @@ construction and modules:
 - router: the bf16 router GEMM (``torch.mm(..., out_dtype=float32)``) has no CPU kernel, so the
   router runs as an fp32 linear;
 - routed scale: SGLang's torch top-k cannot scale the routed weights itself, so the routing
-  weights are multiplied by ``routed_scaling_factor`` right after top-k (same result).
+  weights are multiplied by ``routed_scaling_factor`` right after top-k (same result);
+- activations: SGLang's ``swigluoai`` for the dense MLP and the interleaved one its torch MoE path
+  calls are ``torch.compile`` functions, which on a CPU compile C++ at the first prefill and again
+  at the first decode (tens of seconds on a 2-core box, paid by the first request); off CUDA the
+  same formulas run eagerly (the MoE one by replacing the name in ``fused_moe_native``, the module
+  that calls it, when this model is built).
 
 On ROCm, SGLang's fused norm + RoPE + cache-store kernel writes bf16 index keys into the cache
 itself; with a quantized index cache the pool's writer must do it, so that fusion is switched
@@ -22,12 +27,13 @@ server defaults on it.
 """
 
 import contextlib
+import functools
 import logging
 
 import torch
 from torch import nn
 
-from sglang.srt.models.minimax_m3 import MiniMaxM3Attention, MiniMaxM3MoE
+from sglang.srt.models.minimax_m3 import MiniMaxM3Attention, MiniMaxM3MLP, MiniMaxM3MoE
 from sglang.srt.models.minimax_m3 import MiniMaxM3SparseForCausalLM as _UpstreamM3
 
 from ..config import index_k_settings
@@ -69,6 +75,25 @@ class _ScaledTopK(nn.Module):
         return self.inner.empty_topk_output(*args, **kwargs)
 
 
+def swigluoai_eager(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """``[..., 2n] -> [..., n]``: gate and up halves, ``gate*sigmoid(alpha*gate)*(up+1)`` after clamping
+    gate to ``<= limit`` and up to ``[-limit, limit]``; SGLang's ``swiglu_no_interleaved_with_alpha_and_limit``
+    without ``torch.compile``."""
+    gate, up = x.chunk(2, dim=-1)
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+
+def swiglu_interleaved_eager(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """As ``swigluoai_eager`` with gate and up interleaved (``x[..., ::2]``, ``x[..., 1::2]``); SGLang's
+    ``swiglu_gpt_oss_sigmoid_alpha`` without ``torch.compile``."""
+    gate, up = x[..., ::2], x[..., 1::2]
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+
 def _fp32_router_logits(moe: MiniMaxM3MoE, hidden_states: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(hidden_states.float(), moe.gate.weight.float())
 
@@ -84,7 +109,13 @@ class MiniMaxM3SparseForCausalLM(_UpstreamM3):
                 if isinstance(module, MiniMaxM3Attention):
                     module._can_use_rocm_sparse_qk_index_norm_rope_static = False
         if not torch.cuda.is_available():
+            from sglang.srt.layers.moe import fused_moe_native
+
+            fused_moe_native.swiglu_gpt_oss_sigmoid_alpha = swiglu_interleaved_eager
             for module in self.modules():
+                if isinstance(module, MiniMaxM3MLP) and config.hidden_act == "swigluoai":
+                    module.act_fn = functools.partial(swigluoai_eager, alpha=config.swiglu_alpha,
+                                                      limit=config.swiglu_limit)
                 if isinstance(module, MiniMaxM3MoE):
                     module._compute_router_logits = _fp32_router_logits.__get__(module)
                     module.topk = _ScaledTopK(module.topk, module.routed_scaling_factor)

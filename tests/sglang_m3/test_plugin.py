@@ -1,5 +1,6 @@
 """Plugin hooks that can be called without a server."""
 
+import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -130,3 +131,32 @@ def test_detokenizer_target_is_picklable_and_loads_plugins_first():
 
     assert _detokenizer_loads_plugins(launch, object, "args", "ports", _record_call) == "procs"
     assert seen["target"]("args", "ports") == (("args", "ports"), {}, True)
+
+
+@pytest.mark.parametrize("device,preset,expected", [("cpu", None, "PASSIVE"), ("cpu", "ACTIVE", "ACTIVE"),
+                                                    ("cuda", None, None)])
+def test_cpu_servers_get_passive_openmp_waits_unless_set(monkeypatch, device, preset, expected):
+    from sglang_m3.plugin import OMP_WAIT_POLICY, _cpu_omp_passive
+
+    monkeypatch.delenv(OMP_WAIT_POLICY, raising=False)
+    if preset is not None:
+        monkeypatch.setenv(OMP_WAIT_POLICY, preset)
+    assert _cpu_omp_passive(None, SimpleNamespace(device=device)) is None
+    assert os.environ.get(OMP_WAIT_POLICY) == expected
+
+
+def test_cpu_openmp_hook_runs_when_the_launcher_parses_its_flags(monkeypatch):
+    import argparse
+
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_m3.plugin import OMP_WAIT_POLICY
+
+    monkeypatch.delenv(OMP_WAIT_POLICY, raising=False)
+    load_plugins()
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model-path", str(TINY_MODEL), "--device", "cpu", "--load-format", "dummy"])
+    assert ServerArgs.from_cli_args(args).device == "cpu"
+    assert os.environ.get(OMP_WAIT_POLICY) == "PASSIVE"

@@ -1,0 +1,121 @@
+"""Fast torch block scorers for the CPU server (same contract as ``naive.py``, which stays the oracle).
+
+Where the reference loops over requests and dequantizes every page per row chunk in float64-ready
+steps, this path:
+
+- decodes MXFP4 pages with one 256-entry table lookup (byte -> two e2m1 values) and one scale
+  multiply per 32-element group, in fp32 (exact: e2m1 x 2^e is representable; products beyond
+  fp32's range overflow to inf exactly as the reference's float64 -> fp32 cast does);
+- scores a whole decode batch with one batched matmul over each request's visible pages (no
+  Python loop over requests), and a prefill request with one matmul per row chunk against the
+  pages that chunk can see (the causal triangle is skipped page-wise);
+- takes the page max before ``sm_scale`` like the reference.
+
+Scores are fp32 and agree with ``naive.score_*_ref`` (float64) to fp32 rounding of the dot
+products; masked pages are -inf in both.
+"""
+
+import torch
+
+from ...formats import PAGE_SIZE, e2m1_decode, e8m0_to_float, unpack_e2m1
+from .common import check_decode_args, check_prefill_args, check_prefill_lengths
+
+_SCORE_ELEMS = 1 << 24  # fp32 dot products held at once by a prefill chunk (64 MiB)
+_LUTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _byte_table(device: torch.device) -> torch.Tensor:
+    """fp32 ``[256, 2]``: the two e2m1 values of each packed byte (low nibble first)."""
+    table = _LUTS.get(device)
+    if table is None:
+        codes = unpack_e2m1(torch.arange(256, dtype=torch.uint8, device=device).unsqueeze(1))  # [256, 2]
+        table = _LUTS[device] = e2m1_decode(codes, torch.float32).contiguous()
+    return table
+
+
+def dequantize_pages(k_cache: torch.Tensor, k_scale: torch.Tensor | None, pages: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[*pages.shape, 128, 128]`` keys of ``pages`` (int64 ids, any shape), exact.
+
+    ``k_cache``/``k_scale`` as in ``naive``: bf16/e4m3 ``[P, 128, 128]`` and None, or MXFP4
+    ``[P, 128, 64]`` + ``[P, 128, 4]`` uint8."""
+    if k_scale is None:
+        return k_cache[pages].float()
+    data = k_cache[pages]  # [..., 128, 64] uint8
+    values = _byte_table(data.device).index_select(0, data.flatten().int())  # [n, 2]
+    values = values.view(*data.shape[:-1], k_scale.shape[-1], -1)  # [..., 128, 4, 32]
+    scale = e8m0_to_float(k_scale[pages], torch.float32).unsqueeze(-1)  # [..., 128, 4, 1]
+    return (values * scale).flatten(-2)
+
+
+def _check_pages(block_table: torch.Tensor, n_pages: torch.Tensor, num_cache_pages: int) -> torch.Tensor:
+    """int64 ``[batch, max(n_pages)]`` page ids; ValueError if a visible one is outside the cache.
+    Columns past a request's ``n_pages`` may hold anything: they are replaced by page 0."""
+    width = int(n_pages.max()) if n_pages.numel() else 0
+    pages = block_table[:, :width].long()
+    visible = torch.arange(width, device=pages.device)[None] < n_pages[:, None]
+    bad = visible & ((pages < 0) | (pages >= num_cache_pages))
+    if bool(bad.any()):
+        b = int(bad.any(dim=1).nonzero()[0])
+        raise ValueError(f"block_table[{b}] holds page ids outside [0, {num_cache_pages}) among its "
+                         f"{int(n_pages[b])} visible pages")
+    return torch.where(visible, pages, 0)
+
+
+def score_decode_cpu(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
+                     cp_world=1):
+    """Decode block scores, fp32 ``[H, batch*S, max_block]`` (contract: ``naive.score_decode_ref``).
+
+    Every column is written (past a row's last visible page: -inf), into ``out`` when given."""
+    _, batch, H, max_block, sm_scale = check_decode_args(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale,
+                                                         max_block, out, cp_rank, cp_world)
+    dev = q.device
+    positions = seq_lens.long()[:, None] - S + torch.arange(S, device=dev)  # [batch, S]
+    n_global = torch.where(positions[:, -1] >= 0, positions[:, -1] // PAGE_SIZE + 1, 0)
+    n_local = ((n_global - cp_rank + cp_world - 1) // cp_world).clamp(0, max_block)  # pages the last row sees
+    res = torch.full((H, batch * S, max_block), float("-inf"), dtype=torch.float32, device=dev)
+    pages = _check_pages(block_table, n_local, k_cache.shape[0])  # [batch, P]
+    P = pages.shape[1]
+    if P and batch:
+        k = dequantize_pages(k_cache, k_scale, pages).view(batch, P * PAGE_SIZE, -1)  # [batch, P*128, 128]
+        dots = torch.matmul(q.float().view(batch, S * H, -1), k.transpose(1, 2))  # [batch, S*H, P*128]
+        token = (torch.arange(P, device=dev)[:, None] * cp_world + cp_rank) * PAGE_SIZE + torch.arange(PAGE_SIZE,
+                                                                                                       device=dev)
+        hidden = token.flatten()[None, None] > positions[:, :, None]  # [batch, S, P*128]
+        dots = dots.view(batch, S, H, -1).masked_fill_(hidden[:, :, None], float("-inf"))
+        best = dots.view(batch, S, H, P, PAGE_SIZE).amax(dim=-1) * sm_scale  # [batch, S, H, P]
+        res[:, :, :P] = best.permute(2, 0, 1, 3).reshape(H, batch * S, P)
+    if out is None:
+        return res
+    return out.copy_(res)
+
+
+def score_prefill_cpu(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None, out=None):
+    """Prefill block scores, fp32 ``[H, total_new_tokens, max_block]`` (contract:
+    ``naive.score_prefill_ref``). Every column is written, into ``out`` when given."""
+    _, batch, H, max_block, sm_scale = check_prefill_args(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q,
+                                                          sm_scale, max_block, out)
+    check_prefill_lengths(q, seq_lens, cu_seqlens_q)
+    dev = q.device
+    res = torch.full((H, q.shape[0], max_block), float("-inf"), dtype=torch.float32, device=dev)
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for b in range(batch):
+        r0, r1 = cu[b], cu[b + 1]
+        if r1 <= r0:
+            continue
+        first_pos = lens[b] - (r1 - r0)
+        n_pages = min(max_block, (lens[b] - 1) // PAGE_SIZE + 1)
+        pages = _check_pages(block_table[b : b + 1], torch.tensor([n_pages], device=dev), k_cache.shape[0])[0]
+        k = dequantize_pages(k_cache, k_scale, pages).view(n_pages * PAGE_SIZE, -1)  # [L, 128]
+        rows = max(1, _SCORE_ELEMS // (H * n_pages * PAGE_SIZE))
+        for c0 in range(r0, r1, rows):
+            c1 = min(c0 + rows, r1)
+            pos = first_pos + torch.arange(c0 - r0, c1 - r0, device=dev)  # [R]
+            p = min(n_pages, (first_pos + c1 - r0 - 1) // PAGE_SIZE + 1)  # pages the chunk's last row sees
+            dots = torch.matmul(q[c0:c1].float(), k[: p * PAGE_SIZE].t())  # [R, H, p*128]
+            hidden = torch.arange(p * PAGE_SIZE, device=dev)[None] > pos[:, None]  # [R, p*128]
+            dots.masked_fill_(hidden[:, None], float("-inf"))
+            best = dots.view(c1 - c0, H, p, PAGE_SIZE).amax(dim=-1) * sm_scale  # [R, H, p]
+            res[:, c0:c1, :p] = best.transpose(0, 1)
+    if out is None:
+        return res
+    return out.copy_(res)
