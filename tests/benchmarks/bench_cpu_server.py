@@ -8,7 +8,9 @@ same flags and dummy weights:
 - ``m3.1`` (this tree) and ``m3.1@before`` (``--before-tree``: another checkout, e.g. a ``git worktree``
   of an older commit; its ``sglang_m3`` and ``m3_kernels`` come first on ``PYTHONPATH``);
 - ``dense``: plain SGLang 0.5.16 serving ``LlamaForCausalLM`` built from the tiny config (same hidden
-  size, layers, heads, head dim and vocabulary, dense MLP of the tiny config's dense width).
+  size, layers, heads, head dim and vocabulary, dense MLP of the tiny config's dense width); a
+  ``sitecustomize`` flips SGLang's rotary CPU flag (without it Llama's rotary layer imports vllm on a
+  CPU). sglang_m3 is installed, so its CPU ``OMP_WAIT_POLICY=PASSIVE`` applies to this arm too.
 
 Per arm: server ready time; the demo's ``/generate`` (``sglang_m3.demo``'s 2.4k-token prompt, 16 new
 tokens); decode tokens/s at batch 1 with a 4k context and at batch 16 with 1k contexts (prompts
@@ -59,6 +61,23 @@ def dense_config(folder: Path) -> Path:
     return folder
 
 
+ROTARY_SHIM = """# bench_cpu_server.py: SGLang 0.5.16's rotary layer imports vllm off CUDA unless its module flag says CPU;
+# the flag is flipped here (what sglang_m3 does while building M3.1) so plain SGLang can serve Llama on a CPU.
+try:
+    from sglang.srt.layers.rotary_embedding import base as _rotary_base
+    _rotary_base._is_cpu = True
+except ImportError:
+    pass
+"""
+
+
+def rotary_shim(folder: Path) -> Path:
+    """A folder with a ``sitecustomize.py`` that flips SGLang's rotary CPU flag in every process."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(ROTARY_SHIM)
+    return folder
+
+
 def load1() -> float:
     return os.getloadavg()[0]
 
@@ -68,8 +87,8 @@ class Busy(Exception):
 
 
 class Arm:
-    def __init__(self, name: str, model: Path, tree: Path, extra: list[str], env: dict):
-        self.name, self.model, self.tree, self.extra, self.env = name, model, tree, extra, env
+    def __init__(self, name: str, model: Path, tree: Path, extra: list[str], env: dict, path: tuple = ()):
+        self.name, self.model, self.tree, self.extra, self.env, self.path = name, model, tree, extra, env, path
 
 
 def start(arm: Arm, port: int, max_total_tokens: int, log):
@@ -78,7 +97,8 @@ def start(arm: Arm, port: int, max_total_tokens: int, log):
            "--context-length", str(CONTEXT), "--host", "127.0.0.1", "--port", str(port), "--skip-server-warmup",
            "--sleep-on-idle", "--log-level", "warning", *arm.extra]
     env = dict(os.environ, **arm.env)
-    env["PYTHONPATH"] = os.pathsep.join([str(arm.tree), str(arm.tree / "kernels"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, arm.path), str(arm.tree), str(arm.tree / "kernels"),
+                                         env.get("PYTHONPATH", "")])
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=arm.tree,
                             start_new_session=True)
 
@@ -175,7 +195,7 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-cpu-dense-"))
     arms = {
         "after": Arm("m3.1", TINY, REPO, ["--index-k-format", "mxfp4", *ctx_override], env),
-        "dense": Arm("dense", dense_config(tmp / "dense"), REPO, [], env),
+        "dense": Arm("dense", dense_config(tmp / "dense"), REPO, [], env, (rotary_shim(tmp / "shim"),)),
     }
     if args.before_tree is not None:
         arms["before"] = Arm("m3.1@before", TINY, args.before_tree.resolve(),
