@@ -355,10 +355,11 @@ class TaskGenerator:
         return self._fit(build, length)
 
     def vt(self, rng: random.Random, length: int, n_chains: int | None = None, hops: int | None = None,
-           ask: str | None = None) -> Sample:
+           ask: str | None = None, _drawn: tuple[bool, bool] | None = None) -> Sample:
         """Variable tracking; chain 0 is asked; ``ask`` is ``"members"`` (which variables hold its
         value) or ``"last"`` (the value of its last variable). Statements sit at uniform random
         sentence boundaries, each chain's in hop order."""
+        drawn = (n_chains is None, hops is None) if _drawn is None else _drawn
         n_chains = rng.randint(1, 3) if n_chains is None else n_chains
         hops = rng.randint(2, 5) if hops is None else hops
         ask = rng.choice(("members", "last")) if ask is None else ask
@@ -389,6 +390,11 @@ class TaskGenerator:
             answer = f" {values[0]}."
         head, tail = self._frame(VT_PROMPT, question=question, lead=lead)
         fixed = self._count([head, tail, answer]) + self._count([" " + t for _, _, t in statements])
+        if fixed > length and (drawn[0] and n_chains > 1 or drawn[1] and hops > 2):
+            # Drawn sizes that do not fit a short context: fewer chains first, then fewer hops.
+            fewer_chains = drawn[0] and n_chains > 1
+            return self.vt(rng, length, n_chains - 1 if fewer_chains else n_chains,
+                           hops if fewer_chains else hops - 1, ask, _drawn=drawn)
         facts = [[Piece(text=t, evidence=c == 0)] for c, _, t in statements]
 
         def build(slack):

@@ -279,3 +279,13 @@ def test_bad_input(tok, gen, rng):
     with pytest.raises(ValueError, match="seq_len"):
         data.collate([gen.needles(rng, 1024, 1)], 512, rng, 0, 0)
     assert data.TRAIN_HAYSTACK_SEED != needle._POOL_SEED and data.HELDOUT_HAYSTACK_SEED != needle._POOL_SEED
+
+
+def test_vt_draws_fewer_chains_and_hops_where_a_short_context_needs_it(tok, gen):
+    """At 256 tokens the largest drawn sizes (3 chains x 5 hops) do not fit: the generator shrinks
+    what it drew (never what the caller fixed) instead of failing."""
+    for seed in range(200):
+        s = gen.vt(random.Random(seed), 256, ask="members")
+        _check_common(tok, s, 256)
+    with pytest.raises(ValueError, match="too short"):
+        gen.vt(random.Random(0), 256, n_chains=3, hops=5, ask="members")
