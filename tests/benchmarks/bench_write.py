@@ -30,43 +30,12 @@ import torch
 from m3_kernels.formats import INDEX_DIM, PAGE_SIZE, IndexKFormat, alloc_index_k_cache, quantize_index_k
 from m3_kernels.ops.write.triton import write_index_k_triton
 
+from bench_score import graph_time_us, log  # same timing method (this script's folder is on sys.path)
+
 SETS = 8
-REPLAYS = 25
 # mxfp4_rot arms: (launch, sign seed); launch (tokens per program, warps), None = the writer's default
 ROT_ARMS = [(None, None), (None, 7), ((16, 4), None), ((16, 2), None), ((32, 2), None), ((64, 4), None),
             ((64, 8), None)]
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def graph_time_us(fns, replays=REPLAYS):
-    """Median over ``replays`` of one graph replay holding every call in ``fns``, per call (us)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            for f in fns:
-                f()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / len(fns))
-    del graph
-    return statistics.median(times)
 
 
 class Inputs:
