@@ -9,7 +9,7 @@ MiniMax-M3 configs keep SGLang's own path:
 | target | kind | why |
 |---|---|---|
 | ``ServerArgs.add_cli_args`` / ``from_cli_args`` | after / before | ``--index-k-format`` flag, folded into ``--json-model-override-args`` |
-| ``ServerArgs.from_cli_args`` | before | ``--device cpu``: ``OMP_WAIT_POLICY=PASSIVE`` for the server's processes unless set |
+| ``ServerArgs.from_cli_args`` | before | ``--device cpu``: ``OMP_WAIT_POLICY=PASSIVE`` for its processes unless set |
 | ``ServerArgs._parse_cuda_graph_config`` | after | prefill without a CUDA graph (host-planned scorer); decode graphs stay |
 | ``ModelConfig.__init__`` | after | validate the format at start-up (message names the choices) |
 | ``get_model_architecture`` | around | serve ``MiniMaxM3SparseForCausalLM`` with this package's class |
