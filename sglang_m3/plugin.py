@@ -14,7 +14,7 @@ supported release):
 | target | kind | SGLang | why |
 |---|---|---|---|
 | ``ServerArgs.add_cli_args`` / ``from_cli_args`` | after / before | | ``--index-k-format`` into the model overrides |
-| ``ServerArgs.from_cli_args`` | before | | ``--device cpu``: ``OMP_WAIT_POLICY=PASSIVE`` for the server's processes unless set |
+| ``ServerArgs.from_cli_args`` | before | | ``--device cpu``: ``OMP_WAIT_POLICY=PASSIVE`` for its processes unless set |
 | ``ServerArgs._parse_cuda_graph_config`` | after | < 0.5.19 | prefill without a CUDA graph (host-planned scorer) |
 | ``cuda_graph_hook.handle_cuda_graph_config`` | after | >= 0.5.19 | the same, declared as a resolution |
 | ``ModelConfig.__init__`` | after | | validate the format at start-up (message names the choices) |

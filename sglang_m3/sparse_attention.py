@@ -2,8 +2,9 @@
 
 On CUDA this calls SGLang's own Triton sparse-attention kernels (they take a block list per KV
 head and query row); elsewhere (the CPU serving path) prefill runs ``sparse_attention_by_block``
-and decode ``sparse_attention_gather``, which both read only the selected blocks. ``sparse_attention_torch`` is the plain version written for
-clarity (every row against its whole context, masked), kept as the tests' reference. Block ids
+and decode ``sparse_attention_gather``, which both read only the selected blocks.
+``sparse_attention_torch`` is the plain version written for clarity (every row against its whole
+context, masked), kept as the tests' reference. Block ids
 are request-relative (block ``p`` = tokens ``p*block_size .. p*block_size + block_size - 1`` of
 the request), -1 pads the end of a list.
 """
