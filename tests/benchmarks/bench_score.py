@@ -232,7 +232,8 @@ def bench_cell(pools, peer, S, H, B, ctx, copy_gbs, sm_scale=0.088, peer_max_bat
         res[f"{name}_pct"] = 100 * res[f"{name}_gbs"] / copy_gbs
         res[f"{name}_floor_us"] = tokens * tb / (copy_gbs * 1e9) * 1e6
     res["ratio"] = res["mxfp4_us"] / res["fp8_us"]
-    res["mxfp4_triton_pct"] = 100 * tokens * IndexKFormat.MXFP4.token_bytes / (res["mxfp4_triton_us"] * 1e-6) / 1e9 / copy_gbs
+    mx_bytes = tokens * IndexKFormat.MXFP4.token_bytes
+    res["mxfp4_triton_pct"] = 100 * mx_bytes / (res["mxfp4_triton_us"] * 1e-6) / 1e9 / copy_gbs
     if peer is not None and B <= peer_max_batch:
         try:
             res.update(bench_peer(peer, pools, bts, q, B, S, H, ctx, sm_scale))

@@ -374,7 +374,8 @@ def test_rejections(gen):
     fp8 = torch.zeros(9, 128, 128, dtype=torch.uint8, device="cuda").view(FP8_DTYPE)
     cases = {
         "MXFP4 caches only": dict(k_cache=fp8, k_scale=None),
-        "16-byte aligned": dict(q=torch.zeros(2 * 4 * 128 + 4, dtype=torch.bfloat16, device="cuda")[4:].view(2, 4, 128)),
+        "16-byte aligned": dict(q=torch.zeros(2 * 4 * 128 + 4, dtype=torch.bfloat16, device="cuda")[4:].view(2, 4,
+                                                                                                           128)),
         "sm_scale": dict(sm_scale=float("nan")),
         "max_block": dict(max_block=5),
     }
