@@ -441,7 +441,18 @@ def main(argv=None) -> None:
     compare_formats(argv)
 
 
+def _register_m3_config() -> None:
+    """lm-eval loads the served model folder's tokenizer in this process: let transformers know our
+    config class first (else it warns that it instantiates a model of type '')."""
+    try:
+        from sglang_m3.config import register_config
+    except ImportError:  # the runner also works against deployments without this package
+        return
+    register_config()
+
+
 def compare_formats(argv=None) -> dict:
+    _register_m3_config()
     """Run the comparison for command-line ``argv``; returns the summary written to results.json."""
     args, formats, launch_args = parse_command_line(build_parser(), argv)
     _check_counts(args)

@@ -62,6 +62,16 @@ class IndexKSettings:
     sign_seed: int | None
 
 
+def register_config() -> None:
+    """Make ``model_type: minimax_m3_1`` known to transformers in this process (idempotent). SGLang's
+    processes get it from the plugin; a client that loads a tokenizer from one of our model folders
+    (the demo, the accuracy runner) calls it first, or transformers warns that it instantiates a
+    model of type ''."""
+    from transformers import AutoConfig
+
+    AutoConfig.register(MODEL_TYPE, MiniMaxM31Config, exist_ok=True)
+
+
 def index_k_settings(hf_config) -> IndexKSettings | None:
     """Validated index-K settings of ``hf_config``, or None for a config without ``index_k_format``
     (upstream MiniMax-M3: SGLang's own pool and backend stay in charge).

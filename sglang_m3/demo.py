@@ -29,6 +29,8 @@ from pathlib import Path
 
 from m3_kernels.formats import PAGE_SIZE, TOPK_BLOCKS, IndexKFormat
 
+from .config import register_config
+
 REPO = Path(__file__).resolve().parent.parent
 TRAINED_MODEL = REPO / "configs" / "msa-small"
 TINY_MODEL = REPO / "configs" / "minimax-m3.1-tiny"
@@ -180,6 +182,7 @@ def run_dummy(url: str, new_tokens: int) -> None:
 
 
 def main(argv=None) -> int:
+    register_config()  # this process loads the model folder's tokenizer
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=TRAINED_MODEL,
                         help="model folder; without weight files it is served with dummy weights")

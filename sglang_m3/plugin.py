@@ -41,7 +41,7 @@ from m3_kernels.formats import PAGE_SIZE, IndexKFormat
 
 from . import compat
 from .compat import ALLOCATOR_OFF_TRITON, DETOKENIZER_LOADS_PLUGINS, RESOLUTION_PIPELINE, setting
-from .config import ARCHITECTURE, MODEL_TYPE, MiniMaxM31Config, index_k_settings
+from .config import ARCHITECTURE, index_k_settings, register_config
 
 logger = logging.getLogger(__name__)
 
@@ -340,12 +340,10 @@ def register() -> None:
     except compat.UnsupportedSGLangError as e:
         raise SystemExit(f"sglang-m3: {e}") from e
     _registered = True
-    from transformers import AutoConfig
-
     from sglang.srt.arg_groups.overrides import register_model_override
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    AutoConfig.register(MODEL_TYPE, MiniMaxM31Config, exist_ok=True)
+    register_config()
     register_model_override(ARCHITECTURE)(_page_size_default)
     for row in hook_table():
         if row.applies_to(version):

@@ -160,3 +160,18 @@ def test_cpu_openmp_hook_runs_when_the_launcher_parses_its_flags(monkeypatch):
     args = parser.parse_args(["--model-path", str(TINY_MODEL), "--device", "cpu", "--load-format", "dummy"])
     assert ServerArgs.from_cli_args(args).device == "cpu"
     assert os.environ.get(OMP_WAIT_POLICY) == "PASSIVE"
+
+
+@pytest.mark.parametrize("registered", [False, True])
+def test_clients_loading_our_tokenizer_see_no_model_type_warning(registered):
+    """A client process (demo, accuracy runner) that loads a model folder's tokenizer warns about a
+    model of type '' unless it called ``register_config`` first."""
+    import subprocess
+    import sys
+
+    code = ("from sglang_m3.config import register_config; register_config()\n" if registered else "")
+    code += f"from transformers import AutoTokenizer; AutoTokenizer.from_pretrained({str(TINY_MODEL)!r})\n"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    warned = "to instantiate a model of type" in res.stdout + res.stderr
+    assert warned is not registered
