@@ -48,3 +48,58 @@ def abs_index_k(k_cache, k_scale):
     if k_cache.dtype == FP8_DTYPE:
         return (k_cache.view(torch.uint8) & 0x7F).view(FP8_DTYPE), None
     return k_cache.abs(), None
+
+
+def random_cache(gen, fmt, pages, device, single_region=True, scale_lo=122, scale_hi=127):
+    """A cache (``alloc_index_k_cache``) of ``pages`` with random contents (``fill_random_index_k``)
+    on ``device``; an MXFP4 single region stays one region there (``mxfp4_page_views``)."""
+    from .formats import alloc_index_k_cache, mxfp4_page_views
+
+    storage = "mxfp4" if fmt.startswith("mxfp4") else fmt
+    k_cache, k_scale = alloc_index_k_cache(pages, storage, single_region=single_region)
+    fill_random_index_k(gen, k_cache, k_scale, scale_lo, scale_hi)
+    if device != "cpu":
+        if k_scale is not None and single_region:
+            base = k_cache.as_strided((pages, k_cache.stride(0)), (k_cache.stride(0), 1))
+            return mxfp4_page_views(base.to(device))
+        return k_cache.to(device), (k_scale.to(device) if k_scale is not None else None)
+    return k_cache, k_scale
+
+
+def make_q(gen, rows, H, q_dtype, device, scale=1.0, octaves=0):
+    """Gaussian Q ``[rows, H, 128]`` times ``scale``. ``octaves`` > 0: each element further multiplied
+    by a random 2^-k, k in [0, octaves] (rows with a wide dynamic range); ``octaves`` < 0: each query
+    vector as a whole by 2^-k, k in [0, -octaves] (vectors of very different sizes in one tile)."""
+    import torch
+
+    from .formats import FP8_DTYPE
+
+    q = torch.randn(rows, H, 128, generator=gen) * scale
+    if octaves:
+        shape = q.shape if octaves > 0 else (rows, H, 1)
+        q = q * torch.exp2(-torch.randint(0, abs(octaves) + 1, shape, generator=gen).float())
+    if q_dtype == FP8_DTYPE:
+        q = q.clamp(-448, 448)
+    return q.to(q_dtype).to(device)
+
+
+def q_abs(q):
+    """|q| in q's dtype, for the scorers' error bound."""
+    return q.float().abs().to(q.dtype)
+
+
+def assert_scores_close(got, ref, bound):
+    """Block scores against the float64 reference: same shape and -inf pattern, no NaN, and
+    ``|got - ref| <= 1e-5 * bound`` (``bound``: the score of ``|q|`` and ``|K|``) where finite."""
+    import torch
+
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    got, ref, bound = got.double().cpu(), ref.double().cpu(), bound.double().cpu()
+    assert not torch.isnan(got).any(), "NaN in scores"
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref)), "-inf pattern differs from the reference"
+    fin = torch.isfinite(ref)
+    assert torch.isfinite(got[fin]).all()
+    err = (got[fin] - ref[fin]).abs()
+    tol = 1e-5 * bound[fin] + 1e-30
+    worst = (err / tol).max().item() if err.numel() else 0.0
+    assert worst <= 1.0, f"error {worst:.3g} x tolerance"

@@ -25,11 +25,17 @@ from m3_kernels.formats import (  # noqa: E402
     PAGE_SIZE,
     alloc_index_k_cache,
     check_index_k_cache,
-    mxfp4_page_views,
 )
 from m3_kernels.ops.score import decode_supported, plan_prefill, score_decode, score_prefill  # noqa: E402
 from m3_kernels.ops.score.naive import score_decode_ref, score_prefill_ref  # noqa: E402
-from m3_kernels.testing import abs_index_k, fill_random_index_k, triton_module  # noqa: E402
+from m3_kernels.testing import (  # noqa: E402
+    abs_index_k,
+    assert_scores_close,
+    make_q,
+    q_abs,
+    random_cache,
+    triton_module,
+)
 
 CPU = pytest.param("cpu", id="cpu")
 GPU = pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)
@@ -43,51 +49,6 @@ def _on(device):
 
 def _kernels():
     return triton_module("m3_kernels.ops.score.triton", "_score_kernel")
-
-
-def random_cache(gen, fmt, pages, device, single_region=True, scale_lo=122, scale_hi=127):
-    """Random cache contents: every e2m1 code, e8m0 bytes in [scale_lo, scale_hi]; random e4m3
-    bytes without the NaN code; bf16 normals."""
-    storage = "mxfp4" if fmt.startswith("mxfp4") else fmt
-    k_cache, k_scale = alloc_index_k_cache(pages, storage, single_region=single_region)
-    fill_random_index_k(gen, k_cache, k_scale, scale_lo, scale_hi)
-    if device != "cpu":
-        if k_scale is not None and single_region:
-            base = k_cache.as_strided((pages, k_cache.stride(0)), (k_cache.stride(0), 1))
-            region = base.to(device)
-            return mxfp4_page_views(region)
-        return k_cache.to(device), (k_scale.to(device) if k_scale is not None else None)
-    return k_cache, k_scale
-
-
-def make_q(gen, rows, H, q_dtype, device, scale=1.0, octaves=0):
-    """Gaussian Q times ``scale``. ``octaves`` > 0: each element further multiplied by a random 2^-k,
-    k in [0, octaves] (rows with a wide dynamic range); ``octaves`` < 0: each query vector as a whole
-    by 2^-k, k in [0, -octaves] (vectors of very different sizes in one tile)."""
-    q = torch.randn(rows, H, 128, generator=gen) * scale
-    if octaves:
-        shape = q.shape if octaves > 0 else (rows, H, 1)
-        q = q * torch.exp2(-torch.randint(0, abs(octaves) + 1, shape, generator=gen).float())
-    if q_dtype == FP8_DTYPE:
-        q = q.clamp(-448, 448)
-    return q.to(q_dtype).to(device)
-
-
-def q_abs(q):
-    return q.float().abs().to(q.dtype)
-
-
-def assert_scores_close(got, ref, bound):
-    assert got.shape == ref.shape, (got.shape, ref.shape)
-    got, ref, bound = got.double().cpu(), ref.double().cpu(), bound.double().cpu()
-    assert not torch.isnan(got).any(), "NaN in scores"
-    assert torch.equal(torch.isneginf(got), torch.isneginf(ref)), "-inf pattern differs from the reference"
-    fin = torch.isfinite(ref)
-    assert torch.isfinite(got[fin]).all()
-    err = (got[fin] - ref[fin]).abs()
-    tol = 1e-5 * bound[fin] + 1e-30
-    worst = (err / tol).max().item() if err.numel() else 0.0
-    assert worst <= 1.0, f"error {worst:.3g} x tolerance"
 
 
 def check_decode(gen, device, fmt, q_dtype, S, H, seq_lens, max_block, cp=(0, 1), prealloc=False, single=True,

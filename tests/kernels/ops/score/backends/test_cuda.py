@@ -25,12 +25,11 @@ from m3_kernels.formats import (
     MXFP4_SCALE_BYTES,
     PAGE_SIZE,
     alloc_index_k_cache,
-    mxfp4_page_views,
 )
 from m3_kernels.ops.score import prepare_decode, score_decode
 from m3_kernels.ops.score.backends import cuda as cuda_backend
 from m3_kernels.ops.score.naive import score_decode_ref
-from m3_kernels.testing import abs_index_k, fill_random_index_k
+from m3_kernels.testing import abs_index_k, assert_scores_close, make_q, q_abs, random_cache
 
 SOURCE = cuda_backend.SOURCE
 INSTANCES = [(nt, e4m3) for nt in (1, 2, 3, 4) for e4m3 in (False, True)]
@@ -165,35 +164,6 @@ def test_sass_structure(sm90_build):
 # ---------------------------------------------------------------- GPU: against the oracle
 
 
-def random_mxfp4_cache(gen, pages, single_region=True, scale_lo=122, scale_hi=127):
-    k_data, k_scale = alloc_index_k_cache(pages, "mxfp4", single_region=single_region)
-    fill_random_index_k(gen, k_data, k_scale, scale_lo, scale_hi)
-    if single_region:
-        region = k_data.as_strided((pages, k_data.stride(0)), (k_data.stride(0), 1)).cuda()
-        return mxfp4_page_views(region)
-    return k_data.cuda(), k_scale.cuda()
-
-
-def make_q(gen, rows, H, q_dtype, scale=1.0):
-    q = torch.randn(rows, H, 128, generator=gen) * scale
-    if q_dtype == FP8_DTYPE:
-        q = q.clamp(-448, 448)
-    return q.to(q_dtype).cuda()
-
-
-def assert_scores_close(got, ref, bound):
-    assert got.shape == ref.shape, (got.shape, ref.shape)
-    got, ref, bound = got.double().cpu(), ref.double().cpu(), bound.double().cpu()
-    assert not torch.isnan(got).any(), "NaN in scores"
-    assert torch.equal(torch.isneginf(got), torch.isneginf(ref)), "-inf pattern differs from the reference"
-    fin = torch.isfinite(ref)
-    assert torch.isfinite(got[fin]).all()
-    err = (got[fin] - ref[fin]).abs()
-    tol = 1e-5 * bound[fin] + 1e-30
-    worst = (err / tol).max().item() if err.numel() else 0.0
-    assert worst <= 1.0, f"error {worst:.3g} x tolerance"
-
-
 def written_mask(ref, seq_lens, S, max_block, cp):
     """Columns a preallocated buffer receives: each request's pages up to its last visible one."""
     mask = torch.zeros_like(ref, dtype=torch.bool)
@@ -208,17 +178,17 @@ def check(gen, q_dtype, S, H, seq_lens, max_block, cp=(0, 1), prealloc=True, sin
           q_scale=1.0, pages=None):
     batch = len(seq_lens)
     pages = pages or batch * max_block + 1
-    k_data, k_scale = random_mxfp4_cache(gen, pages, single, *scale_range)
+    k_data, k_scale = random_cache(gen, "mxfp4", pages, "cuda", single, *scale_range)
     bt = torch.randperm(pages, generator=gen)[: batch * max_block].reshape(batch, max_block).int().cuda()
     seq = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-    q = make_q(gen, batch * S, H, q_dtype, q_scale)
+    q = make_q(gen, batch * S, H, q_dtype, "cuda", q_scale)
     sm_scale = 0.125
     out = torch.full((H, batch * S, max_block), float("nan"), device="cuda") if prealloc else None
     got = score_decode(q, k_data, k_scale, bt, seq, S, sm_scale, max_block, out, cp[0], cp[1], backend="cuda")
     kc, ks = k_data.cpu(), k_scale.cpu()
     args = (bt.cpu(), seq.cpu(), S, sm_scale, max_block, cp[0], cp[1])
     ref = score_decode_ref(q.cpu(), kc, ks, *args)
-    bound = score_decode_ref(q.cpu().float().abs().to(q.dtype), *abs_index_k(kc, ks), *args)
+    bound = score_decode_ref(q_abs(q.cpu()), *abs_index_k(kc, ks), *args)
     if prealloc:
         assert got.data_ptr() == out.data_ptr()
         mask = written_mask(ref, seq_lens, S, max_block, cp)
@@ -295,11 +265,11 @@ def test_default_buffer_reads_minus_inf_past_the_end(gen, q_dtype):
 def test_split_and_single_region_agree_bitwise(gen):
     _sm90()
     pages, batch, mb = 40, 3, 12
-    single = random_mxfp4_cache(gen, pages)
+    single = random_cache(gen, "mxfp4", pages, "cuda")
     split = (single[0].contiguous(), single[1].contiguous())
     bt = torch.randperm(pages, generator=gen)[: batch * mb].reshape(batch, mb).int().cuda()
     seq = torch.tensor([5, 700, 1536], dtype=torch.int32, device="cuda")
-    q = make_q(gen, batch * 2, 2, torch.bfloat16)
+    q = make_q(gen, batch * 2, 2, torch.bfloat16, "cuda")
     a = score_decode(q, *single, bt, seq, 2, 0.3, backend="cuda")
     b = score_decode(q, *split, bt, seq, 2, 0.3, backend="cuda")
     assert torch.equal(a, b)
@@ -310,7 +280,7 @@ def test_cuda_graph_capture_and_replay(gen):
     """Captured once with preallocated buffers, replayed with other lengths, block tables and Q."""
     _sm90()
     pages, batch, mb, S, H = 64, 4, 16, 4, 1
-    k_data, k_scale = random_mxfp4_cache(gen, pages)
+    k_data, k_scale = random_cache(gen, "mxfp4", pages, "cuda")
     bt = torch.zeros(batch, mb, dtype=torch.int32, device="cuda")
     seq = torch.full((batch,), S, dtype=torch.int32, device="cuda")
     q = torch.zeros(batch * S, H, 128, dtype=torch.bfloat16, device="cuda")
@@ -330,14 +300,14 @@ def test_cuda_graph_capture_and_replay(gen):
     for lens in ([4, 129, 1000, 2048], [2048, 5, 300, 128], [17, 17, 17, 1900]):
         bt.copy_(torch.randperm(pages, generator=gen)[: batch * mb].reshape(batch, mb))
         seq.copy_(torch.tensor(lens))
-        q.copy_(make_q(gen, batch * S, H, torch.bfloat16))
+        q.copy_(make_q(gen, batch * S, H, torch.bfloat16, "cuda"))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         args = (bt.cpu(), seq.cpu(), S, 0.5, mb)
         kc, ks = k_data.cpu(), k_scale.cpu()
         ref = score_decode_ref(q.cpu(), kc, ks, *args)
-        bound = score_decode_ref(q.cpu().float().abs().to(q.dtype), *abs_index_k(kc, ks), *args)
+        bound = score_decode_ref(q_abs(q.cpu()), *abs_index_k(kc, ks), *args)
         mask = written_mask(ref, lens, S, mb, (0, 1))
         assert torch.isnan(out.cpu()[~mask]).all()
         assert_scores_close(torch.where(mask.cuda(), out, ref.cuda().float()), ref, bound)
@@ -351,10 +321,10 @@ def test_dispatcher_picks_cuda_for_mxfp4_on_sm90(gen, monkeypatch):
     calls = []
     real = cuda_backend.score_decode
     monkeypatch.setattr(cuda_backend, "score_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
-    k_data, k_scale = random_mxfp4_cache(gen, 9)
+    k_data, k_scale = random_cache(gen, "mxfp4", 9, "cuda")
     bt = torch.arange(8, dtype=torch.int32, device="cuda").reshape(2, 4)
     seq = torch.tensor([300, 512], dtype=torch.int32, device="cuda")
-    q = make_q(gen, 2, 4, torch.bfloat16)
+    q = make_q(gen, 2, 4, torch.bfloat16, "cuda")
     auto = score_decode(q, k_data, k_scale, bt, seq, 1, 0.2)
     assert calls == [1]
     assert torch.equal(auto, real(q, k_data, k_scale, bt, seq, 1, 0.2))
@@ -367,10 +337,10 @@ def test_dispatcher_picks_cuda_for_mxfp4_on_sm90(gen, monkeypatch):
 def test_rejections(gen):
     """What the kernel does not take is a ValueError naming the rule, and verify_decode says no."""
     _sm90()
-    k_data, k_scale = random_mxfp4_cache(gen, 9)
+    k_data, k_scale = random_cache(gen, "mxfp4", 9, "cuda")
     bt = torch.arange(8, dtype=torch.int32, device="cuda").reshape(2, 4)
     seq = torch.tensor([300, 512], dtype=torch.int32, device="cuda")
-    q = make_q(gen, 2, 4, torch.bfloat16)
+    q = make_q(gen, 2, 4, torch.bfloat16, "cuda")
     fp8 = torch.zeros(9, 128, 128, dtype=torch.uint8, device="cuda").view(FP8_DTYPE)
     cases = {
         "MXFP4 caches only": dict(k_cache=fp8, k_scale=None),
