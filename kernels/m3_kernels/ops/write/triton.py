@@ -134,6 +134,15 @@ def _e4m3_bits(x):
 
 
 @triton.jit
+def _token_slots(loc_ptr, o_t, n_tokens, capacity, PAGE: tl.constexpr):
+    """Tokens ``o_t``'s cache slots: (mask, page, row); out-of-range slots are masked, never written."""
+    m_t = o_t < n_tokens
+    loc = tl.load(loc_ptr + o_t, mask=m_t, other=-1).to(tl.int64)
+    m_t = m_t & (loc >= 0) & (loc < capacity)
+    return m_t, loc // PAGE, loc % PAGE
+
+
+@triton.jit
 def _load_keys(p_k, m_k, IN_BF16: tl.constexpr, PRE_CLAMP: tl.constexpr):
     """fp32 keys at ``p_k`` (zero where ``m_k`` is false), NaN -> 0, clamped to +-``PRE_CLAMP``."""
     b_k = tl.load(p_k, mask=m_k, other=0.0)
@@ -258,11 +267,7 @@ def _write_index_k_kernel(
     i_t = tl.program_id(0)
     o_t = i_t * BT + tl.arange(0, BT)
     o_d = tl.arange(0, D)
-    m_t = o_t < n_tokens
-    loc = tl.load(loc_ptr + o_t, mask=m_t, other=-1).to(tl.int64)
-    m_t = m_t & (loc >= 0) & (loc < capacity)  # out-of-range slots are never written
-    page = loc // PAGE
-    row = loc % PAGE
+    m_t, page, row = _token_slots(loc_ptr, o_t, n_tokens, capacity, PAGE)
     b_k = _load_keys(k_ptr + o_t[:, None].to(tl.int64) * stride_k_t + o_d[None, :], m_t[:, None], IN_BF16, CLAMP)
     if FMT == 0:
         p_out = cache_ptr + page[:, None] * stride_cache_page + row[:, None] * D + o_d[None, :]
@@ -295,11 +300,7 @@ def _write_mxfp4_rot_kernel(
     i_t = tl.program_id(0)
     o_t = i_t * BT + tl.arange(0, BT)
     o_g = tl.arange(0, G)
-    m_t = o_t < n_tokens
-    loc = tl.load(loc_ptr + o_t, mask=m_t, other=-1).to(tl.int64)
-    m_t = m_t & (loc >= 0) & (loc < capacity)  # out-of-range slots are never written
-    page = loc // PAGE
-    row = loc % PAGE
+    m_t, page, row = _token_slots(loc_ptr, o_t, n_tokens, capacity, PAGE)
     p_k = k_ptr + o_t[:, None].to(tl.int64) * stride_k_t + o_g[None, :]
     x0 = _load_keys(p_k, m_t[:, None], IN_BF16, PRE_CLAMP)
     x1 = _load_keys(p_k + G, m_t[:, None], IN_BF16, PRE_CLAMP)
