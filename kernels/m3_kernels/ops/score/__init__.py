@@ -56,9 +56,14 @@ def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_bl
     if name == "triton" and auto and k_scale is not None and _cuda_mxfp4_available(q.device):
         from .backends import cuda
 
-        if cuda.verify_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank,
-                              cp_world)[0]:
-            name = "cuda"
+        try:  # validated once here; a call this kernel does not take goes to Triton, which checks it again
+            checked = cuda.check_cuda_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block,
+                                             out, cp_rank, cp_world)
+        except ValueError:
+            checked = None
+        if checked is not None:
+            return cuda.score_decode_checked(checked, q, k_cache, k_scale, block_table, seq_lens, S, out, cp_rank,
+                                             cp_world)
     if name == "torch":
         from .naive import score_decode_ref
 
@@ -115,12 +120,11 @@ def _cuda_mxfp4_available(device) -> bool:
     without a word). A failed build falls back the same way."""
     from .backends import cuda
 
-    ok = cuda.availability(device)[0] and cuda.ensure_built(device)  # builds once, at the first call
-    why = cuda.availability(device)[1]
+    ok = cuda.ensure_built(device)  # availability, then the build (once; later calls hit the cache)
     if not ok and device not in _CUDA_FALLBACK_LOGGED and not getattr(torch.version, "hip", None) \
             and torch.cuda.get_device_capability(device) >= cuda.MIN_CAPABILITY:
         _CUDA_FALLBACK_LOGGED.add(device)
-        logger.warning("MXFP4 decode scorer: using Triton on %s (%s)", device, why)
+        logger.warning("MXFP4 decode scorer: using Triton on %s (%s)", device, cuda.availability(device)[1])
     return ok
 
 

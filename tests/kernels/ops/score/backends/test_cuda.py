@@ -319,18 +319,19 @@ def test_dispatcher_picks_cuda_for_mxfp4_on_sm90(gen, monkeypatch):
     _sm90()
     monkeypatch.delenv("M3_SCORE_BACKEND", raising=False)
     calls = []
-    real = cuda_backend.score_decode
-    monkeypatch.setattr(cuda_backend, "score_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    launch = cuda_backend.score_decode_checked  # every CUDA-kernel call, auto or forced, ends here
+    monkeypatch.setattr(cuda_backend, "score_decode_checked", lambda *a, **k: calls.append(1) or launch(*a, **k))
     k_data, k_scale = random_cache(gen, "mxfp4", 9, "cuda")
     bt = torch.arange(8, dtype=torch.int32, device="cuda").reshape(2, 4)
     seq = torch.tensor([300, 512], dtype=torch.int32, device="cuda")
     q = make_q(gen, 2, 4, torch.bfloat16, "cuda")
     auto = score_decode(q, k_data, k_scale, bt, seq, 1, 0.2)
     assert calls == [1]
-    assert torch.equal(auto, real(q, k_data, k_scale, bt, seq, 1, 0.2))
+    assert torch.equal(auto, cuda_backend.score_decode(q, k_data, k_scale, bt, seq, 1, 0.2))
+    assert calls == [1, 1]
     fp8 = torch.zeros(9, 128, 128, dtype=torch.uint8, device="cuda").view(FP8_DTYPE)
     score_decode(q, fp8, None, bt, seq, 1, 0.2)
-    assert calls == [1]  # fp8 went to Triton
+    assert calls == [1, 1]  # fp8 went to Triton
 
 
 @pytest.mark.gpu

@@ -152,11 +152,18 @@ def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_bl
     With ``out=None`` the buffer is allocated filled with -inf (columns past a row's last visible
     page read -inf); a preallocated ``out`` is written up to each request's last page only.
     """
-    _, batch, H, max_block, sm_scale = check_cuda_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale,
-                                                         max_block, out, cp_rank, cp_world)
+    checked = check_cuda_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank,
+                                cp_world)
     ok, why = availability(q.device)
     if not ok:
         raise NotImplementedError(f"score backend 'cuda' cannot run here: {why}")
+    return score_decode_checked(checked, q, k_cache, k_scale, block_table, seq_lens, S, out, cp_rank, cp_world)
+
+
+def score_decode_checked(checked, q, k_cache, k_scale, block_table, seq_lens, S, out, cp_rank, cp_world):
+    """``score_decode`` after ``check_cuda_decode`` returned ``checked`` for these arguments and the
+    backend is available (the dispatcher's auto path validates once, then calls this)."""
+    _, batch, H, max_block, sm_scale = checked
     if out is None:
         out = torch.full((H, batch * S, max_block), float("-inf"), dtype=torch.float32, device=q.device)
     if batch == 0 or max_block == 0:
