@@ -16,6 +16,7 @@ Plan, then run: host work (block tables for prefill, per-batch-size buffers) hap
 """
 
 import itertools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -34,6 +35,8 @@ from .compat import setting
 from .config import IndexKSettings
 from .debug import SelectionRecorder
 from .sparse_attention import sparse_attention_decode, sparse_attention_extend
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -97,6 +100,7 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
         self._extend_meta: Optional[_ExtendMeta] = None
         self.recorder = SelectionRecorder.from_config(runner.model_config.hf_config, self.sparse_layer_ids)
         self.decode_scorer = prepare_decode(self.device, settings.fmt.is_mxfp4)  # JIT builds now, not mid-capture
+        logger.info("sglang-m3: %s index-K cache, decode scorer %s", settings.fmt.value, self.decode_scorer)
 
     # ---- plan --------------------------------------------------------------------------------
 

@@ -75,6 +75,14 @@ def make_config(path: Path, n_dense: int, n_sparse: int, fmt: str, vocab: int, h
     return path
 
 
+def arm(name: str) -> tuple[str, dict]:
+    """``fmt`` or ``fmt@backend`` (e.g. ``mxfp4@triton``: the MXFP4 cache with the Triton decode
+    scorer forced through ``M3_SCORE_BACKEND``, the "before" arm of the CUDA kernel) -> (index-K
+    format, extra server environment)."""
+    fmt, _, backend = name.partition("@")
+    return fmt, ({"M3_SCORE_BACKEND": backend} if backend else {})
+
+
 def bytes_per_token(n_dense: int, n_sparse: int, fmt: str, kv_bytes: int = 1) -> int:
     """Pool bytes one token slot costs: main K+V in every layer, index K in sparse layers."""
     return (n_dense + n_sparse) * 2 * KV_HEADS * HEAD_DIM * kv_bytes + n_sparse * INDEX_TOKEN_BYTES[fmt]
@@ -361,13 +369,13 @@ def main():
         if left() < 40:
             results["notes"].append(f"{fmt}: capacity not measured (time budget)")
             continue
-        cfg = make_config(work / f"cap60-{fmt}", M3_DENSE_LAYERS, M3_SPARSE_LAYERS, fmt, args.vocab, args.hidden,
+        cfg = make_config(work / f"cap60-{fmt}", M3_DENSE_LAYERS, M3_SPARSE_LAYERS, arm(fmt)[0], args.vocab, args.hidden,
                           args.cap_q_heads, context_len)
-        s = Server(f"capacity-{fmt}", cfg, base + eager_flags + full_pool, log_dir)
+        s = Server(f"capacity-{fmt}", cfg, base + eager_flags + full_pool, log_dir, arm(fmt)[1])
         try:
             r["capacity_ready_s"] = s.wait_log(r"max_total_num_tokens=(\d+)", startup_timeout)
             r["capacity_tokens"] = capacity_from(s)
-            r["capacity_bytes_per_token"] = bytes_per_token(M3_DENSE_LAYERS, M3_SPARSE_LAYERS, fmt)
+            r["capacity_bytes_per_token"] = bytes_per_token(M3_DENSE_LAYERS, M3_SPARSE_LAYERS, arm(fmt)[0])
             log(f"{fmt}: 60-layer capacity {r['capacity_tokens']} tokens (ready in {r['capacity_ready_s']:.0f} s)")
         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
             fail(r, "capacity_error", e)
@@ -389,9 +397,10 @@ def main():
     else:
         servers = {}
         for fmt in formats:
-            cfg = make_config(work / f"small-{fmt}", nd, ns, fmt, args.vocab, args.hidden, args.q_heads, context_len)
+            cfg = make_config(work / f"small-{fmt}", nd, ns, arm(fmt)[0], args.vocab, args.hidden, args.q_heads,
+                              context_len)
             servers[fmt] = Server(f"eager-{fmt}", cfg, base + eager_flags + check_pool, log_dir,
-                                  {"M3_PROBE_DIR": str(work / f"probe-{fmt}"), "M3_PROBE_CALLS": "3"})
+                                  {"M3_PROBE_DIR": str(work / f"probe-{fmt}"), "M3_PROBE_CALLS": "3", **arm(fmt)[1]})
         for fmt, s in servers.items():
             r = results["formats"][fmt]
             try:
@@ -429,15 +438,17 @@ def main():
         if fmt_left() < 45:
             results["notes"].append(f"{fmt}: graph run skipped (time budget)")
             continue
-        cfg = make_config(work / f"small-{fmt}", nd, ns, fmt, args.vocab, args.hidden, args.q_heads, context_len)
-        s = Server(f"graph-{fmt}", cfg, base + graph_flags + full_pool, log_dir)
+        cfg = make_config(work / f"small-{fmt}", nd, ns, arm(fmt)[0], args.vocab, args.hidden, args.q_heads, context_len)
+        s = Server(f"graph-{fmt}", cfg, base + graph_flags + full_pool, log_dir, arm(fmt)[1])
         eager = None
         try:
             if args.eager == "alongside":
                 s.wait_log(r"max_total_num_tokens=(\d+)", startup_timeout)
                 eager = Server(f"eager-{fmt}", cfg, base + eager_flags + check_pool, log_dir,
-                               {"M3_PROBE_DIR": str(work / f"probe-{fmt}"), "M3_PROBE_CALLS": "3"})
+                               {"M3_PROBE_DIR": str(work / f"probe-{fmt}"), "M3_PROBE_CALLS": "3", **arm(fmt)[1]})
             r["graph_ready_s"] = s.wait_ready(startup_timeout)
+            scorer = re.findall(r"decode scorer (\w+)", s.tail(10**7))
+            r["decode_scorer"] = sorted(set(scorer)) or None  # what the model runner's backend logged
             cap = r["small_capacity_tokens"] = capacity_from(s)
             graph_out = r["graph_outputs"] = run_prompt_sets(s, check_sets, args.check_tokens)
             if eager is not None:
@@ -591,6 +602,8 @@ def render_table(results, contexts, batches, nd, ns) -> str:
             lines.append(f"| {ctx_s} | {bs} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     small = {f: r.get("small_capacity_tokens") for f, r in fr.items()}
     lines += ["", f"Throughput-config pool capacity (tokens): {small}."]
+    lines += ["Decode scorer each graph server logged: "
+              f"{ {f: r.get('decode_scorer') for f, r in fr.items()} }."]
     lines += [f"Note: {n}" for n in results["notes"]]
     lines += [f"Elapsed: {results.get('elapsed_s', 0):.0f} s.", ""]
     return "\n".join(lines)

@@ -2,7 +2,11 @@
 and the portable Triton one) against SGLang 0.5.16's own MiniMax-M3 decode scorer + top-k (bf16
 index K), plus index-cache writer throughput.
 
-    python tests/benchmarks/bench_score.py [--out DIR] [--quick] [--no-peer]
+    python tests/benchmarks/bench_score.py [--out DIR] [--quick] [--no-peer] [--baseline-cuh FILE]
+
+``--baseline-cuh`` builds a second CUDA module from another revision of ``decode_mxfp4.cuh`` (e.g.
+``git show REV:kernels/m3_kernels/ops/score/backends/cuda/decode_mxfp4.cuh > build/base.cuh``) and
+times it beside the current one, A-B-B-A, in the columns "MXFP4 base".
 
 Method: every arm is captured once in a CUDA graph holding R calls over R disjoint regions of a
 page pool far larger than the L2 (R up to 8, fewer when a call's pages fill the pool); the graph
@@ -169,7 +173,7 @@ def check_against_ref(scores, q, k_cache, k_scale, bt, seq_lens, S, sm_scale, na
     return err
 
 
-def bench_cell(pools, peer, S, H, B, ctx, copy_gbs, sm_scale=0.088, peer_max_batch=32):
+def bench_cell(pools, peer, S, H, B, ctx, copy_gbs, sm_scale=0.088, peer_max_batch=32, base=None):
     npg = math.ceil(ctx / PAGE_SIZE)
     need = B * npg
     regions = max(1, min(MAX_REGIONS, pools.pages // need))
@@ -189,6 +193,9 @@ def bench_cell(pools, peer, S, H, B, ctx, copy_gbs, sm_scale=0.088, peer_max_bat
         def f():
             if kernel == "cuda":
                 cuda_backend.score_decode(qq, kc, ks, bts[r], seq, S, sm_scale, npg, outs[r])
+            elif kernel == "base":  # the baseline module, same launch arguments as score_decode_checked
+                base.score_decode_mxfp4(qq.view(torch.uint8), kc, ks, bts[r], seq, outs[r], int(qq.dtype != torch.bfloat16),
+                                        S, npg, 0, 1, sm_scale, torch.cuda.get_device_properties(0).multi_processor_count)
             else:
                 score_decode_triton(qq, kc, ks, fmt, B, npg, bts[r], seq, S, sm_scale, outs[r])
             if with_select:
@@ -200,6 +207,8 @@ def bench_cell(pools, peer, S, H, B, ctx, copy_gbs, sm_scale=0.088, peer_max_bat
     # Correctness gate on request 0 of region 0 for each of our arms.
     arms = [(IndexKFormat.FP8, q, "fp8", "triton"), (IndexKFormat.MXFP4, q, "mxfp4_triton", "triton"),
             (IndexKFormat.MXFP4, q, "mxfp4", "cuda"), (IndexKFormat.MXFP4, q8, "mxfp4_e4m3q", "cuda")]
+    if base is not None:
+        arms.append((IndexKFormat.MXFP4, q, "mxfp4_base", "base"))
     for fmt, qq, name, kernel in arms:
         outs[0].fill_(float("nan"))
         scorer(fmt, qq, 0, kernel=kernel)()
@@ -209,12 +218,16 @@ def bench_cell(pools, peer, S, H, B, ctx, copy_gbs, sm_scale=0.088, peer_max_bat
         except AssertionError as e:
             log(f"GATE FAILED S{S} H{H} B{B} ctx{ctx}: {e}")
             res["gate"] = f"FAILED {name}"
-    rounds = {"fp8": [], "mxfp4": []}
-    for name in ("fp8", "mxfp4", "mxfp4", "fp8"):  # A-B-B-A
-        fmt, kernel = (IndexKFormat.FP8, "triton") if name == "fp8" else (IndexKFormat.MXFP4, "cuda")
+    order = ("fp8", "mxfp4", "mxfp4_base", "mxfp4_base", "mxfp4", "fp8") if base is not None else (
+        "fp8", "mxfp4", "mxfp4", "fp8")  # A-B-B-A (A-B-C-C-B-A)
+    kernels = {"fp8": (IndexKFormat.FP8, "triton"), "mxfp4": (IndexKFormat.MXFP4, "cuda"),
+               "mxfp4_base": (IndexKFormat.MXFP4, "base")}
+    rounds = {name: [] for name in order}
+    for name in order:
+        fmt, kernel = kernels[name]
         rounds[name].append(graph_time_us([scorer(fmt, q, r, kernel=kernel) for r in range(regions)]))
-    res["fp8_us"] = statistics.mean(rounds["fp8"])
-    res["mxfp4_us"] = statistics.mean(rounds["mxfp4"])
+    for name in rounds:
+        res[f"{name}_us"] = statistics.mean(rounds[name])
     res["spread"] = max(abs(a - b) / min(a, b) for a, b in rounds.values())
     res["mxfp4_triton_us"] = graph_time_us([scorer(IndexKFormat.MXFP4, q, r) for r in range(regions)])
     res["mxfp4_e4m3q_us"] = graph_time_us([scorer(IndexKFormat.MXFP4, q8, r, kernel="cuda") for r in range(regions)])
@@ -232,6 +245,8 @@ def bench_cell(pools, peer, S, H, B, ctx, copy_gbs, sm_scale=0.088, peer_max_bat
         res[f"{name}_pct"] = 100 * res[f"{name}_gbs"] / copy_gbs
         res[f"{name}_floor_us"] = tokens * tb / (copy_gbs * 1e9) * 1e6
     res["ratio"] = res["mxfp4_us"] / res["fp8_us"]
+    if base is not None:
+        res["vs_base"] = res["mxfp4_us"] / res["mxfp4_base_us"]
     mx_bytes = tokens * IndexKFormat.MXFP4.token_bytes
     res["mxfp4_triton_pct"] = 100 * mx_bytes / (res["mxfp4_triton_us"] * 1e-6) / 1e9 / copy_gbs
     if peer is not None and B <= peer_max_batch:
@@ -299,19 +314,20 @@ def table(results, writer, copy_gbs, header, copy_note=""):
              "+sel: with the MSA top-16 selection (Triton).", ""]
     lines.append("| shape | B | ctx | fp8 us | fp8 % copy | MXFP4 us | MXFP4 GB/s | MXFP4 % copy | MXFP4 floor us | "
                  "MXFP4/fp8 | MXFP4 Triton us | MXFP4 Triton % copy | MXFP4 e4m3-Q us | select us | select 4-warp us | fp8+sel us | "
-                 "MXFP4+sel us | SGLang us | SGLang % copy | SGLang / MXFP4+sel |")
-    lines.append("|" + "---|" * 20)
+                 "MXFP4+sel us | SGLang us | SGLang % copy | SGLang / MXFP4+sel | MXFP4 base us | MXFP4/base |")
+    lines.append("|" + "---|" * 22)
     for r in results:
         gate = "" if r["gate"] == "pass" else f" (gate {r['gate']})"
         peer = (f"{r['peer_us']:.1f} | {r['peer_pct']:.0f}% | {r['speedup_mxfp4_sel']:.2f}x" if "peer_us" in r
                 else "- | - | -")
+        base = f"{r['mxfp4_base_us']:.1f} | {r['vs_base']:.3f}" if "vs_base" in r else "- | -"
         lines.append(
             f"| S{r['S']} H{r['H']}{gate} | {r['B']} | {r['ctx']} | {r['fp8_us']:.1f} | {r['fp8_pct']:.0f}% | "
             f"{r['mxfp4_us']:.1f} | {r['mxfp4_gbs']:.0f} | {r['mxfp4_pct']:.0f}% | {r['mxfp4_floor_us']:.1f} | "
             f"{r['ratio']:.2f} | {r['mxfp4_triton_us']:.1f} | {r['mxfp4_triton_pct']:.0f}% | "
             f"{r['mxfp4_e4m3q_us']:.1f} | {r['select_us']:.1f} | {r['select_4w_us']:.1f} | {r['fp8_sel_us']:.1f} | "
             f"{r['mxfp4_sel_us']:.1f} | "
-            f"{peer} |")
+            f"{peer} | {base} |")
     if writer:
         lines += ["", "Index-cache writer, 32768 fp32 tokens to random slots (bytes: fp32 in + slot + cache row):", "",
                   "| format | us | M tokens/s | GB/s | % copy |", "|---|---|---|---|---|"]
@@ -325,6 +341,7 @@ def main(argv=None):
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--quick", action="store_true", help="the 9 seed cells only")
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--baseline-cuh", default=None, help="another revision of decode_mxfp4.cuh to time beside")
     args = parser.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     import triton
@@ -349,6 +366,7 @@ def main(argv=None):
             log(f"SGLang top-k: Triton two-stage fallback (JIT radix select unavailable: "
                 f"{type(e).__name__}: {e})"[:400])
     cuda_backend.build()  # compile (or load) the CUDA kernel before anything is timed
+    base = cuda_backend.load_module(args.baseline_cuh, "m3_score_decode_mxfp4_base") if args.baseline_cuh else None
     copy_start = copy_bandwidth()
     log(f"copy bandwidth {copy_start:.0f} GB/s")
     copy_gbs = copy_start
@@ -357,7 +375,7 @@ def main(argv=None):
     results = []
     for S, H, B, ctx in cells:
         try:
-            r = bench_cell(pools, peer, S, H, B, ctx, copy_gbs)
+            r = bench_cell(pools, peer, S, H, B, ctx, copy_gbs, base=base)
         except Exception as e:
             log(f"cell S{S} H{H} B{B} ctx{ctx} failed: {type(e).__name__}: {e}"[:500])
             raise

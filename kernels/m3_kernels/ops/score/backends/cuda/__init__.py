@@ -104,16 +104,23 @@ def verify_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_b
     return availability(q.device)
 
 
-@functools.lru_cache(maxsize=None)
-def _module():
-    """The compiled TVM-FFI module (built on first use, then loaded from SGLang's JIT cache)."""
+def load_module(source=SOURCE, name="m3_score_decode_mxfp4"):
+    """The TVM-FFI module compiled from ``source`` (built, or loaded from SGLang's JIT cache) under
+    ``name``; its function ``score_decode_mxfp4`` takes ``score_decode_checked``'s launch arguments.
+    The benchmark passes an earlier revision of the source to time it beside this one."""
     try:
         from sglang.jit_kernel.utils import load_jit  # SGLang 0.5.16
     except ImportError:
         from sglang.kernels.jit.utils import load_jit  # newer releases (0.5.23)
 
-    return load_jit("m3_score_decode_mxfp4", cuda_files=[str(SOURCE)],
+    return load_jit(name, cuda_files=[str(pathlib.Path(source).resolve())],  # SGLang resolves relative paths elsewhere
                     cuda_wrappers=[("score_decode_mxfp4", "m3_mxfp4::score_decode_mxfp4")])
+
+
+@functools.lru_cache(maxsize=None)
+def _module():
+    """This source's module, built once per process."""
+    return load_module()
 
 
 @functools.lru_cache(maxsize=None)
