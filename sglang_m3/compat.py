@@ -11,8 +11,11 @@ What moved, by the first release that has it:
   ``resolving_view(server_args)`` instead of from the record, and the CUDA-graph config is
   resolved by ``arg_groups.cuda_graph_hook.handle_cuda_graph_config`` instead of
   ``ServerArgs._parse_cuda_graph_config``.
-- 0.5.22: the detokenizer process loads plugins itself, and the paged allocator has torch paths
-  for platforms without Triton.
+- 0.5.20: the tokenizer manager aborts the requests a batch handler sent when that handler ends
+  early (its client cut the stream, a sample failed), the samples of an ``n > 1`` request among them.
+- 0.5.22: the detokenizer process loads plugins itself, the paged allocator has torch paths
+  for platforms without Triton, and the tokenizer manager releases every request state that an
+  ``n > 1`` (parallel sampling) request registers before sending its samples.
 
 The hook table in ``plugin.py`` keys its rows on these versions.
 """
@@ -27,6 +30,8 @@ TESTED_SGLANG = ("0.5.16", "0.5.23")
 RESOLUTION_PIPELINE = Version("0.5.19")  # sealed ServerArgs, resolution by declarations
 DETOKENIZER_LOADS_PLUGINS = Version("0.5.22")
 ALLOCATOR_OFF_TRITON = Version("0.5.22")  # the paged allocator's torch paths where Triton is missing
+BATCH_HANDLER_ABORTS_SENT = Version("0.5.20")  # an n > 1 handler ended early aborts its samples
+PARALLEL_SAMPLING_RELEASES_STATES = Version("0.5.22")  # n > 1 leaves no initial request state behind
 
 
 class UnsupportedSGLangError(RuntimeError):

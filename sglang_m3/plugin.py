@@ -3,10 +3,10 @@
 Installing the package is all it takes (SGLang loads the entry point in the launcher, tokenizer
 manager, scheduler and, from 0.5.22, detokenizer). The entry point first checks that the installed
 SGLang is one this plugin supports (``compat``: 0.5.16 through 0.5.23) and stops the server with
-a message naming that range otherwise. The vocabulary check, the detokenizer row and the
-allocator rows act for every model served where this package is installed, the allocator only off
-CUDA; the others engage only for a config with ``index_k_format`` (the flag only when given), so
-upstream MiniMax-M3 configs keep SGLang's own path.
+a message naming that range otherwise. The vocabulary check, the parallel-sampling rows, the
+detokenizer row and the allocator rows act for every model served where this package is
+installed, the allocator only off CUDA; the others engage only for a config with
+``index_k_format`` (the flag only when given), so upstream MiniMax-M3 configs keep SGLang's own path.
 
 One table, keyed by SGLang release (``since`` inclusive, ``until`` exclusive; blank: every
 supported release):
@@ -23,6 +23,9 @@ supported release):
 | ``DefaultPoolConfigurator._compute_cell_size`` | around | | budget the format's bytes (capacity grows with it) |
 | ``attn_backend_wrapper`` | around | | pair the dense backend with ``MiniMaxM31SparseAttnBackend`` |
 | ``TokenizerManager._validate_one_request`` | before | | reject token ids outside the vocabulary (HTTP 400) |
+| ``TokenizerManager._handle_batch_request`` | before | < 0.5.22 | drop the request states ``n > 1`` leaves behind |
+| ``TokenizerManager._handle_batch_request`` | around | < 0.5.20 | an ``n > 1`` handler ended early aborts its samples |
+| ``TokenizerManager._send_one_request`` | before | < 0.5.20 | note the samples' rids for that (``parallel_sampling``) |
 | ``Engine._launch_detokenizer_subprocesses`` | around | < 0.5.22 | the detokenizer loads plugins (knows the config) |
 | ``PagedTokenToKVPoolAllocator.alloc_extend`` / ``_decode`` | around | < 0.5.22 | torch slots off CUDA |
 
@@ -40,7 +43,14 @@ from packaging.version import Version
 from m3_kernels.formats import PAGE_SIZE, IndexKFormat
 
 from . import compat
-from .compat import ALLOCATOR_OFF_TRITON, DETOKENIZER_LOADS_PLUGINS, RESOLUTION_PIPELINE, setting
+from .compat import (
+    ALLOCATOR_OFF_TRITON,
+    BATCH_HANDLER_ABORTS_SENT,
+    DETOKENIZER_LOADS_PLUGINS,
+    PARALLEL_SAMPLING_RELEASES_STATES,
+    RESOLUTION_PIPELINE,
+    setting,
+)
 from .config import ARCHITECTURE, index_k_settings, register_config
 
 logger = logging.getLogger(__name__)
@@ -295,9 +305,10 @@ class Hook(NamedTuple):
 
 def hook_table() -> tuple[Hook, ...]:
     """Every hooked SGLang target (see the module docstring), for every supported release."""
-    from . import cpu_alloc
+    from . import cpu_alloc, parallel_sampling
 
     server_args = "sglang.srt.server_args.ServerArgs"
+    tokenizer_manager = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
     allocator = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator"
     return (
         Hook(f"{server_args}.add_cli_args", _add_index_k_format_flag, "AFTER"),
@@ -313,8 +324,13 @@ def hook_table() -> tuple[Hook, ...]:
         Hook("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
              _index_k_cell_size, "AROUND"),
         Hook("sglang.srt.layers.attention.attention_registry.attn_backend_wrapper", _attn_backend, "AROUND"),
-        Hook("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
-             _check_input_ids_in_vocab, "BEFORE"),
+        Hook(f"{tokenizer_manager}._validate_one_request", _check_input_ids_in_vocab, "BEFORE"),
+        Hook(f"{tokenizer_manager}._handle_batch_request", parallel_sampling.release_unsent_states, "BEFORE",
+             until=PARALLEL_SAMPLING_RELEASES_STATES),
+        Hook(f"{tokenizer_manager}._handle_batch_request", parallel_sampling.abort_unfinished_samples, "AROUND",
+             until=BATCH_HANDLER_ABORTS_SENT),
+        Hook(f"{tokenizer_manager}._send_one_request", parallel_sampling.note_sent_rid, "BEFORE",
+             until=BATCH_HANDLER_ABORTS_SENT),
         Hook("sglang.srt.entrypoints.engine.Engine._launch_detokenizer_subprocesses", _detokenizer_loads_plugins,
              "AROUND", until=DETOKENIZER_LOADS_PLUGINS),
         Hook(f"{allocator}.alloc_extend", cpu_alloc.alloc_extend, "AROUND", until=ALLOCATOR_OFF_TRITON),

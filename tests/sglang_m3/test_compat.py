@@ -68,6 +68,8 @@ def test_each_target_exists_in_the_installed_sglang_exactly_where_its_row_applie
         assert "handle_cuda_graph_config" in skipped
     if version >= compat.DETOKENIZER_LOADS_PLUGINS:
         assert {"_launch_detokenizer_subprocesses", "alloc_extend", "alloc_decode"} <= skipped
+    if version >= compat.PARALLEL_SAMPLING_RELEASES_STATES:
+        assert {"_handle_batch_request", "_send_one_request"} <= skipped
 
 
 def test_every_applying_hook_is_patched_into_sglang():
