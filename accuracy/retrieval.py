@@ -42,6 +42,7 @@ TRAINED = {"m3_kv": "kv", "m3_vt": "vt"}  # lm-eval task -> training.data task
 TASKS = (*NEEDLE_KEYS, *TRAINED)
 # Tokens a task's answer may take (the lm-eval YAMLs' max_gen_toks): a vt chain of 5 names is up to ~33.
 GEN_TOKENS = {"m3_niah_single": needle.GEN_TOKENS, "m3_niah_multikey": needle.GEN_TOKENS, "m3_kv": 24, "m3_vt": 40}
+DOCS_VERSION = 2  # saved results record it: 2 = samples seeded per index (1: a generator per length, needles only)
 HAYSTACK_SENTENCES = 1 << 15  # fixed: a sample's window depends on the haystack's size (~650k tokens)
 CACHE_CHARS = 1 << 31
 
