@@ -4,6 +4,7 @@ stand-in OpenAI-completions server that answers with that oracle (for runner tes
 import json
 import re
 import threading
+import time
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -75,9 +76,9 @@ def read_answer():
 class FakeCompletions:
     """An OpenAI-style completions server on a loopback port that answers every prompt with
     ``oracle``'s answer (as the trained answer text, " <answer>."), except where ``wrong(prompt)`` is
-    true (then a 0 is put in front of it). Keeps the prompts it was sent."""
+    true (then a 0 is put in front of it), each request after ``delay_s``. Keeps the prompts it was sent."""
 
-    def __init__(self, wrong=lambda prompt: False, max_model_len: int = 200000):
+    def __init__(self, wrong=lambda prompt: False, max_model_len: int = 200000, delay_s: float = 0.0):
         self.prompts: list[str] = []
         outer = self
 
@@ -101,6 +102,7 @@ class FakeCompletions:
 
             def do_POST(self):
                 req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                time.sleep(delay_s)
                 prompts = req["prompt"] if isinstance(req["prompt"], list) else [req["prompt"]]
                 choices = []
                 for i, prompt in enumerate(prompts):
