@@ -140,6 +140,8 @@ def markdown_pairs(summary: dict) -> str:
         for fmt, by_task in cov.items():
             lines.append("| " + " | ".join([fmt] + [f"{by_task[t][L][0]}/{by_task[t][L][1]}" for t, L in cells]) + " |")
         parts.append("\n".join(lines) + "\n")
+    for fmt, error in (summary.get("errors") or {}).items():
+        parts.append(f"**{fmt} failed in this run**: {error}\n")
     return "\n".join(parts)
 
 

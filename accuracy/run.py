@@ -489,18 +489,20 @@ def parse_format_samples(values: list[str] | None, formats: list[str], default: 
     return out
 
 
-def _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, identity) -> dict:
+def _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, identity) -> tuple:
     """Serve each format's missing samples in rounds until done or out of ``--budget-s``; returns
-    ``{fmt: SampleLog}``. With a budget, each format not yet complete gets an equal share of what is
-    left when its turn comes (a format that finishes early leaves its time to the next); a share below
-    ``--min-format-s`` is not served this time; a round is started only if its predicted time (from the
-    last rounds' seconds per context token) fits the share."""
+    ``({fmt: SampleLog}, {fmt: error})`` (a format that fails is reported and the next one served).
+    With a budget, each format not yet complete gets an equal share of what is left when its turn
+    comes (a format that finishes early leaves its time to the next); a share below
+    ``--min-format-s`` is not served this time; a round is started only if its predicted time (from
+    the last rounds' seconds per context token) fits the share."""
     lengths = sorted(args.lengths)
     deadline = None if args.budget_s is None else time.time() + args.budget_s
     logs = {fmt: SampleLog(args.out, fmt, identity(fmt)) for fmt in formats}
     plans = {fmt: plan_rounds(args.tasks, lengths, targets[fmt], args.chunk,
                               {t: logs[fmt].done(t) for t in args.tasks}) for fmt in formats}
     rate: dict[str, float] = {}  # seconds per context token, per format and "any"
+    errors: dict[str, str] = {}
     for k, fmt in enumerate(formats):
         if not plans[fmt]:
             print(f"[resume] {fmt}: all {targets[fmt]} samples per task and length done", flush=True)
@@ -540,14 +542,18 @@ def _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, 
                       f"in {spent:.1f} s ({served} this time)", flush=True)
             return served
 
-        if fmt in urls:
-            serve(urls[fmt])
-        else:
-            server = SGLangServer(args.model, format_launch_args(fmt, launch_args, **(dense if fmt == DENSE else {})),
-                                  args.out / f"server-{fmt}.log", timeout_s=args.launch_timeout)
-            with server:
-                serve(server.base_url)
-    return logs
+        try:
+            if fmt in urls:
+                serve(urls[fmt])
+            else:
+                server = SGLangServer(args.model, format_launch_args(fmt, launch_args, **(dense if fmt == DENSE else {})),
+                                      args.out / f"server-{fmt}.log", timeout_s=args.launch_timeout)
+                with server:
+                    serve(server.base_url)
+        except Exception as e:  # one format's failure (a server that does not start, requests that fail) is
+            errors[fmt] = f"{type(e).__name__}: {e}"  # reported; the other formats still run
+            print(f"[resume] {fmt} failed: {errors[fmt]}", flush=True)
+    return logs, errors
 
 
 def coverage(logs: dict, tasks, lengths, targets: dict) -> dict:
@@ -755,11 +761,12 @@ def _compare_resumable(args, formats, launch_args, urls, dense, tokenizer, targe
                 "dense_topk_blocks": dense_topk if fmt == DENSE else None, "docs_version": retrieval.DOCS_VERSION}
 
     t0 = time.time()
-    logs = _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, identity)
+    logs, errors = _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, identity)
     lengths = sorted(args.lengths)
     per_format = {fmt: log.select(args.tasks, lengths, targets[fmt]) for fmt, log in logs.items()}
     summary = report.build_pairs(per_format, formats, n_boot=args.bootstrap, seed=args.seed, baseline=baseline)
     summary["coverage"] = coverage(logs, args.tasks, lengths, targets)
+    summary["errors"] = errors
     summary["run"] = {"model": args.model, "formats": formats, "baseline": baseline, "tasks": args.tasks,
                       "lengths": lengths, "samples": targets, "depths": args.depths, "api": args.api,
                       "launch_args": launch_args, "dense_topk_blocks": dense_topk, "chunk": args.chunk,

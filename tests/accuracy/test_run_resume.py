@@ -130,3 +130,13 @@ def test_budget_needs_resume(tmp_path):
     with pytest.raises(ValueError, match="long-context tasks"):
         run.compare_formats(["--model", "m", "--formats", "fp8", "--base-url", "http://127.0.0.1:9",
                              "--lengths", "1024", "--resume", "--tasks", "m3_short_arith", "--out", str(tmp_path)])
+
+
+def test_a_failing_format_is_reported_and_the_next_one_runs(tmp_path, fake_completions):
+    out = tmp_path / "acc"
+    with fake_completions() as b:
+        urls = {"fp8": "http://127.0.0.1:9", "mxfp4": b.url}  # nothing listens on port 9
+        summary = run.compare_formats(_argv(out, urls, "--samples", "1", "--tasks", "m3_kv"))
+    assert "fp8" in summary["errors"] and len(b.prompts) == 2
+    assert summary["coverage"]["mxfp4"]["m3_kv"] == {"1024": [1, 1], "2048": [1, 1]}
+    assert "**fp8 failed in this run**" in (out / "report.md").read_text()
