@@ -495,7 +495,9 @@ def _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, 
     With a budget, each format not yet complete gets an equal share of what is left when its turn
     comes (a format that finishes early leaves its time to the next); a share below
     ``--min-format-s`` is not served this time; a round is started only if its predicted time (from
-    the last rounds' seconds per context token) fits the share."""
+    the last rounds' seconds per context token) fits the share. ``--max-formats N`` serves only the N
+    formats furthest from their targets (fraction of samples done; ties in ``--formats`` order), so
+    that every format progresses at the same relative pace over many short runs."""
     lengths = sorted(args.lengths)
     deadline = None if args.budget_s is None else time.time() + args.budget_s
     logs = {fmt: SampleLog(args.out, fmt, identity(fmt)) for fmt in formats}
@@ -503,9 +505,21 @@ def _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, 
                               {t: logs[fmt].done(t) for t in args.tasks}) for fmt in formats}
     rate: dict[str, float] = {}  # seconds per context token, per format and "any"
     errors: dict[str, str] = {}
+    todo = [f for f in formats if plans[f]]
+    if args.max_formats is not None and len(todo) > args.max_formats:
+        cells = len(args.tasks) * len(lengths)
+        done = {f: sum(len(log_rows) for log_rows in logs[f].select(args.tasks, lengths, targets[f]).values())
+                / (cells * targets[f]) for f in todo}
+        chosen = set(sorted(todo, key=lambda f: (done[f], formats.index(f)))[: args.max_formats])
+        for f in todo:
+            if f not in chosen:
+                print(f"[resume] {f}: {100 * done[f]:.0f}% done, further along than the {args.max_formats} served "
+                      "this time (--max-formats)", flush=True)
+        plans = {f: (plans[f] if f in chosen else []) for f in formats}
     for k, fmt in enumerate(formats):
         if not plans[fmt]:
-            print(f"[resume] {fmt}: all {targets[fmt]} samples per task and length done", flush=True)
+            if fmt not in todo:
+                print(f"[resume] {fmt}: all {targets[fmt]} samples per task and length done", flush=True)
             continue
         share_end = None
         if deadline is not None:
@@ -635,6 +649,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "done gets an equal share of what is left); the report is written either way")
     g.add_argument("--min-format-s", type=float, default=60.0,
                    help="a format whose share of --budget-s is below this is not served this time")
+    g.add_argument("--max-formats", type=int, default=None,
+                   help="serve at most this many formats this time: those furthest from their targets (fraction "
+                        "done), so that short runs spread the formats' server starts")
     return p
 
 
@@ -643,7 +660,8 @@ def _check_counts(args) -> None:
     every format was evaluated)."""
     for flag, value in (("--samples", args.samples), ("--depths", args.depths), ("--bootstrap", args.bootstrap),
                         ("--concurrency", args.concurrency), ("--limit", args.limit),
-                        ("--max-gen-toks", args.max_gen_toks), ("--chunk", args.chunk)):
+                        ("--max-gen-toks", args.max_gen_toks), ("--chunk", args.chunk),
+                        ("--max-formats", args.max_formats)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     short = [n for n in args.lengths or [] if n <= GEN_TOKENS]
@@ -658,8 +676,8 @@ def _check_counts(args) -> None:
             raise ValueError(f"--resume runs the long-context tasks {list(LONG_TASKS)} only, got --tasks {args.tasks}")
         if args.budget_s is not None and args.budget_s < 0:
             raise ValueError(f"--budget-s must be >= 0, got {args.budget_s}")
-    elif args.budget_s is not None or args.format_samples:
-        raise ValueError("--budget-s and --format-samples need --resume")
+    elif args.budget_s is not None or args.format_samples or args.max_formats is not None:
+        raise ValueError("--budget-s, --format-samples and --max-formats need --resume")
 
 
 def exit_on_sigterm() -> None:

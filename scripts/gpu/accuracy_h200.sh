@@ -10,10 +10,11 @@
 #
 # MODEL: an exported checkpoint folder (config.json, safetensors, tokenizer); default configs/msa-medium.
 # Run from anywhere with a 600 s limit; it takes BUDGET_S (540) seconds wall. Per call:
-#   1. m3-accuracy --resume --budget-s: formats in FORMATS order, one SGLang server each (CUDA graphs on,
-#      the launch arguments below), each format not yet done getting an equal share of the time left; a
-#      round (CHUNK samples of every task x length) starts only if it is predicted to fit. fp8 and mxfp4
-#      (LARGE_FORMATS) aim at N_LARGE samples per (task, length), the others at N_SMALL.
+#   1. m3-accuracy --resume --budget-s: the MAX_FORMATS (2) formats furthest from their targets (fraction
+#      done; ties in FORMATS order, so call 1 serves fp8 and mxfp4), one SGLang server each (CUDA graphs on,
+#      the launch arguments below), each getting an equal share of the time left; a round (CHUNK samples
+#      of every task x length) starts only if it is predicted to fit. fp8 and mxfp4 (LARGE_FORMATS) aim at
+#      N_LARGE samples per (task, length), the others at N_SMALL.
 #   2. while the agreement is incomplete: accuracy.agreement --reuse, one format at a time (bf16 first:
 #      fp8, mxfp4, mxfp4_rot are compared with it and with each other), AGREE_SAMPLES single-needle prompts
 #      per length, eager servers (the recorder needs them); it gets AGREE_S of the budget; a format cut
@@ -34,7 +35,7 @@
 # (e.g. .acc-state/, listed in .git/info/exclude and named in the call's carry) and set RESUME to it.
 #
 # Env: BUDGET_S (540), AGREE_S (150), RESERVE_S (30: report and packing), FORMATS ("fp8 mxfp4 mxfp4_rot bf16
-# dense"), LARGE_FORMATS ("fp8 mxfp4"), N_LARGE (1000), N_SMALL (100), TASKS ("m3_niah_single m3_niah_multikey
+# dense"), MAX_FORMATS (2), LARGE_FORMATS ("fp8 mxfp4"), N_LARGE (1000), N_SMALL (100), TASKS ("m3_niah_single m3_niah_multikey
 # m3_kv m3_vt"), LENGTHS ("8192 32768 65536 131072"), CHUNK (8), CONCURRENCY (8), AGREE_FORMATS ("bf16 fp8 mxfp4
 # mxfp4_rot"), AGREE_SAMPLES (4), AGREE_LENGTHS (LENGTHS), LAUNCH_ARGS (replaces the server arguments below),
 # RUN_DIR, OUT, RESUME, FRESH=1 (drop $RUN_DIR's state first), PYTHON (python3), DEVICE (cuda; cpu: no
@@ -52,6 +53,7 @@ BUDGET_S="${BUDGET_S:-540}"
 AGREE_S="${AGREE_S:-150}"
 RESERVE_S="${RESERVE_S:-30}"
 FORMATS="${FORMATS:-fp8 mxfp4 mxfp4_rot bf16 dense}"
+MAX_FORMATS="${MAX_FORMATS:-2}"
 LARGE_FORMATS="${LARGE_FORMATS:-fp8 mxfp4}"
 N_LARGE="${N_LARGE:-1000}"
 N_SMALL="${N_SMALL:-100}"
@@ -135,7 +137,7 @@ done
 # shellcheck disable=SC2086
 ACC=("$PYTHON" -m accuracy.run --model "$MODEL" --formats $FORMATS --baseline fp8 --tasks $TASKS
      --lengths $LENGTHS --samples "$N_SMALL" --format-samples "${format_samples[@]}" --chunk "$CHUNK"
-     --concurrency "$CONCURRENCY" --resume --out "$RUN_DIR/acc")
+     --concurrency "$CONCURRENCY" --max-formats "$MAX_FORMATS" --resume --out "$RUN_DIR/acc")
 acc_s=$(( $(left) - $(agreement_done && echo 0 || echo "$AGREE_S") ))
 acc_rc=0
 if [ "$acc_s" -ge 60 ]; then

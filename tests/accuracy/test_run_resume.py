@@ -140,3 +140,19 @@ def test_a_failing_format_is_reported_and_the_next_one_runs(tmp_path, fake_compl
     assert "fp8" in summary["errors"] and len(b.prompts) == 2
     assert summary["coverage"]["mxfp4"]["m3_kv"] == {"1024": [1, 1], "2048": [1, 1]}
     assert "**fp8 failed in this run**" in (out / "report.md").read_text()
+
+
+def test_max_formats_serves_those_furthest_behind(tmp_path, fake_completions):
+    out = tmp_path / "acc"
+    with fake_completions() as a, fake_completions() as b, fake_completions() as c:
+        urls = {"fp8": a.url, "mxfp4": b.url, "bf16": c.url}
+        common = ["--tasks", "m3_kv", "--samples", "4", "--chunk", "1", "--max-formats", "1"]
+        run.compare_formats(_argv(out, urls, *common, "--format-samples", "bf16=2"))  # all at 0 %: fp8 first
+        assert (len(a.prompts), len(b.prompts), len(c.prompts)) == (8, 0, 0)
+        more = [*common, "--format-samples", "fp8=8", "bf16=2"]  # fp8 now at 50 %, the others at 0 %
+        run.compare_formats(_argv(out, urls, *more))
+        assert (len(a.prompts), len(b.prompts), len(c.prompts)) == (8, 8, 0)
+        run.compare_formats(_argv(out, urls, *more))  # bf16 (0 %) before fp8 (50 %)
+        assert (len(a.prompts), len(b.prompts), len(c.prompts)) == (8, 8, 4)
+        run.compare_formats(_argv(out, urls, *more))
+        assert (len(a.prompts), len(b.prompts), len(c.prompts)) == (16, 8, 4)
