@@ -156,3 +156,20 @@ def test_max_formats_serves_those_furthest_behind(tmp_path, fake_completions):
         assert (len(a.prompts), len(b.prompts), len(c.prompts)) == (8, 8, 4)
         run.compare_formats(_argv(out, urls, *more))
         assert (len(a.prompts), len(b.prompts), len(c.prompts)) == (16, 8, 4)
+
+
+def test_plain_runs_take_the_new_tasks_too(tmp_path, fake_completions, wrong_rule):
+    # Without --resume: one lm-eval call per format over --samples per length, then report.build.
+    out = tmp_path / "plain"
+    with fake_completions() as a, fake_completions(wrong=wrong_rule(2)) as b:
+        argv = ["--model", MSA, "--formats", "fp8", "mxfp4", "--base-url", f"fp8={a.url}", f"mxfp4={b.url}",
+                "--tasks", "m3_kv", "m3_vt", "--lengths", "1024", "--samples", "4", "--concurrency", "2",
+                "--bootstrap", "100", "--out", str(out)]
+        summary = run.compare_formats(argv)
+    assert len(a.prompts) == 8 and sorted(a.prompts) == sorted(b.prompts)
+    for task in ("m3_kv", "m3_vt"):
+        rows = _rows(out, "mxfp4", task)
+        assert [r["doc_id"] for r in rows] == [f"1024/{i}" for i in range(4)]
+        paired = summary["tasks"][task][-1]["paired"]["mxfp4"]
+        assert paired["n10"] == sum(r["score"] == 0.0 for r in rows) and paired["ci_method"] == "tango"
+        assert paired["newcombe_lo"] <= paired["diff"] <= paired["newcombe_hi"]
