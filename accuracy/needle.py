@@ -8,8 +8,9 @@ with a depth grid the needle lands in many different 128-token blocks. ``length`
 prompt tokens plus ``gen_tokens`` generated tokens.
 
 Seeds: sample ``i`` at ``length`` with ``n_keys`` needles is drawn from its own generator, seeded by
-``(seed, length, n_keys, i)``, and reads a window of a haystack stream whose extent depends on
-``length`` only, so a sample is the same whichever other samples or lengths are generated with it
+``(seed, length, n_keys, i)``, and reads a window of the haystack stream within a span fixed by its
+own token budget (the span a fresh pool holds, however far other samples grew the shared pool), so a
+sample is the same whichever other samples or lengths are generated with it
 (``sample_ids`` picks any of them: a long run can be evaluated in pieces and resumed). The runs
 dated 2026-12-01 and earlier in docs/accuracy.md drew their samples from one generator per length in
 turn: the same distribution, other prompts.
@@ -49,7 +50,7 @@ def depth_grid(num_depths: int) -> list[float]:
     return [100.0 * i / (num_depths - 1) for i in range(num_depths)]
 
 
-POOL_SPAN = 3  # a sample of ``length`` tokens starts its window in the pool's first POOL_SPAN * length tokens
+POOL_BATCH = 512  # sentences the pool grows by
 
 
 class _Pool:
@@ -62,9 +63,9 @@ class _Pool:
         self.cum = [0]  # cum[i] = tokens of sentences [0, i)
 
     def ensure(self, tokens: int):
-        """Grow the pool (in batches of 512 sentences) until it holds at least ``tokens`` tokens."""
+        """Grow the pool (in batches of ``POOL_BATCH`` sentences) until it holds at least ``tokens`` tokens."""
         while self.cum[-1] < tokens:
-            batch = [next(self.stream) for _ in range(512)]
+            batch = [next(self.stream) for _ in range(POOL_BATCH)]
             encoded = self.tokenizer([" " + s for s in batch], add_special_tokens=False)["input_ids"]
             counts = [len(ids) for ids in encoded]
             self.text += batch
@@ -95,12 +96,15 @@ def make_sample(tokenizer, pool: _Pool, length: int, depth: float, n_keys: int, 
     if budget <= 0:
         raise ValueError(f"length {length} is too short for the prompt frame "
                          f"({frame} + {needle_tokens} + {GEN_TOKENS} tokens)")
-    # The window starts among the sentences of the pool's first POOL_SPAN * length tokens (a range that
-    # depends on length only, however far other samples grew the pool) and fits below its end.
-    pool.ensure((POOL_SPAN + 1) * length)
-    starts = max(1, bisect.bisect_right(pool.cum, POOL_SPAN * length) - 1)
+    # The window lies in the part of the pool a fresh pool would hold after growing to 3 x budget tokens
+    # (whole batches of POOL_BATCH sentences): a range fixed by the sample itself, however far other
+    # samples grew the shared pool, and the one the first sample of a fresh pool always had.
+    pool.ensure(3 * budget + 1)  # the pool grows by whole batches: it holds the span
+    span = POOL_BATCH * -(-bisect.bisect_left(pool.cum, 3 * budget + 1) // POOL_BATCH)
     for _ in range(8):  # per-sentence counts are an estimate: trim until the prompt fits
-        start = rng.randrange(0, starts)
+        start = rng.randrange(0, max(1, span - 1))
+        while pool.cum[span] - pool.cum[start] < budget:
+            start = start // 2  # window too close to the end of the span: move it back
         end = bisect.bisect_right(pool.cum, pool.cum[start] + budget) - 1
         hay = pool.text[start:end]
         # Depth is placed by tokens: the needle goes at the sentence boundary nearest depth%.

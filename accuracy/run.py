@@ -560,8 +560,8 @@ def _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, 
             if fmt in urls:
                 serve(urls[fmt])
             else:
-                server = SGLangServer(args.model, format_launch_args(fmt, launch_args, **(dense if fmt == DENSE else {})),
-                                      args.out / f"server-{fmt}.log", timeout_s=args.launch_timeout)
+                launch = format_launch_args(fmt, launch_args, **(dense if fmt == DENSE else {}))
+                server = SGLangServer(args.model, launch, args.out / f"server-{fmt}.log", timeout_s=args.launch_timeout)
                 with server:
                     serve(server.base_url)
         except Exception as e:  # one format's failure (a server that does not start, requests that fail) is

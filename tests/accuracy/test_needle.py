@@ -83,3 +83,15 @@ def test_each_sample_has_its_own_seed(tokenizer, n_keys):
     assert needle.generate(tokenizer, [1024], 0, 3, n_keys, 5, sample_ids=[2]) == [full[2]]
     assert [d["depth"] for d in full[:4]] == [0.0, 50.0, 100.0, 0.0]
     assert len({d["input"] for d in full}) == 8
+
+
+def test_a_grown_pool_gives_the_fresh_pool_s_sample(tokenizer):
+    # make_sample's window depends on the sample, not on how far other samples grew the shared pool
+    # (sglang_m3.demo draws from a fresh pool: its seeds replay the prompts they always had).
+    import random
+
+    grown = needle._Pool(tokenizer)
+    grown.ensure(100000)
+    for n_keys in (1, 4):
+        fresh = needle.make_sample(tokenizer, needle._Pool(tokenizer), 3000, 40.0, n_keys, random.Random("a"), 0)
+        assert needle.make_sample(tokenizer, grown, 3000, 40.0, n_keys, random.Random("a"), 0) == fresh
