@@ -568,4 +568,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    from .run import exit_on_sigterm
+
+    exit_on_sigterm()  # a timeout around the tool stops the server it started
     main()

@@ -7,6 +7,14 @@ are distractors at random depths). The queried needle sits at ``depth`` percent 
 with a depth grid the needle lands in many different 128-token blocks. ``length`` is the budget of
 prompt tokens plus ``gen_tokens`` generated tokens.
 
+Seeds: sample ``i`` at ``length`` with ``n_keys`` needles is drawn from its own generator, seeded by
+``(seed, length, n_keys, i)``, and reads a window of the haystack stream within a span fixed by its
+own token budget (the span a fresh pool holds, however far other samples grew the shared pool), so a
+sample is the same whichever other samples or lengths are generated with it
+(``sample_ids`` picks any of them: a long run can be evaluated in pieces and resumed). The runs
+dated 2026-12-01 and earlier in docs/accuracy.md drew their samples from one generator per length in
+turn: the same distribution, other prompts.
+
 Doc fields: ``input`` (prompt), ``target`` (the digits), ``length``, ``depth``, ``tokens`` (prompt
 tokens measured), ``key``, ``n_keys``, ``sample``.
 """
@@ -14,6 +22,7 @@ tokens measured), ``key``, ``n_keys``, ``sample``.
 import bisect
 import random
 import re
+import weakref
 
 from .haystack import sentences
 
@@ -41,6 +50,9 @@ def depth_grid(num_depths: int) -> list[float]:
     return [100.0 * i / (num_depths - 1) for i in range(num_depths)]
 
 
+POOL_BATCH = 512  # sentences the pool grows by
+
+
 class _Pool:
     """Haystack sentences with their token counts and prefix sums, grown on demand."""
 
@@ -51,8 +63,9 @@ class _Pool:
         self.cum = [0]  # cum[i] = tokens of sentences [0, i)
 
     def ensure(self, tokens: int):
+        """Grow the pool (in batches of ``POOL_BATCH`` sentences) until it holds at least ``tokens`` tokens."""
         while self.cum[-1] < tokens:
-            batch = [next(self.stream) for _ in range(512)]
+            batch = [next(self.stream) for _ in range(POOL_BATCH)]
             encoded = self.tokenizer([" " + s for s in batch], add_special_tokens=False)["input_ids"]
             counts = [len(ids) for ids in encoded]
             self.text += batch
@@ -83,11 +96,15 @@ def make_sample(tokenizer, pool: _Pool, length: int, depth: float, n_keys: int, 
     if budget <= 0:
         raise ValueError(f"length {length} is too short for the prompt frame "
                          f"({frame} + {needle_tokens} + {GEN_TOKENS} tokens)")
+    # The window lies in the part of the pool a fresh pool would hold after growing to 3 x budget tokens
+    # (whole batches of POOL_BATCH sentences): a range fixed by the sample itself, however far other
+    # samples grew the shared pool, and the one the first sample of a fresh pool always had.
+    pool.ensure(3 * budget + 1)  # the pool grows by whole batches: it holds the span
+    span = POOL_BATCH * -(-bisect.bisect_left(pool.cum, 3 * budget + 1) // POOL_BATCH)
     for _ in range(8):  # per-sentence counts are an estimate: trim until the prompt fits
-        pool.ensure(budget * 3 + 1)
-        start = rng.randrange(0, max(1, len(pool.text) - 1))
-        while pool.cum[-1] - pool.cum[start] < budget:
-            start = start // 2  # window too close to the end of the pool: move it back
+        start = rng.randrange(0, max(1, span - 1))
+        while pool.cum[span] - pool.cum[start] < budget:
+            start = start // 2  # window too close to the end of the span: move it back
         end = bisect.bisect_right(pool.cum, pool.cum[start] + budget) - 1
         hay = pool.text[start:end]
         # Depth is placed by tokens: the needle goes at the sentence boundary nearest depth%.
@@ -107,19 +124,43 @@ def make_sample(tokenizer, pool: _Pool, length: int, depth: float, n_keys: int, 
     raise RuntimeError(f"could not fit a sample into {length} tokens")
 
 
-def generate(tokenizer, lengths, num_samples: int, num_depths: int, n_keys: int, seed: int) -> list[dict]:
-    """``num_samples`` samples per length, depths cycling over ``depth_grid(num_depths)``."""
-    if num_samples < 1:
+_POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> its _Pool
+
+
+def _pool(tokenizer) -> _Pool:
+    """The haystack pool of ``tokenizer``, kept while the tokenizer lives (its counts are its own)."""
+    try:
+        pool = _POOLS.get(tokenizer)
+    except TypeError:  # not weak-referenceable: a pool per call
+        return _Pool(tokenizer)
+    if pool is None:
+        pool = _POOLS[tokenizer] = _Pool(tokenizer)
+    return pool
+
+
+def sample_rng(seed: int, length: int, n_keys: int, index: int) -> random.Random:
+    """The generator of sample ``index`` (see the module doc)."""
+    return random.Random(f"needle-{seed}-{length}-{n_keys}-{index}")
+
+
+def generate(tokenizer, lengths, num_samples: int, num_depths: int, n_keys: int, seed: int,
+             sample_ids=None) -> list[dict]:
+    """Samples ``0 .. num_samples - 1`` (or the indices ``sample_ids``) per length, shortest length
+    first; sample ``i`` has its needle at depth ``depth_grid(num_depths)[i % num_depths]``."""
+    ids = list(range(num_samples)) if sample_ids is None else [int(i) for i in sample_ids]
+    if sample_ids is None and num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if any(i < 0 for i in ids):
+        raise ValueError(f"sample_ids must be >= 0, got {ids}")
     if not 1 <= n_keys <= len(_KEY_A) * len(_KEY_B):  # more would loop forever looking for a new key
         raise ValueError(f"n_keys must be in [1, {len(_KEY_A) * len(_KEY_B)}] (distinct keys), got {n_keys}")
-    pool = _Pool(tokenizer)
+    pool = _pool(tokenizer)
     grid = depth_grid(num_depths)
     docs = []
     for length in sorted(int(n) for n in lengths):
-        rng = random.Random(f"{seed}-{length}-{n_keys}")
-        for i in range(num_samples):
-            docs.append(make_sample(tokenizer, pool, length, grid[i % len(grid)], n_keys, rng, i))
+        for i in ids:
+            docs.append(make_sample(tokenizer, pool, length, grid[i % len(grid)], n_keys,
+                                    sample_rng(seed, length, n_keys, i), i))
     return docs
 
 

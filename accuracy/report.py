@@ -78,6 +78,29 @@ def build(per_format: dict, formats: list[str], n_boot: int = 10000, seed: int =
     return {"baseline": base, "formats": formats, "tasks": tasks}
 
 
+def build_pairs(per_format: dict, formats: list[str], n_boot: int = 10000, seed: int = 0,
+                baseline: str | None = None, confidence: float = 0.95) -> dict:
+    """Every candidate against the baseline on the samples both scored (a resumable run's formats can
+    hold different samples): ``{"baseline", "formats", "pairs": {candidate: build(...) of the two}}``.
+
+    Per task, the pair keeps the doc ids both formats have (``_pair`` then checks their targets)."""
+    base = formats[0] if baseline is None else baseline
+    if base not in formats:
+        raise ValueError(f"baseline {base!r} must be one of formats {formats}")
+    pairs = {}
+    for fmt in formats:
+        if fmt == base:
+            continue
+        both = {}
+        for task in per_format[base]:
+            ids = {r["doc_id"] for r in per_format[base][task]} & {r["doc_id"] for r in per_format[fmt].get(task, [])}
+            both[task] = ids
+        pair = {f: {task: [r for r in per_format[f].get(task, []) if r["doc_id"] in both[task]] for task in both}
+                for f in (base, fmt)}
+        pairs[fmt] = build(pair, [base, fmt], n_boot=n_boot, seed=seed, baseline=base, confidence=confidence)
+    return {"baseline": base, "formats": formats, "pairs": pairs}
+
+
 def _pct(x):
     return "-" if x is None else f"{100 * x:.1f}"
 
@@ -97,6 +120,32 @@ _INTERVAL_NOTES = {
 
 
 def markdown(summary: dict) -> str:
+    """``markdown_pairs`` for a ``build_pairs`` summary, else ``markdown_table``."""
+    return markdown_pairs(summary) if "pairs" in summary else markdown_table(summary)
+
+
+def markdown_pairs(summary: dict) -> str:
+    """Per candidate, the tables of ``markdown_table`` on the samples it shares with the baseline; then
+    the samples each format has per task and length against its target (``coverage``), if given."""
+    base = summary["baseline"]
+    parts = []
+    for fmt, pair in summary["pairs"].items():
+        parts.append(f"## {fmt} vs {base} (the samples both have)\n\n" + markdown_table(pair))
+    cov = summary.get("coverage")
+    if cov:
+        cells = [(t, L) for t, by_len in next(iter(cov.values())).items() for L in by_len]
+        head = ["format"] + [f"{t} {L}" for t, L in cells]
+        lines = ["## Samples scored per task and length (done / target)", "", "| " + " | ".join(head) + " |",
+                 "|" + "---|" * len(head)]
+        for fmt, by_task in cov.items():
+            lines.append("| " + " | ".join([fmt] + [f"{by_task[t][L][0]}/{by_task[t][L][1]}" for t, L in cells]) + " |")
+        parts.append("\n".join(lines) + "\n")
+    for fmt, error in (summary.get("errors") or {}).items():
+        parts.append(f"**{fmt} failed in this run**: {error}\n")
+    return "\n".join(parts)
+
+
+def markdown_table(summary: dict) -> str:
     """One table per task: a row per length, accuracy per format, then paired columns per candidate.
 
     Each candidate's difference column names its interval (Tango score or paired bootstrap); the
@@ -139,6 +188,8 @@ def restate_binary(summary: dict, confidence: float = 0.95) -> dict:
     For results of 0/1 scores; ValueError when the counts cannot come from 0/1 scores (``n * acc``
     not a whole number, or inconsistent with the discordant counts).
     """
+    if "pairs" in summary:
+        return {**summary, "pairs": {f: restate_binary(p, confidence) for f, p in summary["pairs"].items()}}
     out = copy.deepcopy(summary)
     for task, groups in out["tasks"].items():
         for g in groups:
@@ -156,7 +207,12 @@ def restate_binary(summary: dict, confidence: float = 0.95) -> dict:
 
 
 def plot(summary: dict, path: Path):
-    """Accuracy against context length, one panel per task with lengths, one line per format."""
+    """Accuracy against context length, one panel per task with lengths, one line per format (for a
+    ``build_pairs`` summary: the baseline and its first candidate, on the samples they share)."""
+    if "pairs" in summary:
+        if not summary["pairs"]:
+            return None
+        return plot(next(iter(summary["pairs"].values())), path)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -44,11 +44,11 @@ from pathlib import Path
 
 from m3_kernels.formats import PAGE_SIZE, parse_format
 
-from . import report
+from . import report, retrieval
 from .needle import GEN_TOKENS
 
 TASKS_DIR = Path(__file__).parent / "tasks"
-LONG_TASKS = ("m3_niah_single", "m3_niah_multikey")
+LONG_TASKS = retrieval.TASKS  # m3_niah_single, m3_niah_multikey, m3_kv, m3_vt
 SHORT_TASKS = ("m3_short_arith",)
 MIN_LENGTH = 1024
 OVERRIDE_FLAG = "--json-model-override-args"
@@ -286,8 +286,19 @@ def default_lengths(context: int) -> list[int]:
 # lm-eval
 
 
-def run_lm_eval(base_url: str, model_id: str, tokenizer: str, tasks: list[str], lengths: list[int], args) -> dict:
-    """Per-sample rows ``{task: [{doc_id, length, depth, target, response, score}]}`` of one server."""
+def doc_key(doc: dict, fallback):
+    """A sample's id across runs: ``"<length>/<sample>"`` for the long-context tasks (their samples are
+    seeded per index, ``accuracy.retrieval``), else lm-eval's ``doc_id`` (``fallback``)."""
+    if doc.get("length") is not None and doc.get("sample") is not None:
+        return f"{int(doc['length'])}/{int(doc['sample'])}"
+    return fallback
+
+
+def run_lm_eval(base_url: str, model_id: str, tokenizer: str, tasks: list[str], lengths: list[int], args,
+                sample_ids=None) -> dict:
+    """Per-sample rows ``{task: [{doc_id, length, depth, target, response, score}]}`` of one server:
+    samples ``0 .. args.samples - 1`` of each length, or the indices ``sample_ids``; ``doc_id`` is
+    ``doc_key`` (rows ordered by length, then sample)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -306,6 +317,8 @@ def run_lm_eval(base_url: str, model_id: str, tokenizer: str, tasks: list[str], 
     }
     metadata = {"max_seq_lengths": lengths, "num_samples": args.samples, "num_depths": args.depths,
                 "seed": args.seed, "tokenizer": tokenizer}
+    if sample_ids is not None:
+        metadata["sample_ids"] = [int(i) for i in sample_ids]
     # Our tasks only: indexing lm-eval's own few thousand task files costs ~20 s.
     manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=metadata)
     out = lm_eval.simple_evaluate(
@@ -323,17 +336,20 @@ def run_lm_eval(base_url: str, model_id: str, tokenizer: str, tasks: list[str], 
         rows[task] = sorted(
             (
                 {
-                    "doc_id": s["doc_id"],
+                    "doc_id": doc_key(s["doc"], s["doc_id"]),
                     "length": s["doc"].get("length"),
                     "depth": s["doc"].get("depth"),
                     "target": str(s["target"]),
                     "response": s["resps"][0][0] if s["resps"] and s["resps"][0] else "",
                     "score": float(s["acc"]),
+                    "_order": (s["doc"].get("length") or 0, s["doc"].get("sample", s["doc_id"])),
                 }
                 for s in out["samples"][task]
             ),
-            key=lambda r: r["doc_id"],
+            key=lambda r: r["_order"],
         )
+        for r in rows[task]:
+            del r["_order"]
     return rows
 
 
@@ -362,6 +378,206 @@ def read_samples(out: Path, fmt: str, settings: dict) -> tuple[dict, list[int]] 
     rows = {task: [json.loads(line) for line in (folder / f"{task}.jsonl").read_text().splitlines()]
             for task in saved["tasks"]}
     return rows, saved["lengths"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Resumable runs (--resume): per-sample rows appended as they come, skipped when run again
+
+
+RESUME_IDENTITY = ("model", "tokenizer", "depths", "seed", "max_gen_toks", "api", "dense_topk_blocks",
+                   "docs_version")
+
+
+class SampleLog:
+    """``samples/<fmt>/<task>.jsonl`` of a resumable run: rows appended after each evaluated piece,
+    read back by ``doc_id`` (the last row of an id wins). ``samples/<fmt>/run.json`` holds the settings
+    that define the prompts and the server (``RESUME_IDENTITY``); a run with other ones raises
+    ValueError. A line cut short by a killed write is dropped when the file is next opened."""
+
+    def __init__(self, out: Path, fmt: str, identity: dict):
+        self.folder = out / "samples" / fmt
+        self.folder.mkdir(parents=True, exist_ok=True)
+        meta = self.folder / "run.json"
+        if meta.is_file():
+            saved = json.loads(meta.read_text())
+            differ = [k for k in RESUME_IDENTITY if saved.get(k) != identity.get(k)]
+            if differ:
+                raise ValueError(f"{self.folder} was run with other {differ} ({[saved.get(k) for k in differ]} "
+                                 f"against {[identity.get(k) for k in differ]}); use another --out")
+        else:
+            meta.write_text(json.dumps({k: identity.get(k) for k in RESUME_IDENTITY}))
+        self.rows: dict[str, dict] = {}
+        for path in sorted(self.folder.glob("*.jsonl")):
+            self.rows[path.stem] = self._read(path)
+
+    @staticmethod
+    def _read(path: Path) -> dict:
+        text = path.read_text()
+        if text and not text.endswith("\n"):  # a torn last line: cut it off
+            text = text[: text.rfind("\n") + 1]
+            path.write_text(text)
+        rows = {}
+        for line in text.splitlines():
+            row = json.loads(line)
+            rows[row["doc_id"]] = row
+        return rows
+
+    def done(self, task: str) -> set:
+        return set(self.rows.get(task, {}))
+
+    def append(self, task: str, rows: list[dict]) -> None:
+        with (self.folder / f"{task}.jsonl").open("a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+            f.flush()
+            os.fsync(f.fileno())
+        self.rows.setdefault(task, {}).update((r["doc_id"], r) for r in rows)
+
+    def select(self, tasks, lengths, n: int | None = None) -> dict:
+        """``{task: rows}`` of ``tasks`` at ``lengths`` (samples ``< n`` if given), by length then sample."""
+        out = {}
+        for task in tasks:
+            keep = []
+            for row in self.rows.get(task, {}).values():
+                length, _, sample = str(row["doc_id"]).partition("/")
+                if row["length"] in lengths and (n is None or int(sample) < n):
+                    keep.append(row)
+            out[task] = sorted(keep, key=lambda r: (r["length"], int(str(r["doc_id"]).partition("/")[2])))
+        return out
+
+
+def plan_rounds(tasks, lengths, n: int, chunk: int, done: dict) -> list[list[tuple]]:
+    """What is left of ``n`` samples per (task, length), in rounds: round ``r`` holds samples
+    ``[r * chunk, (r + 1) * chunk)`` of every (task, length) not in ``done[task]`` (doc ids). A round is
+    a list of pieces ``(tasks, lengths, sample_ids)``, one lm-eval call each: cells missing the same
+    samples at the same lengths share one."""
+    rounds = []
+    for r0 in range(0, n, chunk):
+        ids = range(r0, min(n, r0 + chunk))
+        by_missing: dict[tuple, list] = {}
+        for length in lengths:
+            for task in tasks:
+                missing = tuple(i for i in ids if f"{length}/{i}" not in done.get(task, set()))
+                if missing:
+                    by_missing.setdefault(missing, []).append((task, length))
+        pieces = []
+        for missing, cells in by_missing.items():
+            by_lengths: dict[tuple, list] = {}
+            for task in dict.fromkeys(t for t, _ in cells):
+                by_lengths.setdefault(tuple(sorted(L for t, L in cells if t == task)), []).append(task)
+            pieces += [(tuple(ts), ls, missing) for ls, ts in by_lengths.items()]
+        if pieces:
+            rounds.append(pieces)
+    return rounds
+
+
+def round_tokens(pieces) -> int:
+    """Context tokens a round asks for (the measure its time is predicted by)."""
+    return sum(len(ts) * sum(ls) * len(ids) for ts, ls, ids in pieces)
+
+
+def parse_format_samples(values: list[str] | None, formats: list[str], default: int) -> dict[str, int]:
+    """``{fmt: samples per (task, length)}``: ``default``, or ``fmt=N`` from ``--format-samples``."""
+    out = dict.fromkeys(formats, default)
+    for value in values or []:
+        fmt, sep, n = value.partition("=")
+        if not sep or not n.strip().isdigit() or int(n) < 1:
+            raise ValueError(f"--format-samples entries are fmt=N with N >= 1, got {value!r}")
+        fmt = parse_variant(fmt, "--format-samples format")
+        if fmt not in formats:
+            raise ValueError(f"--format-samples names {fmt}, which is not among --formats {formats}")
+        out[fmt] = int(n)
+    return out
+
+
+def _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, identity) -> tuple:
+    """Serve each format's missing samples in rounds until done or out of ``--budget-s``; returns
+    ``({fmt: SampleLog}, {fmt: error})`` (a format that fails is reported and the next one served).
+    With a budget, each format not yet complete gets an equal share of what is left when its turn
+    comes (a format that finishes early leaves its time to the next); a share below
+    ``--min-format-s`` is not served this time; a round is started only if its predicted time (from
+    the last rounds' seconds per context token) fits the share. ``--max-formats N`` serves only the N
+    formats furthest from their targets (fraction of samples done; ties in ``--formats`` order), so
+    that every format progresses at the same relative pace over many short runs."""
+    lengths = sorted(args.lengths)
+    deadline = None if args.budget_s is None else time.time() + args.budget_s
+    logs = {fmt: SampleLog(args.out, fmt, identity(fmt)) for fmt in formats}
+    plans = {fmt: plan_rounds(args.tasks, lengths, targets[fmt], args.chunk,
+                              {t: logs[fmt].done(t) for t in args.tasks}) for fmt in formats}
+    rate: dict[str, float] = {}  # seconds per context token, per format and "any"
+    errors: dict[str, str] = {}
+    todo = [f for f in formats if plans[f]]
+    if args.max_formats is not None and len(todo) > args.max_formats:
+        cells = len(args.tasks) * len(lengths)
+        done = {f: sum(len(log_rows) for log_rows in logs[f].select(args.tasks, lengths, targets[f]).values())
+                / (cells * targets[f]) for f in todo}
+        chosen = set(sorted(todo, key=lambda f: (done[f], formats.index(f)))[: args.max_formats])
+        for f in todo:
+            if f not in chosen:
+                print(f"[resume] {f}: {100 * done[f]:.0f}% done, further along than the {args.max_formats} served "
+                      "this time (--max-formats)", flush=True)
+        plans = {f: (plans[f] if f in chosen else []) for f in formats}
+    for k, fmt in enumerate(formats):
+        if not plans[fmt]:
+            if fmt not in todo:
+                print(f"[resume] {fmt}: all {targets[fmt]} samples per task and length done", flush=True)
+            continue
+        share_end = None
+        if deadline is not None:
+            waiting = sum(1 for f in formats[k:] if plans[f])
+            share = (deadline - time.time()) / waiting
+            if share < args.min_format_s:
+                print(f"[resume] {fmt}: {share:.0f} s left for it (< --min-format-s {args.min_format_s:g}): "
+                      "not served this time", flush=True)
+                continue
+            share_end = time.time() + share
+        left = sum(len(ids) * len(ts) * len(ls) for rnd in plans[fmt] for ts, ls, ids in rnd)
+        print(f"[resume] {fmt}: {left} prompts to go in {len(plans[fmt])} rounds"
+              + ("" if share_end is None else f", {share_end - time.time():.0f} s for it"), flush=True)
+
+        def serve(base_url, fmt=fmt, share_end=share_end):
+            model_id, context = served_model(base_url)
+            if context is not None and max(lengths) > int(context):
+                raise ValueError(f"--lengths {max(lengths)} exceeds the served context (max_model_len {context})")
+            served = 0
+            for pieces in plans[fmt]:
+                est = round_tokens(pieces) * rate.get(fmt, rate.get("any", 0.0))
+                if share_end is not None and time.time() + est > share_end:
+                    print(f"[resume] {fmt}: next round predicted at {est:.0f} s, past its share: stopping", flush=True)
+                    break
+                t0 = time.time()
+                for ts, ls, ids in pieces:
+                    rows = run_lm_eval(base_url, model_id, tokenizer, list(ts), list(ls), args, sample_ids=ids)
+                    for task, task_rows in rows.items():
+                        logs[fmt].append(task, task_rows)
+                        served += len(task_rows)
+                spent = time.time() - t0
+                rate[fmt] = rate["any"] = spent / max(1, round_tokens(pieces))
+                print(f"[resume] {fmt}: round of {sum(len(i) * len(t) * len(l) for t, l, i in pieces)} prompts "
+                      f"in {spent:.1f} s ({served} this time)", flush=True)
+            return served
+
+        try:
+            if fmt in urls:
+                serve(urls[fmt])
+            else:
+                launch = format_launch_args(fmt, launch_args, **(dense if fmt == DENSE else {}))
+                server = SGLangServer(args.model, launch, args.out / f"server-{fmt}.log", timeout_s=args.launch_timeout)
+                with server:
+                    serve(server.base_url)
+        except Exception as e:  # one format's failure (a server that does not start, requests that fail) is
+            errors[fmt] = f"{type(e).__name__}: {e}"  # reported; the other formats still run
+            print(f"[resume] {fmt} failed: {errors[fmt]}", flush=True)
+    return logs, errors
+
+
+def coverage(logs: dict, tasks, lengths, targets: dict) -> dict:
+    """``{fmt: {task: {length: [done, target]}}}`` of a resumable run."""
+    out = {}
+    for fmt, log in logs.items():
+        rows = log.select(tasks, lengths, targets[fmt])
+        out[fmt] = {t: {str(L): [sum(1 for r in rows[t] if r["length"] == L), targets[fmt]] for L in lengths}
+                    for t in tasks}
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,6 +636,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse", action="store_true",
                    help="load formats already evaluated into --out/samples (same settings) instead of running them "
                         "again: one format per call, then all of them for the report")
+    g = p.add_argument_group("resumable runs (long-context tasks only; needs --lengths)")
+    g.add_argument("--resume", action="store_true",
+                   help="append each sample's row to --out/samples/<fmt>/<task>.jsonl as soon as its round is done and "
+                        "skip the samples already there: run the same command again to continue")
+    g.add_argument("--format-samples", nargs="+", default=None, metavar="FMT=N",
+                   help="samples per (task, length) for some formats (the others take --samples), e.g. dense=100")
+    g.add_argument("--chunk", type=int, default=8,
+                   help="samples per (task, length) in one round (one lm-eval call for all tasks and lengths)")
+    g.add_argument("--budget-s", type=float, default=None,
+                   help="wall-clock budget: no round is started that is predicted to end past it (each format not yet "
+                        "done gets an equal share of what is left); the report is written either way")
+    g.add_argument("--min-format-s", type=float, default=60.0,
+                   help="a format whose share of --budget-s is below this is not served this time")
+    g.add_argument("--max-formats", type=int, default=None,
+                   help="serve at most this many formats this time: those furthest from their targets (fraction "
+                        "done), so that short runs spread the formats' server starts")
     return p
 
 
@@ -428,16 +660,38 @@ def _check_counts(args) -> None:
     every format was evaluated)."""
     for flag, value in (("--samples", args.samples), ("--depths", args.depths), ("--bootstrap", args.bootstrap),
                         ("--concurrency", args.concurrency), ("--limit", args.limit),
-                        ("--max-gen-toks", args.max_gen_toks)):
+                        ("--max-gen-toks", args.max_gen_toks), ("--chunk", args.chunk),
+                        ("--max-formats", args.max_formats)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     short = [n for n in args.lengths or [] if n <= GEN_TOKENS]
     if short:
         raise ValueError(f"--lengths must exceed the {GEN_TOKENS} generated tokens of a needle sample, got {short}")
+    if args.resume:
+        if args.reuse or args.limit is not None:
+            raise ValueError("--resume skips what is done by itself: drop --reuse and --limit")
+        if not args.lengths:
+            raise ValueError("--resume needs --lengths")
+        if any(t not in LONG_TASKS for t in args.tasks):
+            raise ValueError(f"--resume runs the long-context tasks {list(LONG_TASKS)} only, got --tasks {args.tasks}")
+        if args.budget_s is not None and args.budget_s < 0:
+            raise ValueError(f"--budget-s must be >= 0, got {args.budget_s}")
+    elif args.budget_s is not None or args.format_samples or args.max_formats is not None:
+        raise ValueError("--budget-s, --format-samples and --max-formats need --resume")
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit in the main thread, so that servers started here are stopped on the
+    way out (they run in process groups of their own, which a ``timeout`` around us does not reach)."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def main(argv=None) -> None:
     """Console entry point (``m3-accuracy``)."""
+    exit_on_sigterm()
     compare_formats(argv)
 
 
@@ -452,8 +706,8 @@ def _register_m3_config() -> None:
 
 
 def compare_formats(argv=None) -> dict:
-    _register_m3_config()
     """Run the comparison for command-line ``argv``; returns the summary written to results.json."""
+    _register_m3_config()
     args, formats, launch_args = parse_command_line(build_parser(), argv)
     _check_counts(args)
     baseline = resolve_baseline(args.baseline, formats)
@@ -474,7 +728,11 @@ def compare_formats(argv=None) -> dict:
         dense = {"sparse_config": model_sparse_config(args.model),
                  "max_tokens": dense_max_tokens(args.lengths, args.max_gen_toks)}
     tokenizer = args.tokenizer or args.model
+    targets = parse_format_samples(args.format_samples, formats, args.samples)
     args.out.mkdir(parents=True, exist_ok=True)
+    dense_topk = dense_sparse_config(**dense)["sparse_topk_blocks"] if dense else None
+    if args.resume:
+        return _compare_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, baseline, dense_topk)
 
     from tqdm import tqdm
 
@@ -483,8 +741,7 @@ def compare_formats(argv=None) -> dict:
         settings = {"model": args.model, "tokenizer": tokenizer, "tasks": args.tasks, "lengths": lengths,
                     "samples": args.samples, "depths": args.depths, "seed": args.seed, "limit": args.limit,
                     "max_gen_toks": args.max_gen_toks, "api": args.api,
-                    "dense_topk_blocks": dense_sparse_config(**dense)["sparse_topk_blocks"] if fmt == DENSE and dense
-                    else None}
+                    "dense_topk_blocks": dense_topk if fmt == DENSE else None, "docs_version": retrieval.DOCS_VERSION}
         saved = read_samples(args.out, fmt, settings) if args.reuse else None
         if saved is not None:
             per_format[fmt], lengths = saved
@@ -500,14 +757,39 @@ def compare_formats(argv=None) -> dict:
     summary = report.build(per_format, formats, n_boot=args.bootstrap, seed=args.seed, baseline=baseline)
     summary["run"] = {"model": args.model, "formats": formats, "baseline": baseline, "tasks": args.tasks,
                       "lengths": lengths, "samples": args.samples, "depths": args.depths, "limit": args.limit,
-                      "api": args.api, "launch_args": launch_args,
-                      "dense_topk_blocks": dense_sparse_config(**dense)["sparse_topk_blocks"] if dense else None}
-    (args.out / "results.json").write_text(json.dumps(summary, indent=1))
-    (args.out / "report.md").write_text(report.markdown(summary))
-    report.plot(summary, args.out / "accuracy_vs_length.png")
+                      "api": args.api, "launch_args": launch_args, "dense_topk_blocks": dense_topk}
+    return _write_report(args.out, summary)
+
+
+def _write_report(out: Path, summary: dict) -> dict:
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    (out / "report.md").write_text(report.markdown(summary))
+    report.plot(summary, out / "accuracy_vs_length.png")
     print(report.markdown(summary))
-    print(f"wrote {args.out}/report.md, results.json, accuracy_vs_length.png and samples/")
+    print(f"wrote {out}/report.md, results.json, accuracy_vs_length.png and samples/")
     return summary
+
+
+def _compare_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, baseline, dense_topk) -> dict:
+    """``--resume``: serve what is missing (``_run_resumable``), then report every candidate against the
+    baseline on the samples both have (``report.build_pairs``)."""
+    def identity(fmt):
+        return {"model": args.model, "tokenizer": tokenizer, "depths": args.depths, "seed": args.seed,
+                "max_gen_toks": args.max_gen_toks, "api": args.api,
+                "dense_topk_blocks": dense_topk if fmt == DENSE else None, "docs_version": retrieval.DOCS_VERSION}
+
+    t0 = time.time()
+    logs, errors = _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, identity)
+    lengths = sorted(args.lengths)
+    per_format = {fmt: log.select(args.tasks, lengths, targets[fmt]) for fmt, log in logs.items()}
+    summary = report.build_pairs(per_format, formats, n_boot=args.bootstrap, seed=args.seed, baseline=baseline)
+    summary["coverage"] = coverage(logs, args.tasks, lengths, targets)
+    summary["errors"] = errors
+    summary["run"] = {"model": args.model, "formats": formats, "baseline": baseline, "tasks": args.tasks,
+                      "lengths": lengths, "samples": targets, "depths": args.depths, "api": args.api,
+                      "launch_args": launch_args, "dense_topk_blocks": dense_topk, "chunk": args.chunk,
+                      "budget_s": args.budget_s, "seconds": round(time.time() - t0, 1), "resume": True}
+    return _write_report(args.out, summary)
 
 
 def _evaluate(base_url, tokenizer, lengths, args):

@@ -25,7 +25,9 @@ sentence boundary, as in ``accuracy.needle``); other facts (and ``vt``'s stateme
 random sentence boundaries.
 
 Haystack: ``accuracy.haystack.sentences(seed)`` with seeds other than ``accuracy.needle._POOL_SEED``
-(the evaluation's), pre-tokenized once per sentence (``Haystack``). A sample's text is a list of
+(the evaluation's, ``EVAL_HAYSTACK_SEED``: only a generator made with ``evaluation=True`` reads it, and
+it reads only that one; the served evaluation's ``m3_kv`` and ``m3_vt`` tasks, ``accuracy.retrieval``),
+pre-tokenized once per sentence (``Haystack``). A sample's text is a list of
 pieces (sentences, needles, lines) joined by single separators; its ids are the concatenation of the
 pieces' ids, which equals encoding the joined text because the pre-tokenizer splits at every
 separator (``tests/training/test_data.py`` checks this against ``Tokenizer.encode`` of the text).
@@ -58,6 +60,7 @@ EVAL_TASKS = ("single", "multikey", "kv", "vt")  # copy is a training aid
 DEFAULT_TASK_WEIGHTS = {"single": 0.3, "multikey": 0.3, "kv": 0.2, "vt": 0.2}
 TRAIN_HAYSTACK_SEED = 20261   # training samples read this haystack stream
 HELDOUT_HAYSTACK_SEED = 40961  # held-out samples (training-time evaluation) read this one
+EVAL_HAYSTACK_SEED = needle._POOL_SEED  # the served evaluation (accuracy tasks) reads this one, never training
 MAX_KV_PAIRS = 512
 MULTIKEY_RANGE = (2, 8)
 COPY_MAX_NUMBERS = 64
@@ -111,8 +114,10 @@ class Haystack:
     """``num_sentences`` sentences of ``accuracy.haystack.sentences(seed)``, each pre-tokenized with a
     leading space; ``cum[i]`` = tokens of sentences ``[0, i)``."""
 
-    def __init__(self, tokenizer: Tokenizer, seed: int, num_sentences: int = 1 << 15):
-        if seed == needle._POOL_SEED:
+    def __init__(self, tokenizer: Tokenizer, seed: int, num_sentences: int = 1 << 15, evaluation: bool = False):
+        if evaluation and seed != EVAL_HAYSTACK_SEED:
+            raise ValueError(f"an evaluation haystack reads seed {EVAL_HAYSTACK_SEED}, got {seed}")
+        if not evaluation and seed == EVAL_HAYSTACK_SEED:
             raise ValueError(f"seed must differ from the evaluation's haystack seed {needle._POOL_SEED}")
         self.text = list(islice(sentences(seed), num_sentences))
         self.ids = [e.ids for e in tokenizer.encode_batch([" " + s for s in self.text], add_special_tokens=False)]
@@ -157,6 +162,7 @@ class Sample:
     text: str = field(repr=False, default="")
     answers: list[tuple[int, int]] = field(default_factory=list)
     query_start: int = -1  # first token after the context (the first question's); -1: unknown
+    answer_texts: list[str] = field(default_factory=list)  # the answers' text, in order (" 1234567.")
 
     def __post_init__(self):
         if not self.answers:
@@ -198,9 +204,9 @@ class TaskGenerator:
     """Samples of ``TASKS`` over one haystack (see module doc)."""
 
     def __init__(self, tokenizer: Tokenizer, haystack_seed: int = TRAIN_HAYSTACK_SEED,
-                 num_sentences: int = 1 << 15):
+                 num_sentences: int = 1 << 15, evaluation: bool = False):
         self.tok = tokenizer
-        self.hay = Haystack(tokenizer, haystack_seed, num_sentences)
+        self.hay = Haystack(tokenizer, haystack_seed, num_sentences, evaluation)
 
     # -- assembly -----------------------------------------------------------------------------------
     def _encode(self, text: str) -> list[int]:
@@ -242,7 +248,7 @@ class TaskGenerator:
             answers.append((len(ids), len(ids) + len(encoded[2 + 2 * k].ids)))
             ids.extend(encoded[2 + 2 * k].ids)
         text = head + "".join(texts) + "".join(t + a for t, a in qa)
-        return Sample(ids, answers[0][0], evidence, task, text, answers, query_start)
+        return Sample(ids, answers[0][0], evidence, task, text, answers, query_start, [a for _, a in qa])
 
     def _place(self, rng: random.Random, length: int, fixed_tokens: int, depth: float,
                facts: list[list[Piece]]) -> list[Piece]:

@@ -1,56 +1,67 @@
 """lm-eval hooks of the sglang-m3 accuracy tasks (referenced by ``!function utils.<name>`` in the YAMLs).
 
-The needle tasks build their data at load time from the metadata the runner passes
-(``--metadata`` on the lm_eval command line): ``max_seq_lengths`` (list of token lengths),
-``num_samples`` (per length), ``num_depths``, ``seed``, and the tokenizer of the served model under
-``tokenizer`` (or ``pretrained`` / ``model``, which lm-eval copies from ``--model_args``).
+The long-context tasks (``m3_niah_single``, ``m3_niah_multikey``, ``m3_kv``, ``m3_vt``) build their data at
+load time (``accuracy.retrieval.docs``) from the metadata the runner passes (``--metadata`` on the
+lm_eval command line): ``max_seq_lengths`` (list of token lengths), ``num_samples`` (per length: samples
+``0 .. num_samples - 1``) or ``sample_ids`` (the sample indices to generate), ``num_depths`` (needle
+depth grid), ``seed``, and the tokenizer of the served model under ``tokenizer`` (or ``pretrained`` /
+``model``, which lm-eval copies from ``--model_args``).
 """
 
-import functools
 import re
 from decimal import Decimal
 from pathlib import Path
 
 import datasets
 
-from accuracy import needle
+from accuracy import needle, retrieval
 
-DEFAULTS = {"max_seq_lengths": [4096], "num_samples": 20, "num_depths": 10, "seed": 0}
-MULTIKEY_KEYS = 4  # needles in a multi-key sample: one asked for, three distractors
-
-
-@functools.cache
-def _tokenizer(name: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(name, trust_remote_code=True)
+DEFAULTS = {"max_seq_lengths": [4096], "num_samples": 20, "num_depths": 10, "seed": 0, "sample_ids": None}
+MULTIKEY_KEYS = retrieval.NEEDLE_KEYS["m3_niah_multikey"]  # needles in a multi-key sample: one asked for
 
 
-def _tokenizer_from(kwargs):
+def _tokenizer_name(kwargs) -> str:
     for key in ("tokenizer", "pretrained", "model"):
         if isinstance(kwargs.get(key), str) and kwargs[key]:
-            return _tokenizer(kwargs[key])
-    raise ValueError("needle tasks need the served model's tokenizer: pass --model_args tokenizer=<path or name>")
+            return kwargs[key]
+    raise ValueError("the long-context tasks need the served model's tokenizer: pass --model_args "
+                     "tokenizer=<path or name>")
 
 
-def _needle_dataset(n_keys: int, kwargs) -> dict:
+def _long_dataset(task: str, kwargs) -> dict:
     opts = {k: kwargs.get(k, v) for k, v in DEFAULTS.items()}
     lengths = opts["max_seq_lengths"]
     if isinstance(lengths, (int, str)):
         lengths = [lengths]
-    docs = needle.generate(_tokenizer_from(kwargs), [int(n) for n in lengths], int(opts["num_samples"]),
-                           int(opts["num_depths"]), n_keys, int(opts["seed"]))
+    ids = range(int(opts["num_samples"])) if opts["sample_ids"] is None else opts["sample_ids"]
+    docs = retrieval.docs(task, _tokenizer_name(kwargs), [int(n) for n in lengths], ids, int(opts["seed"]),
+                          int(opts["num_depths"]))
     return {"test": datasets.Dataset.from_list(docs)}
 
 
 def niah_single(**kwargs):
     """One needle per sample."""
-    return _needle_dataset(1, kwargs)
+    return _long_dataset("m3_niah_single", kwargs)
 
 
 def niah_multikey(**kwargs):
     """``MULTIKEY_KEYS`` needles with distinct keys per sample; one is asked for."""
-    return _needle_dataset(MULTIKEY_KEYS, kwargs)
+    return _long_dataset("m3_niah_multikey", kwargs)
+
+
+def kv_retrieval(**kwargs):
+    """``"key": value`` lines in the chronicle, one key asked (``training.data`` ``kv`` format)."""
+    return _long_dataset("m3_kv", kwargs)
+
+
+def variable_tracking(**kwargs):
+    """Chains of ``VAR X = ...`` assignments, one chain asked (``training.data`` ``vt`` format)."""
+    return _long_dataset("m3_vt", kwargs)
+
+
+def exact_results(doc, results):
+    """1.0 when the response begins with the trained answer, final period included (``retrieval.exact``)."""
+    return {"acc": retrieval.exact(results[0], doc["answer"])}
 
 
 def needle_results(doc, results):

@@ -9,6 +9,13 @@ SITE="$(realpath -m "${M3_SITE:-build/m3-site}")"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
 if [ ! -f "$SITE/.complete" ]; then
+    # Parts carried by earlier calls on this machine count too; unpack only once all are here.
+    want=$(cat .whl[0-9]*/parts 2>/dev/null | sort -u | head -n 1)
+    have=$(ls .whl[0-9]*/gpu-site.tar.xz.part 2>/dev/null | wc -l)
+    if [ -n "$want" ] && [ "$have" -lt "$want" ]; then
+        echo "bundle: $have of $want parts here (.whl1/ ... .whl$want/); carry the others, one call each" >&2
+        return 1
+    fi
     rm -rf "$SITE" && mkdir -p "$SITE"
     t0=$(date +%s)
     cat .whl[0-9]*/gpu-site.tar.xz.part | python3 -c "

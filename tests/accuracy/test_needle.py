@@ -71,3 +71,27 @@ def test_score_whole_numbers_only():
     assert needle.score("it is 14793957", "4793957") == 0.0
     assert needle.score("47939570", "4793957") == 0.0
     assert needle.score("no idea", "4793957") == 0.0
+
+
+@pytest.mark.parametrize("n_keys", [1, 4])
+def test_each_sample_has_its_own_seed(tokenizer, n_keys):
+    # Sample i is the same generated alone, among others, or after a longer length grew the haystack pool.
+    full = needle.generate(tokenizer, [1024, 2048], num_samples=4, num_depths=3, n_keys=n_keys, seed=5)
+    alone = needle.generate(tokenizer, [2048], 0, 3, n_keys, 5, sample_ids=[3, 1])
+    assert alone == [full[7], full[5]]
+    needle.generate(tokenizer, [8192], 1, 3, n_keys, 5)
+    assert needle.generate(tokenizer, [1024], 0, 3, n_keys, 5, sample_ids=[2]) == [full[2]]
+    assert [d["depth"] for d in full[:4]] == [0.0, 50.0, 100.0, 0.0]
+    assert len({d["input"] for d in full}) == 8
+
+
+def test_a_grown_pool_gives_the_fresh_pool_s_sample(tokenizer):
+    # make_sample's window depends on the sample, not on how far other samples grew the shared pool
+    # (sglang_m3.demo draws from a fresh pool: its seeds replay the prompts they always had).
+    import random
+
+    grown = needle._Pool(tokenizer)
+    grown.ensure(100000)
+    for n_keys in (1, 4):
+        fresh = needle.make_sample(tokenizer, needle._Pool(tokenizer), 3000, 40.0, n_keys, random.Random("a"), 0)
+        assert needle.make_sample(tokenizer, grown, 3000, 40.0, n_keys, random.Random("a"), 0) == fresh

@@ -106,7 +106,7 @@ def test_dense_needs_lengths(tmp_path):
 def test_reuse_builds_the_report_from_saved_formats(tmp_path):
     settings = {"model": "m", "tokenizer": "m", "tasks": ["m3_niah_single"], "lengths": [1024], "samples": 20,
                 "depths": 10, "seed": 0, "limit": None, "max_gen_toks": None, "api": "completions",
-                "dense_topk_blocks": None}
+                "dense_topk_blocks": None, "docs_version": run.retrieval.DOCS_VERSION}
     for fmt, scores in (("fp8", [1, 1, 0, 0]), ("mxfp4", [1, 0, 0, 0])):
         rows = [{"doc_id": i, "length": 1024, "depth": 0.0, "target": str(i), "response": "", "score": s}
                 for i, s in enumerate(scores)]

@@ -1,0 +1,150 @@
+"""Documents of the long-context lm-eval tasks, each sample seeded by its own index.
+
+Four tasks (``TASKS``, lm-eval names):
+
+- ``m3_niah_single``, ``m3_niah_multikey``: needles of ``accuracy.needle`` (1 and 4 needles, the
+  queried one at a depth of the ``num_depths`` grid), scored by ``accuracy.needle.score`` (the 7 digits
+  anywhere in the response as a whole number);
+- ``m3_kv`` (key-value retrieval) and ``m3_vt`` (variable tracking): the ``kv`` and ``vt`` samples of
+  ``training.data.TaskGenerator``, the formats the MSA models here are trained on, with one question
+  and every parameter drawn as in training (``TaskGenerator.sample``), over the evaluation's haystack
+  stream (``training.data.EVAL_HAYSTACK_SEED``, never trained on). The prompt is the sample without
+  its answer; the answer is the trained one (``" 1234567."``, ``" ABCDE, FGHIJ, KLMNO."``), and
+  ``exact`` scores 1 only when the response begins with it, final period included (leading
+  whitespace aside): a value with a digit more, or a chain with a name more or less, scores 0.
+
+Sample ``i`` of a task at context length ``L`` is a pure function of ``(task, L, i, seed)``, the
+tokenizer and, for the needles, ``num_depths``: its own generator is seeded from them, so every
+index-K format is asked the same prompts (pairs), and any subset of indices (``sample_ids``) can be
+generated alone, in any order (a long comparison runs in pieces and resumes). Lengths count tokens
+of the served model's tokenizer: a prompt has at most ``L - gen_tokens(task)`` tokens, so prompt and
+generation fit ``L``. For ``m3_kv`` / ``m3_vt`` the count is the generator's (the sum of its pieces'
+tokens, equal to the prompt's own tokenization for tokenizers whose pre-tokenizer splits at spaces and
+newlines, as the training tokenizer's does; ``tests/accuracy/test_retrieval.py`` checks it).
+
+Doc fields: ``input`` (prompt), ``target`` (the answer without its leading space and final period: the
+digits, or the names joined by ``", "``), ``length``, ``depth`` (percent: needles, their grid depth; kv
+and vt, where the first fact the answer is read from starts, by tokens), ``tokens`` (prompt tokens),
+``sample``, ``task``; kv and vt add ``answer`` (the trained answer text).
+
+``docs`` keeps what it made in memory (up to ``CACHE_CHARS`` characters of prompts), so formats served
+one after the other in one process do not generate the same prompts again.
+"""
+
+import functools
+import random
+from collections import OrderedDict
+
+from . import needle
+
+NEEDLE_KEYS = {"m3_niah_single": 1, "m3_niah_multikey": 4}  # needles per sample (one asked)
+TRAINED = {"m3_kv": "kv", "m3_vt": "vt"}  # lm-eval task -> training.data task
+TASKS = (*NEEDLE_KEYS, *TRAINED)
+# Tokens a task's answer may take (the lm-eval YAMLs' max_gen_toks): a vt chain of 5 names is up to ~33.
+GEN_TOKENS = {"m3_niah_single": needle.GEN_TOKENS, "m3_niah_multikey": needle.GEN_TOKENS, "m3_kv": 24, "m3_vt": 40}
+DOCS_VERSION = 2  # saved results record it: 2 = samples seeded per index (1: a generator per length, needles only)
+HAYSTACK_SENTENCES = 1 << 15  # fixed: a sample's window depends on the haystack's size (~650k tokens)
+CACHE_CHARS = 1 << 31
+
+
+def gen_tokens(task: str) -> int:
+    """Tokens reserved for the answer of ``task`` (its YAML's ``max_gen_toks``)."""
+    if task not in GEN_TOKENS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    return GEN_TOKENS[task]
+
+
+@functools.cache
+def tokenizer(name: str):
+    """The served model's tokenizer (transformers ``AutoTokenizer``), one per name per process."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name, trust_remote_code=True)
+
+
+@functools.cache
+def _generator(name: str):
+    from training.data import EVAL_HAYSTACK_SEED, TaskGenerator
+
+    tok = tokenizer(name)
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        raise NotImplementedError(f"{name}: m3_kv and m3_vt need a fast tokenizer (tokenizers.Tokenizer backend)")
+    return TaskGenerator(backend, EVAL_HAYSTACK_SEED, HAYSTACK_SENTENCES, evaluation=True)
+
+
+def sample_rng(task: str, length: int, index: int, seed: int) -> random.Random:
+    """The generator of sample ``index`` of a trained-format task (see the module doc)."""
+    return random.Random(f"{task}-{seed}-{length}-{index}")
+
+
+def trained_doc(gen, task: str, length: int, index: int, seed: int) -> dict:
+    """Sample ``index`` of ``m3_kv`` / ``m3_vt`` at ``length`` from ``TaskGenerator`` ``gen``."""
+    budget = length - gen_tokens(task)
+    s = gen.sample(TRAINED[task], sample_rng(task, length, index, seed), budget)
+    (answer,) = s.answer_texts
+    if not s.text.endswith(answer) or s.answer_start < 1:
+        raise AssertionError(f"{task} sample {index}: the sample does not end with its answer {answer!r}")
+    prompt = s.text[: len(s.text) - len(answer)]
+    first_fact = min(start for start, _ in s.evidence) if s.evidence else 0
+    return {"input": prompt, "target": answer.strip().removesuffix("."), "answer": answer, "length": length,
+            "depth": round(100.0 * first_fact / s.answer_start, 2), "tokens": s.answer_start, "sample": index,
+            "task": task}
+
+
+_CACHE: "OrderedDict[tuple, dict]" = OrderedDict()
+_cached_chars = 0
+
+
+def _remember(key: tuple, doc: dict) -> None:
+    global _cached_chars
+    _CACHE[key] = doc
+    _cached_chars += len(doc["input"])
+    while _cached_chars > CACHE_CHARS and len(_CACHE) > 1:
+        _, old = _CACHE.popitem(last=False)
+        _cached_chars -= len(old["input"])
+
+
+def clear_cache() -> None:
+    global _cached_chars
+    _CACHE.clear()
+    _cached_chars = 0
+
+
+def docs(task: str, tokenizer_name: str, lengths, sample_ids, seed: int = 0, num_depths: int = 10) -> list[dict]:
+    """The docs of ``task`` for every length (ascending) and sample index in ``sample_ids`` (in order)."""
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    ids = [int(i) for i in sample_ids]
+    if not ids or any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"sample_ids must be distinct indices >= 0, got {ids[:10]}")
+    out = []
+    for length in sorted({int(n) for n in lengths}):
+        keys = {i: (task, tokenizer_name, length, i, seed, num_depths if task in NEEDLE_KEYS else None) for i in ids}
+        missing = [i for i in ids if keys[i] not in _CACHE]
+        if missing and task in NEEDLE_KEYS:
+            made = needle.generate(tokenizer(tokenizer_name), [length], len(missing), num_depths, NEEDLE_KEYS[task],
+                                   seed, sample_ids=missing)
+            for doc in made:
+                _remember(keys[doc["sample"]], {**doc, "task": task})
+        elif missing:
+            gen = _generator(tokenizer_name)
+            for i in missing:
+                _remember(keys[i], trained_doc(gen, task, length, i, seed))
+        for i in ids:
+            _CACHE.move_to_end(keys[i])
+            out.append(dict(_CACHE[keys[i]]))
+    return out
+
+
+def exact(response: str, answer: str) -> float:
+    """1.0 when ``response`` begins with ``answer`` (leading whitespace of both aside), else 0.0."""
+    return 1.0 if response.lstrip().startswith(answer.lstrip()) else 0.0
+
+
+def score(doc: dict, response: str) -> float:
+    """The 0/1 score of ``response`` to ``doc``: ``needle.score`` for needles, ``exact`` for kv and vt."""
+    if doc["task"] in NEEDLE_KEYS:
+        return needle.score(response, doc["target"])
+    return exact(response, doc["answer"])
+

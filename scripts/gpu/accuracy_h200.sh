@@ -1,0 +1,214 @@
+#!/usr/bin/env bash
+# One call of the served index-K format comparison on one H200 (issue 17 section 3): m3-accuracy
+# (accuracy/run.py --resume) over the long-context tasks for each format, then the per-layer selection
+# agreement (accuracy.agreement), then the report. Calls resume: every sample's row is appended as soon
+# as its round is done and skipped when the script runs again, so a comparison of ~1000 paired prompts
+# per (task, length) spans as many calls as it needs; each call writes the report of what is done.
+#
+#   scripts/gpu/accuracy_h200.sh [MODEL]                         # call 1, and every call on the same held machine
+#   RESUME=<dir with state.tgz> scripts/gpu/accuracy_h200.sh [MODEL]   # a fresh machine: continue a returned state
+#
+# MODEL: an exported checkpoint folder (config.json, safetensors, tokenizer); default configs/msa-medium.
+# Run from anywhere with a 600 s limit; it takes BUDGET_S (540) seconds wall. Per call:
+#   1. m3-accuracy --resume --budget-s: the MAX_FORMATS (2) formats furthest from their targets (fraction
+#      done; ties in FORMATS order, so call 1 serves fp8 and mxfp4), one SGLang server each (CUDA graphs on,
+#      the launch arguments below), each getting an equal share of the time left; a round (CHUNK samples
+#      of every task x length) starts only if it is predicted to fit. fp8 and mxfp4 (LARGE_FORMATS) aim at
+#      N_LARGE samples per (task, length), the others at N_SMALL.
+#   2. while the agreement is incomplete: accuracy.agreement --reuse, one format at a time (bf16 first:
+#      fp8, mxfp4, mxfp4_rot are compared with it and with each other), AGREE_SAMPLES single-needle prompts
+#      per length, eager servers (the recorder needs them); it gets AGREE_S of the budget; a format cut
+#      short by the budget is served again next call.
+#   3. report.md: the paired tables (each format against fp8 on the prompts both have, Tango/Newcombe
+#      intervals, exact McNemar; accuracy/report.py), the samples done per cell, the agreement tables.
+# State: $RUN_DIR (default build/accuracy-h200, git-ignored; it survives between calls while the machine
+# is held): acc/samples/<fmt>/<task>.jsonl + run.json, acc/server-*.log, agreement/formats/<fmt>.{npz,json}.
+# $OUT (default out/accuracy-h200) gets at most 8 files, each <= 15 MiB:
+#   call.log            everything this call printed
+#   state.tgz           acc/samples (the per-sample JSONL) and agreement/formats: the resume state
+#   results.json        m3-accuracy's summary (pairs, coverage, run settings)
+#   agreement.json      the agreement study's summary (when at least bf16 and one more format are done)
+#   logs.tgz            the servers' logs (last 2 MiB of each)
+#   accuracy_vs_length.png
+#   report.md           written last
+# To continue on a fresh machine, put the returned state.tgz in a folder that travels with the checkout
+# (e.g. .acc-state/, listed in .git/info/exclude and named in the call's carry) and set RESUME to it.
+#
+# Env: BUDGET_S (540), AGREE_S (150), RESERVE_S (30: report and packing), FORMATS ("fp8 mxfp4 mxfp4_rot bf16
+# dense"), MAX_FORMATS (2), LARGE_FORMATS ("fp8 mxfp4"), N_LARGE (1000), N_SMALL (100), TASKS ("m3_niah_single m3_niah_multikey
+# m3_kv m3_vt"), LENGTHS ("8192 32768 65536 131072"), CHUNK (8), CONCURRENCY (8), AGREE_FORMATS ("bf16 fp8 mxfp4
+# mxfp4_rot"), AGREE_SAMPLES (4), AGREE_LENGTHS (LENGTHS), LAUNCH_ARGS (replaces the server arguments below),
+# RUN_DIR, OUT, RESUME, FRESH=1 (drop $RUN_DIR's state first), PYTHON (python3), DEVICE (cuda; cpu: no
+# bundle, the CPU server arguments, for the smoke test tests/scripts/test_accuracy_h200.py).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+t0=$(date +%s)
+elapsed() { echo $(( $(date +%s) - t0 )); }
+left() { echo $(( BUDGET_S - $(elapsed) - RESERVE_S )); }
+
+MODEL="${1:-configs/msa-medium}"
+OUT="${OUT:-out/accuracy-h200}"
+RUN_DIR="${RUN_DIR:-build/accuracy-h200}"
+BUDGET_S="${BUDGET_S:-540}"
+AGREE_S="${AGREE_S:-150}"
+RESERVE_S="${RESERVE_S:-30}"
+FORMATS="${FORMATS:-fp8 mxfp4 mxfp4_rot bf16 dense}"
+MAX_FORMATS="${MAX_FORMATS:-2}"
+LARGE_FORMATS="${LARGE_FORMATS:-fp8 mxfp4}"
+N_LARGE="${N_LARGE:-1000}"
+N_SMALL="${N_SMALL:-100}"
+TASKS="${TASKS:-m3_niah_single m3_niah_multikey m3_kv m3_vt}"
+LENGTHS="${LENGTHS:-8192 32768 65536 131072}"
+CHUNK="${CHUNK:-8}"
+CONCURRENCY="${CONCURRENCY:-8}"
+AGREE_FORMATS="${AGREE_FORMATS:-bf16 fp8 mxfp4 mxfp4_rot}"
+AGREE_SAMPLES="${AGREE_SAMPLES:-4}"
+AGREE_LENGTHS="${AGREE_LENGTHS:-$LENGTHS}"
+PYTHON="${PYTHON:-python3}"
+DEVICE="${DEVICE:-cuda}"
+mkdir -p "$OUT" "$RUN_DIR"
+exec > >(tee -a "$OUT/call.log") 2>&1
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+echo "accuracy_h200: start $(date -u +%FT%TZ), model $MODEL, budget ${BUDGET_S}s, device $DEVICE," \
+     "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+
+if [ ! -f "$MODEL/config.json" ]; then
+    echo "error: $MODEL has no config.json; pass an exported checkpoint folder (the medium model: tar -xzf" \
+         "export.tgz && mv export configs/msa-medium, docs/accuracy.md section 5)"
+    exit 2
+fi
+max_len=0
+for n in $LENGTHS $AGREE_LENGTHS; do [ "$n" -gt "$max_len" ] && max_len=$n; done
+context=$(( max_len + 256 ))
+if [ "$DEVICE" = cpu ]; then
+    export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"
+    default_launch="--device cpu --attention-backend torch_native --max-total-tokens $(( 2 * context ))
+                    --context-length $context --skip-server-warmup"
+else
+    source scripts/gpu/bundle_env.sh || exit 1
+    PYTHON=python3
+    # CUDA graphs on for decode (the plugin keeps prefill eager); batch sizes up to the concurrency.
+    default_launch="--attention-backend triton --sampling-backend pytorch --grammar-backend none
+                    --disable-piecewise-cuda-graph --cuda-graph-max-bs $(( CONCURRENCY > 16 ? CONCURRENCY : 16 ))
+                    --context-length $context --mem-fraction-static 0.85 --random-seed 0"
+fi
+# shellcheck disable=SC2206
+LAUNCH=(${LAUNCH_ARGS:-$default_launch})
+if ! "$PYTHON" -c "import lm_eval, datasets, transformers, scipy, matplotlib" 2>/dev/null; then
+    echo "error: $PYTHON lacks lm-eval or its dependencies (the H200 bundle carries them:" \
+         "scripts/gpu/build_wheel_bundle.sh)"
+    "$PYTHON" -c "import lm_eval, datasets, transformers, scipy, matplotlib"
+    exit 1
+fi
+
+# --- state ---------------------------------------------------------------------------------------------
+if [ -n "${FRESH:-}" ]; then
+    rm -rf "$RUN_DIR/acc" "$RUN_DIR/agreement"
+fi
+if [ -n "${RESUME:-}" ]; then
+    if [ -d "$RUN_DIR/acc/samples" ]; then
+        echo "RESUME=$RESUME ignored: $RUN_DIR already holds this machine's state (at least as new)"
+    elif [ -f "$RESUME/state.tgz" ] || ls "$RESUME"/state.tgz.part-* > /dev/null 2>&1; then
+        if [ -f "$RESUME/state.tgz" ]; then
+            tar -C "$RUN_DIR" -xzf "$RESUME/state.tgz" || exit 1
+        else
+            cat "$RESUME"/state.tgz.part-* | tar -C "$RUN_DIR" -xzf - || exit 1
+        fi
+        echo "resumed from $RESUME: $(find "$RUN_DIR/acc/samples" -name '*.jsonl' -exec cat {} + 2>/dev/null \
+              | wc -l) sample rows"
+    else
+        echo "error: RESUME=$RESUME holds no state.tgz"
+        exit 2
+    fi
+fi
+mkdir -p "$RUN_DIR/acc" "$RUN_DIR/agreement"
+agreement_done() {
+    for f in $AGREE_FORMATS; do [ -f "$RUN_DIR/agreement/formats/$f.json" ] || return 1; done
+}
+
+# --- 1. the format comparison ----------------------------------------------------------------------------
+format_samples=()
+for f in $FORMATS; do
+    n=$N_SMALL
+    for g in $LARGE_FORMATS; do [ "$f" = "$g" ] && n=$N_LARGE; done
+    format_samples+=("$f=$n")
+done
+# shellcheck disable=SC2086
+ACC=("$PYTHON" -m accuracy.run --model "$MODEL" --formats $FORMATS --baseline fp8 --tasks $TASKS
+     --lengths $LENGTHS --samples "$N_SMALL" --format-samples "${format_samples[@]}" --chunk "$CHUNK"
+     --concurrency "$CONCURRENCY" --max-formats "$MAX_FORMATS" --resume --out "$RUN_DIR/acc")
+acc_s=$(( $(left) - $(agreement_done && echo 0 || echo "$AGREE_S") ))
+acc_rc=0
+if [ "$acc_s" -ge 60 ]; then
+    echo "[$(elapsed)s] m3-accuracy: ${acc_s}s"
+    timeout --signal=TERM --kill-after=90 "$(( acc_s + 60 ))" "${ACC[@]}" --budget-s "$acc_s" -- "${LAUNCH[@]}"
+    acc_rc=$?
+    echo "[$(elapsed)s] m3-accuracy exit $acc_rc"
+else
+    echo "[$(elapsed)s] m3-accuracy: only ${acc_s}s left, not served this call"
+fi
+
+# --- 2. selection agreement ------------------------------------------------------------------------------
+# shellcheck disable=SC2086
+AGR=("$PYTHON" -m accuracy.agreement --model "$MODEL" --lengths $AGREE_LENGTHS --samples "$AGREE_SAMPLES"
+     --depths "$AGREE_SAMPLES" --out "$RUN_DIR/agreement" --reuse)
+for f in $AGREE_FORMATS; do
+    [ -f "$RUN_DIR/agreement/formats/$f.json" ] && continue
+    s=$(left)
+    if [ "$s" -lt 60 ]; then
+        echo "[$(elapsed)s] agreement: ${s}s left, $f and later formats next call"
+        break
+    fi
+    echo "[$(elapsed)s] agreement: serving $f (at most ${s}s)"
+    timeout --signal=TERM --kill-after=90 "$s" "${AGR[@]}" --formats "$f" -- "${LAUNCH[@]}" > "$RUN_DIR/agreement/$f.out" 2>&1
+    echo "[$(elapsed)s] agreement $f exit $? (tail of its output:)"
+    tail -n 5 "$RUN_DIR/agreement/$f.out"
+done
+saved=()
+for f in $AGREE_FORMATS; do [ -f "$RUN_DIR/agreement/formats/$f.json" ] && saved+=("$f"); done
+rm -f "$RUN_DIR/agreement/agreement.md"
+if [ "${#saved[@]}" -ge 2 ]; then
+    "${AGR[@]}" --formats "${saved[@]}" -- "${LAUNCH[@]}" > "$RUN_DIR/agreement/tables.out" 2>&1 \
+        || { echo "agreement tables failed:"; tail -n 20 "$RUN_DIR/agreement/tables.out"; }
+fi
+
+# --- 3. report and files ---------------------------------------------------------------------------------
+if [ "$acc_rc" -ne 0 ] || [ ! -f "$RUN_DIR/acc/report.md" ]; then
+    echo "[$(elapsed)s] report from the saved rows (serves nothing)"
+    "${ACC[@]}" --budget-s 0 -- "${LAUNCH[@]}" > "$RUN_DIR/acc/report.out" 2>&1 \
+        || { echo "report failed:"; tail -n 20 "$RUN_DIR/acc/report.out"; }
+fi
+tar -C "$RUN_DIR" -czf "$OUT/state.tgz" acc/samples $( [ -d "$RUN_DIR/agreement/formats" ] && echo agreement/formats )
+if [ "$(stat -c %s "$OUT/state.tgz")" -gt $(( 15 * 1048576 )) ]; then
+    split -b 15m "$OUT/state.tgz" "$OUT/state.tgz.part-" && rm "$OUT/state.tgz"
+fi
+logs=$(mktemp -d)
+mkdir -p "$logs/logs"
+for f in "$RUN_DIR"/acc/server-*.log "$RUN_DIR"/agreement/server-*.log "$RUN_DIR"/agreement/*.out; do
+    [ -f "$f" ] && tail -c 2097152 "$f" > "$logs/logs/$(basename "$(dirname "$f")")-$(basename "$f")"
+done
+tar -C "$logs" -czf "$OUT/logs.tgz" logs && rm -rf "$logs"
+[ -f "$RUN_DIR/acc/results.json" ] && cp "$RUN_DIR/acc/results.json" "$OUT/results.json"
+[ -f "$RUN_DIR/acc/accuracy_vs_length.png" ] && cp "$RUN_DIR/acc/accuracy_vs_length.png" "$OUT/"
+[ -f "$RUN_DIR/agreement/agreement.md" ] && cp "$RUN_DIR/agreement/agreement.json" "$OUT/agreement.json"
+{
+    echo "# Index-K format comparison: $MODEL"
+    echo
+    echo "scripts/gpu/accuracy_h200.sh, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)," \
+         "device $DEVICE, this call $(elapsed) s of BUDGET_S=$BUDGET_S. Formats $FORMATS (baseline fp8);" \
+         "samples per task and length: $LARGE_FORMATS $N_LARGE, others $N_SMALL; tasks $TASKS; lengths $LENGTHS."
+    echo
+    if [ -f "$RUN_DIR/acc/report.md" ]; then cat "$RUN_DIR/acc/report.md"; else echo "(no accuracy report)"; fi
+    echo
+    echo "## Selection agreement (accuracy.agreement; formats done: ${saved[*]:-none} of $AGREE_FORMATS)"
+    echo
+    if [ -f "$RUN_DIR/agreement/agreement.md" ]; then cat "$RUN_DIR/agreement/agreement.md"; else echo "(not yet: needs bf16 and one more format)"; fi
+} > "$RUN_DIR/report.md"
+cp "$RUN_DIR/report.md" "$OUT/report.md"
+n=$(find "$OUT" -type f | wc -l)
+big=$(find "$OUT" -type f -size +15M | wc -l)
+echo "[$(elapsed)s] accuracy_h200: $n files in \$OUT (at most 8 come back), $big over 15 MiB"
+ls -l "$OUT"
+touch "$OUT/report.md"
+exit "$acc_rc"

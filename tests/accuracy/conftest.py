@@ -1,0 +1,144 @@
+"""Helpers of the accuracy tests: an oracle that answers a long-context prompt by reading it, and a
+stand-in OpenAI-completions server that answers with that oracle (for runner tests without SGLang)."""
+
+import json
+import re
+import threading
+import time
+import zlib
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+
+class NoAnswer(ValueError):
+    """The prompt does not determine one answer."""
+
+
+def _context_and_question(prompt: str) -> tuple[str, str]:
+    head, sep, rest = prompt.partition("\n\n")
+    context, sep2, question = rest.rpartition("\n\nQuestion: ")
+    if not sep or not sep2:
+        raise NoAnswer("not a long-context prompt (no context or question)")
+    return context, question
+
+
+def _one(found: list, what: str):
+    if len(found) != 1:
+        raise NoAnswer(f"{len(found)} candidates for {what}")
+    return found[0]
+
+
+def oracle(prompt: str) -> str:
+    """The answer a reader of ``prompt`` gives, as the task's ``target`` (digits, or names joined by
+    ", "), found from the prompt's text alone; NoAnswer when the prompt does not determine one."""
+    context, question = _context_and_question(prompt)
+    m = re.match(r'what is the special number for "([^"]+)" in the chronicle above\?', question)
+    if m:
+        key = re.escape(m.group(1))
+        return _one(re.findall(rf'The special number for "{key}" is (\d+)\.', context), f"needle {m.group(1)}")
+    m = re.match(r'what is the value of "([^"]+)" in the chronicle above\?', question)
+    if m:
+        key = re.escape(m.group(1))
+        return _one(re.findall(rf'(?m)^"{key}": (\d+)$', context), f"key {m.group(1)}")
+    values = dict(re.findall(r"\bVAR ([A-Z]+) = (\d+)\.", context))
+    refs = dict(re.findall(r"\bVAR ([A-Z]+) = VAR ([A-Z]+)\.", context))
+    if set(values) & set(refs):
+        raise NoAnswer("a variable is assigned twice")
+
+    def resolve(name, seen=()):
+        if name in values:
+            return values[name]
+        if name not in refs or name in seen:
+            raise NoAnswer(f"VAR {name} has no value")
+        return resolve(refs[name], (*seen, name))
+
+    m = re.match(r"what is the value of VAR ([A-Z]+) in the chronicle above\?", question)
+    if m:
+        return resolve(m.group(1))
+    m = re.match(r"which variables are assigned the value (\d+) in the chronicle above\?", question)
+    if m:
+        first = _one([n for n, v in values.items() if v == m.group(1)], f"value {m.group(1)}")
+        chain, nxt = [first], {ref: name for name, ref in refs.items()}
+        while chain[-1] in nxt:
+            chain.append(nxt[chain[-1]])
+        if len([n for n in refs if resolve(n) == m.group(1)]) != len(chain) - 1:
+            raise NoAnswer("the chain branches")
+        return ", ".join(chain)
+    raise NoAnswer(f"unknown question {question[:80]!r}")
+
+
+@pytest.fixture
+def read_answer():
+    return oracle
+
+
+class FakeCompletions:
+    """An OpenAI-style completions server on a loopback port that answers every prompt with
+    ``oracle``'s answer (as the trained answer text, " <answer>."), except where ``wrong(prompt)`` is
+    true (then a 0 is put in front of it), each request after ``delay_s``. Keeps the prompts it was sent."""
+
+    def __init__(self, wrong=lambda prompt: False, max_model_len: int = 200000, delay_s: float = 0.0):
+        self.prompts: list[str] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, obj, code=200):
+                body = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path.startswith("/v1/models"):
+                    self._send({"data": [{"id": "fake", "max_model_len": max_model_len}]})
+                else:
+                    self._send({})
+
+            def do_POST(self):
+                req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                time.sleep(delay_s)
+                prompts = req["prompt"] if isinstance(req["prompt"], list) else [req["prompt"]]
+                choices = []
+                for i, prompt in enumerate(prompts):
+                    outer.prompts.append(prompt)
+                    try:
+                        answer = oracle(prompt)
+                    except NoAnswer:
+                        answer = "none"
+                    if wrong(prompt):
+                        answer = "0" + answer  # no longer the number (or chain) asked for
+                    choices.append({"index": i, "text": f" {answer}.\nQuestion:", "finish_reason": "length"})
+                self._send({"id": "x", "object": "text_completion", "model": "fake", "choices": choices})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def wrong_every(k: int):
+    """A deterministic ``wrong`` rule: about one prompt in ``k`` (by a checksum of its text)."""
+    return lambda prompt: zlib.crc32(prompt.encode()) % k == 0
+
+
+@pytest.fixture
+def fake_completions():
+    return FakeCompletions
+
+
+@pytest.fixture
+def wrong_rule():
+    return wrong_every

@@ -1,0 +1,179 @@
+"""The long-context task documents (accuracy.retrieval): seeded per (task, length, index), the same
+prompts however they are asked for, answers a reader can find in the prompt (the oracle of conftest),
+prompts sized in the served tokenizer's tokens, and kv / vt in exactly training/data.py's formats."""
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from accuracy import needle, retrieval
+from training import data
+
+ROOT = Path(__file__).resolve().parents[2]
+MSA = str(ROOT / "configs" / "msa-small")  # the training tokenizer (training/tokenizer), as the MSA models serve it
+TINY = str(ROOT / "configs" / "minimax-m3.1-tiny")  # another BPE: merges across digits and words
+TASKS = retrieval.TASKS
+
+
+def _fresh(task, name, lengths, ids, seed=0, depths=10):
+    retrieval.clear_cache()
+    return retrieval.docs(task, name, lengths, ids, seed, depths)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_docs_are_a_function_of_task_length_index_and_seed(task):
+    full = _fresh(task, MSA, [1024, 2048], range(5))
+    assert [(d["length"], d["sample"]) for d in full] == [(n, i) for n in (1024, 2048) for i in range(5)]
+    assert _fresh(task, MSA, [2048, 1024], range(5)) == full  # regenerated from nothing: the same
+    by_key = {(d["length"], d["sample"]): d for d in full}
+    # Any subset, alone, in another order, at one length: the same prompts (every format is asked these).
+    for d in _fresh(task, MSA, [2048], [4, 1]) + _fresh(task, MSA, [1024], [3]):
+        assert d == by_key[(d["length"], d["sample"])]
+    assert retrieval.docs(task, MSA, [1024], [3]) == [by_key[(1024, 3)]]  # the cached copy too
+    prompts = [d["input"] for d in full]
+    assert len(set(prompts)) == len(prompts)  # every (length, index) its own prompt
+    assert len({d["target"] for d in full}) >= 8
+    other_seed = _fresh(task, MSA, [1024], range(5), seed=1)
+    assert all(a["input"] != b["input"] for a, b in zip(other_seed, full))
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("name", [MSA, TINY], ids=["msa", "tiny"])
+def test_the_answer_is_in_the_prompt(task, name, read_answer):
+    for d in _fresh(task, name, [1024, 4096], range(6)):
+        assert read_answer(d["input"]) == d["target"], (d["length"], d["sample"])
+        assert retrieval.score(d, " " + d["target"] + ".") == 1.0
+
+
+def _corrupt(doc: dict) -> list[str]:
+    """Prompts that no longer hold the doc's answer: the fact removed, or its value changed."""
+    p, t = doc["input"], doc["target"]
+    context_end = p.rindex("\n\nQuestion:")
+    first = t.split(", ")[0]
+    if doc["task"] == "m3_vt" and "," in t:  # "which variables ... the value V": drop the chain's first link
+        at = p.index(f"VAR {first} = ")
+        cut = p[:at] + p[p.index(".", at) + 1:]
+        return [cut, p.replace(f"VAR {first} = ", f"VAR {first}Q = ", 1)]
+    at = p.rindex(t, 0, context_end) if doc["task"] != "m3_vt" else p.rindex(" = " + t, 0, context_end) + 3
+    changed = p[:at] + str((int(t[0]) + 1) % 10) + p[at + 1:]
+    return [p[:at] + p[at + len(t):], changed]
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_the_oracle_fails_when_the_answer_is_not_there(task, read_answer):
+    for d in _fresh(task, MSA, [2048], range(4)):
+        for bad in _corrupt(d):
+            try:
+                got = read_answer(bad)
+            except ValueError:
+                continue
+            assert got != d["target"], (d["sample"], got)
+
+
+def test_exact_match_is_the_whole_trained_answer():
+    assert retrieval.exact(" 4793957.", " 4793957.") == 1.0
+    assert retrieval.exact("4793957.\nQuestion: x", " 4793957.") == 1.0
+    assert retrieval.exact(" 4793957", " 4793957.") == 0.0  # no period: the answer did not end
+    assert retrieval.exact(" 47939578.", " 4793957.") == 0.0
+    assert retrieval.exact(" the value is 4793957.", " 4793957.") == 0.0
+    assert retrieval.exact(" ABCDE, FGHIJ.", " ABCDE, FGHIJ.") == 1.0
+    assert retrieval.exact(" ABCDE, FGHIJ, KLMNO.", " ABCDE, FGHIJ.") == 0.0  # a name too many
+    assert retrieval.exact(" ABCDE.", " ABCDE, FGHIJ.") == 0.0
+
+
+def _tokens(name, text):
+    return len(retrieval.tokenizer(name)(text, add_special_tokens=False)["input_ids"])
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("length", [8192, 32768])
+def test_prompts_fill_their_length_in_the_served_tokens(task, length):
+    gen = retrieval.gen_tokens(task)
+    for d in _fresh(task, MSA, [length], range(3)):
+        tokens = _tokens(MSA, d["input"])
+        assert tokens == d["tokens"]
+        assert length - gen - 128 <= tokens <= length - gen, (tokens, length, gen)
+
+
+@pytest.mark.parametrize("task", ["m3_kv", "m3_vt"])
+def test_long_prompts_fill_their_length(task):
+    length = 131072
+    (d,) = _fresh(task, MSA, [length], [7])
+    tokens = _tokens(MSA, d["input"])
+    assert tokens == d["tokens"] and length - retrieval.gen_tokens(task) - 128 <= tokens <= length - 24
+    assert ROOT.joinpath("training", "tokenizer", "tokenizer.json").read_bytes() == \
+        ROOT.joinpath("configs", "msa-small", "tokenizer.json").read_bytes()
+
+
+@pytest.mark.parametrize("task", ["m3_kv", "m3_vt"])
+def test_other_tokenizers_are_counted_too(task):
+    # The generator counts a prompt as the sum of its pieces' tokens: exact when the pre-tokenizer splits
+    # at spaces and newlines; for the tiny BPE it still has to land within the budget.
+    for d in _fresh(task, TINY, [4096], range(4)):
+        tokens = _tokens(TINY, d["input"])
+        assert 4096 - retrieval.gen_tokens(task) - 160 <= tokens <= 4096 - retrieval.gen_tokens(task) + 8, tokens
+
+
+def test_kv_and_vt_are_training_samples_without_their_answer():
+    tok = retrieval.tokenizer(MSA)
+    gen = data.TaskGenerator(tok.backend_tokenizer, data.EVAL_HAYSTACK_SEED, retrieval.HAYSTACK_SENTENCES,
+                             evaluation=True)
+    for task, kind in retrieval.TRAINED.items():
+        for i in range(6):
+            d = retrieval.docs(task, MSA, [4096], [i])[0]
+            s = gen.sample(kind, retrieval.sample_rng(task, 4096, i, 0), 4096 - retrieval.gen_tokens(task))
+            assert s.task == kind and d["input"] + d["answer"] == s.text  # the training sample's text
+            assert tok(d["input"] + d["answer"], add_special_tokens=False)["input_ids"] == s.input_ids
+            assert d["tokens"] == s.answer_start
+    kv = retrieval.docs("m3_kv", MSA, [4096], range(6))
+    for d in kv:
+        head, tail = data.KV_PROMPT.split("{context}")
+        assert d["input"].startswith(head) and re.fullmatch(r" \d{7}\.", d["answer"])
+        key = re.search(r'what is the value of "([^"]+)"', d["input"]).group(1)
+        assert d["input"].endswith(tail.format(key=key)) and d["target"] == d["answer"][1:-1]
+    asks = set()
+    for d in retrieval.docs("m3_vt", MSA, [4096], range(12)):
+        head = data.VT_PROMPT.split("{context}")[0]
+        assert d["input"].startswith(head)
+        if re.fullmatch(r" \d{5}\.", d["answer"]):
+            asks.add("last")
+            assert d["input"].endswith(data.VT_ASK_LAST[1].format(name=d["input"].split("VAR ")[-1].split(" ")[0]))
+        else:
+            asks.add("members")
+            assert re.fullmatch(r" [A-Z]{5}(, [A-Z]{5})*\.", d["answer"])
+    assert asks == {"last", "members"}
+
+
+def test_evaluation_haystack_is_the_needles_and_never_training_s():
+    assert data.EVAL_HAYSTACK_SEED == needle._POOL_SEED
+    tok = retrieval.tokenizer(MSA).backend_tokenizer
+    with pytest.raises(ValueError, match="evaluation"):
+        data.Haystack(tok, data.EVAL_HAYSTACK_SEED, 16)
+    with pytest.raises(ValueError, match="evaluation haystack"):
+        data.Haystack(tok, data.HELDOUT_HAYSTACK_SEED, 16, evaluation=True)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_yaml_generation_budget_matches(task):
+    cfg = yaml.load((ROOT / "accuracy" / "tasks" / f"{task}.yaml").read_text().replace("!function", ""),
+                    Loader=yaml.SafeLoader)
+    assert cfg["task"] == task and cfg["generation_kwargs"]["max_gen_toks"] == retrieval.gen_tokens(task)
+
+
+def test_lm_eval_loads_the_tasks_offline():
+    from lm_eval.tasks import TaskManager
+
+    meta = {"max_seq_lengths": [1024], "sample_ids": [2, 0], "num_depths": 4, "seed": 3, "tokenizer": MSA}
+    manager = TaskManager(include_path=str(ROOT / "accuracy" / "tasks"), include_defaults=False, metadata=meta)
+    tasks = manager.load(["m3_kv", "m3_vt", "m3_niah_single"])["tasks"]
+    assert set(tasks) == {"m3_kv", "m3_vt", "m3_niah_single"}
+    for name, task in tasks.items():
+        docs = list(task.test_docs())
+        assert [d["sample"] for d in docs] == [2, 0]
+        assert [d["input"] for d in docs] == [d["input"] for d in retrieval.docs(name, MSA, [1024], [2, 0], 3, 4)]
+        right = " " + docs[0]["target"] + "."
+        assert task.process_results(docs[0], [right]) == {"acc": 1.0}
+        assert task.process_results(docs[0], [" 0" + docs[0]["target"] + "."]) == {"acc": 0.0}
+

@@ -1,0 +1,175 @@
+"""m3-accuracy --resume through real lm-eval against stand-in completions servers (conftest's
+FakeCompletions, which answer by reading the prompt): rows appended per round, nothing asked twice,
+more samples asked for later only add the new ones, the budget stops cleanly, and the report pairs
+each candidate with the baseline on the samples both have."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from accuracy import report, run
+
+ROOT = Path(__file__).resolve().parents[2]
+MSA = str(ROOT / "configs" / "msa-small")
+TASKS = ["m3_niah_single", "m3_niah_multikey", "m3_kv", "m3_vt"]
+
+
+def _argv(out, urls, *extra):
+    return ["--model", MSA, "--formats", *urls, "--base-url", *(f"{f}={u}" for f, u in urls.items()),
+            "--tasks", *TASKS, "--lengths", "1024", "2048", "--resume", "--concurrency", "2", "--bootstrap", "100",
+            "--out", str(out), *extra]
+
+
+def _rows(out, fmt, task):
+    return [json.loads(x) for x in (out / "samples" / fmt / f"{task}.jsonl").read_text().splitlines()]
+
+
+def test_resume_appends_skips_and_extends(tmp_path, fake_completions, wrong_rule):
+    out = tmp_path / "acc"
+    with fake_completions() as a, fake_completions(wrong=wrong_rule(3)) as b:
+        urls = {"fp8": a.url, "mxfp4": b.url}
+        summary = run.compare_formats(_argv(out, urls, "--samples", "3", "--chunk", "2"))
+        assert len(a.prompts) == len(b.prompts) == 4 * 2 * 3  # tasks x lengths x samples, once each
+        for task in TASKS:
+            rows = _rows(out, "fp8", task)
+            assert sorted(r["doc_id"] for r in rows) == sorted(f"{n}/{i}" for n in (1024, 2048) for i in range(3))
+            assert all(r["score"] == 1.0 for r in rows)  # the oracle reads every answer off its prompt
+        # mxfp4's stand-in spoils about a third of its answers: the pairs' discordant counts are those.
+        wrong = {task: sum(1 for r in _rows(out, "mxfp4", task) if r["score"] == 0.0) for task in TASKS}
+        assert 0 < sum(wrong.values()) < 24
+        pair = summary["pairs"]["mxfp4"]["tasks"]
+        assert {t: pair[t][-1]["paired"]["mxfp4"]["n10"] for t in TASKS} == wrong
+        assert all(pair[t][-1]["paired"]["mxfp4"]["n01"] == 0 and pair[t][-1]["n"] == 6 for t in TASKS)
+        assert summary["coverage"]["fp8"]["m3_kv"]["2048"] == [3, 3]
+
+        # The same command again asks nothing and reports the same numbers.
+        again = run.compare_formats(_argv(out, urls, "--samples", "3", "--chunk", "2"))
+        assert len(a.prompts) == len(b.prompts) == 24
+        assert again["pairs"] == summary["pairs"]
+
+        # More samples for fp8 only: only its new ones are asked; the pair keeps the 3 both have.
+        bigger = run.compare_formats(_argv(out, urls, "--samples", "3", "--format-samples", "fp8=4", "--chunk", "3"))
+        assert len(a.prompts) == 24 + 8 and len(b.prompts) == 24
+        assert set(a.prompts[24:]).isdisjoint(a.prompts[:24])
+        assert bigger["pairs"]["mxfp4"]["tasks"]["m3_vt"][-1]["n"] == 6
+        assert bigger["coverage"]["fp8"]["m3_vt"]["1024"] == [4, 4]
+        assert bigger["coverage"]["mxfp4"]["m3_vt"]["1024"] == [3, 3]
+
+        # Paired prompts: the two formats were sent the very same texts.
+        assert sorted(a.prompts[:24]) == sorted(b.prompts)
+    md = (out / "report.md").read_text()
+    assert "## mxfp4 vs fp8 (the samples both have)" in md and "### m3_vt" in md and "4/4" in md
+    saved = json.loads((out / "results.json").read_text())
+    assert report.markdown(saved) == md and saved["run"]["resume"]
+
+
+def test_budget_stops_cleanly_and_still_reports(tmp_path, fake_completions):
+    out = tmp_path / "acc"
+    with fake_completions() as a, fake_completions(delay_s=0.5) as b:
+        urls = {"fp8": a.url, "mxfp4": b.url}
+        summary = run.compare_formats(_argv(out, urls, "--samples", "5", "--budget-s", "0"))
+        assert a.prompts == [] and b.prompts == []
+        assert summary["coverage"]["mxfp4"]["m3_niah_single"]["1024"] == [0, 5]
+        assert (out / "report.md").is_file()
+        # fp8's share (half of 100 s) is below --min-format-s: not served; mxfp4 then has it all.
+        run.compare_formats(_argv(out, urls, "--samples", "1", "--budget-s", "100", "--min-format-s", "60"))
+        assert a.prompts == [] and len(b.prompts) == 8
+        # mxfp4 alone, 3 s: its first round (8 prompts, 0.5 s each, 2 at a time: 2 s at least) is run, the
+        # next is predicted to end past the budget and is not started.
+        summary = run.compare_formats(_argv(out, {"mxfp4": b.url}, "--samples", "5", "--chunk", "1",
+                                            "--budget-s", "3", "--min-format-s", "0"))
+        assert len(b.prompts) == 16
+        assert summary["coverage"]["mxfp4"]["m3_vt"] == {"1024": [2, 5], "2048": [2, 5]}
+        assert summary["pairs"] == {}
+
+
+def test_plan_rounds_groups_cells_missing_the_same_samples():
+    done = {"m3_kv": {"1024/0", "1024/1", "2048/0"}, "m3_vt": set()}
+    rounds = run.plan_rounds(["m3_kv", "m3_vt"], [1024, 2048], n=3, chunk=2, done=done)
+    assert [set(r) for r in rounds] == [
+        {(("m3_kv",), (2048,), (1,)), (("m3_vt",), (1024, 2048), (0, 1))},
+        {(("m3_kv", "m3_vt"), (1024, 2048), (2,))},
+    ]
+    assert run.round_tokens(rounds[1]) == 2 * (1024 + 2048) * 1
+    assert run.plan_rounds(["m3_kv"], [1024], n=2, chunk=2, done={"m3_kv": {"1024/0", "1024/1"}}) == []
+
+
+def test_sample_log_drops_a_torn_line_and_checks_its_settings(tmp_path):
+    ident = {"model": "m", "tokenizer": "m", "depths": 10, "seed": 0, "max_gen_toks": None, "api": "completions",
+             "dense_topk_blocks": None, "docs_version": 2}
+    log = run.SampleLog(tmp_path, "fp8", ident)
+    log.append("m3_kv", [{"doc_id": "1024/0", "length": 1024, "score": 1.0}])
+    path = tmp_path / "samples" / "fp8" / "m3_kv.jsonl"
+    path.write_text(path.read_text() + '{"doc_id": "1024/1", "len')  # killed while writing
+    log = run.SampleLog(tmp_path, "fp8", ident)
+    assert log.done("m3_kv") == {"1024/0"}
+    log.append("m3_kv", [{"doc_id": "1024/1", "length": 1024, "score": 0.0}])
+    assert [json.loads(x)["doc_id"] for x in path.read_text().splitlines()] == ["1024/0", "1024/1"]
+    with pytest.raises(ValueError, match=r"other \['seed'\]"):
+        run.SampleLog(tmp_path, "fp8", {**ident, "seed": 1})
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--reuse"], "drop --reuse"),
+    (["--limit", "2"], "drop --reuse and --limit"),
+    (["--format-samples", "bf16=3"], "not among --formats"),
+    (["--format-samples", "fp8=x"], "fmt=N"),
+])
+def test_resume_arguments_are_checked(tmp_path, extra, match):
+    argv = ["--model", "m", "--formats", "fp8", "--base-url", "http://127.0.0.1:9", "--tasks", "m3_kv",
+            "--lengths", "1024", "--resume", "--out", str(tmp_path), *extra]
+    with pytest.raises(ValueError, match=match):
+        run.compare_formats(argv)
+
+
+def test_budget_needs_resume(tmp_path):
+    with pytest.raises(ValueError, match="need --resume"):
+        run.compare_formats(["--model", "m", "--formats", "fp8", "--base-url", "http://127.0.0.1:9",
+                             "--lengths", "1024", "--budget-s", "10", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="long-context tasks"):
+        run.compare_formats(["--model", "m", "--formats", "fp8", "--base-url", "http://127.0.0.1:9",
+                             "--lengths", "1024", "--resume", "--tasks", "m3_short_arith", "--out", str(tmp_path)])
+
+
+def test_a_failing_format_is_reported_and_the_next_one_runs(tmp_path, fake_completions):
+    out = tmp_path / "acc"
+    with fake_completions() as b:
+        urls = {"fp8": "http://127.0.0.1:9", "mxfp4": b.url}  # nothing listens on port 9
+        summary = run.compare_formats(_argv(out, urls, "--samples", "1", "--tasks", "m3_kv"))
+    assert "fp8" in summary["errors"] and len(b.prompts) == 2
+    assert summary["coverage"]["mxfp4"]["m3_kv"] == {"1024": [1, 1], "2048": [1, 1]}
+    assert "**fp8 failed in this run**" in (out / "report.md").read_text()
+
+
+def test_max_formats_serves_those_furthest_behind(tmp_path, fake_completions):
+    out = tmp_path / "acc"
+    with fake_completions() as a, fake_completions() as b, fake_completions() as c:
+        urls = {"fp8": a.url, "mxfp4": b.url, "bf16": c.url}
+        common = ["--tasks", "m3_kv", "--samples", "4", "--chunk", "1", "--max-formats", "1"]
+        run.compare_formats(_argv(out, urls, *common, "--format-samples", "bf16=2"))  # all at 0 %: fp8 first
+        assert (len(a.prompts), len(b.prompts), len(c.prompts)) == (8, 0, 0)
+        more = [*common, "--format-samples", "fp8=8", "bf16=2"]  # fp8 now at 50 %, the others at 0 %
+        run.compare_formats(_argv(out, urls, *more))
+        assert (len(a.prompts), len(b.prompts), len(c.prompts)) == (8, 8, 0)
+        run.compare_formats(_argv(out, urls, *more))  # bf16 (0 %) before fp8 (50 %)
+        assert (len(a.prompts), len(b.prompts), len(c.prompts)) == (8, 8, 4)
+        run.compare_formats(_argv(out, urls, *more))
+        assert (len(a.prompts), len(b.prompts), len(c.prompts)) == (16, 8, 4)
+
+
+def test_plain_runs_take_the_new_tasks_too(tmp_path, fake_completions, wrong_rule):
+    # Without --resume: one lm-eval call per format over --samples per length, then report.build.
+    out = tmp_path / "plain"
+    with fake_completions() as a, fake_completions(wrong=wrong_rule(2)) as b:
+        argv = ["--model", MSA, "--formats", "fp8", "mxfp4", "--base-url", f"fp8={a.url}", f"mxfp4={b.url}",
+                "--tasks", "m3_kv", "m3_vt", "--lengths", "1024", "--samples", "4", "--concurrency", "2",
+                "--bootstrap", "100", "--out", str(out)]
+        summary = run.compare_formats(argv)
+    assert len(a.prompts) == 8 and sorted(a.prompts) == sorted(b.prompts)
+    for task in ("m3_kv", "m3_vt"):
+        rows = _rows(out, "mxfp4", task)
+        assert [r["doc_id"] for r in rows] == [f"1024/{i}" for i in range(4)]
+        paired = summary["tasks"][task][-1]["paired"]["mxfp4"]
+        assert paired["n10"] == sum(r["score"] == 0.0 for r in rows) and paired["ci_method"] == "tango"
+        assert paired["newcombe_lo"] <= paired["diff"] <= paired["newcombe_hi"]

@@ -1,0 +1,92 @@
+"""scripts/gpu/accuracy_h200.sh on the CPU at tiny size (DEVICE=cpu: the trained configs/msa-small served
+by real CPU SGLang servers, fp8 and mxfp4, the four long-context tasks at one length, 2 samples each,
+and the agreement of bf16 and mxfp4): the files it leaves, then a second call on the same "machine"
+and a call on a fresh one from the returned state.tgz, neither of which asks a server anything."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu" / "accuracy_h200.sh"
+TASKS = ["m3_niah_single", "m3_niah_multikey", "m3_kv", "m3_vt"]
+LENGTH = 18 * 128  # 18 blocks: past top-16, so the formats' selections can differ
+
+
+def _call(tmp_path, out: str, run_dir: str, **env):
+    full = {**os.environ, "OUT": str(tmp_path / out), "RUN_DIR": str(tmp_path / run_dir), "DEVICE": "cpu",
+            "PYTHON": sys.executable, "FORMATS": "fp8 mxfp4", "N_LARGE": "2", "N_SMALL": "1",
+            "LENGTHS": str(LENGTH), "CHUNK": "2", "CONCURRENCY": "2", "AGREE_FORMATS": "bf16 mxfp4",
+            "AGREE_SAMPLES": "1", "BUDGET_S": "1500", "AGREE_S": "500", **env}
+    proc = subprocess.run(["bash", str(SCRIPT), str(ROOT / "configs" / "msa-small")], cwd=ROOT, env=full,
+                          capture_output=True, text=True, timeout=1700)
+    log = tmp_path / out / "call.log"
+    return proc.returncode, log.read_text() if log.exists() else proc.stdout + proc.stderr
+
+
+def _check_files(out: Path) -> dict:
+    files = {str(f.relative_to(out)): f for f in out.rglob("*") if f.is_file()}
+    assert len(files) <= 8, sorted(files)
+    for name, f in files.items():
+        assert f.stat().st_size <= 15 * 2**20, name
+        assert name.count("/") <= 2 and all(re.fullmatch(r"[A-Za-z0-9._-]+", part) for part in name.split("/"))
+    assert {"call.log", "report.md", "state.tgz", "results.json", "logs.tgz"} <= set(files), sorted(files)
+    last = files["report.md"].stat().st_mtime_ns
+    assert all(f.stat().st_mtime_ns <= last for n, f in files.items() if n != "call.log")  # report.md last
+    return files
+
+
+def _rows(run_dir: Path) -> dict:
+    return {(fmt.name, task): len((fmt / f"{task}.jsonl").read_text().splitlines())
+            for fmt in sorted((run_dir / "acc" / "samples").iterdir()) for task in TASKS}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_calls_resume_and_leave_at_most_eight_files(tmp_path):
+    rc, log = _call(tmp_path, "out1", "run")
+    assert rc == 0, log
+    files = _check_files(tmp_path / "out1")
+    run_dir = tmp_path / "run"
+    assert _rows(run_dir) == {(f, t): 2 for f in ("fp8", "mxfp4") for t in TASKS}
+    with tarfile.open(files["state.tgz"]) as tar:
+        names = tar.getnames()
+    assert {f"acc/samples/{f}/{t}.jsonl" for f in ("fp8", "mxfp4") for t in TASKS} <= set(names)
+    assert {"agreement/formats/bf16.npz", "agreement/formats/mxfp4.json"} <= set(names)
+    report = (tmp_path / "out1" / "report.md").read_text()
+    for task in TASKS:
+        assert f"### {task}" in report
+    assert "## mxfp4 vs fp8 (the samples both have)" in report and "| fp8 | 2/2 | 2/2 | 2/2 | 2/2 |" in report
+    assert "Top-k block agreement" in report and "bf16/mxfp4" in report
+    results = json.loads((tmp_path / "out1" / "results.json").read_text())
+    pair = results["pairs"]["mxfp4"]["tasks"]
+    assert all(pair[t][-1]["n"] == 2 and pair[t][-1]["paired"]["mxfp4"]["ci_method"] == "tango" for t in TASKS)
+    # The format switch reached each server.
+    for fmt in ("fp8", "mxfp4"):
+        assert f"index-K cache: {fmt} " in (run_dir / "acc" / f"server-{fmt}.log").read_text()
+    servers = {p: p.stat().st_mtime_ns for p in run_dir.rglob("server-*.log")}
+    assert len(servers) == 4
+
+    # The same machine again: every sample and every agreement format is there; no server is started.
+    rc, log = _call(tmp_path, "out2", "run")
+    assert rc == 0, log
+    _check_files(tmp_path / "out2")
+    assert "fp8: all 2 samples per task and length done" in log and "serving" not in log
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("server-*.log")} == servers
+    assert _rows(run_dir) == {(f, t): 2 for f in ("fp8", "mxfp4") for t in TASKS}
+
+    # A fresh machine, from the returned state: nothing asked either, the same tables.
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    (carried / "state.tgz").write_bytes(files["state.tgz"].read_bytes())
+    rc, log = _call(tmp_path, "out3", "fresh", RESUME=str(carried))
+    assert rc == 0 and "resumed from" in log, log
+    assert not list((tmp_path / "fresh").rglob("server-*.log"))
+    strip = lambda text: text.split("\n", 3)[3]  # noqa: E731  (the header names the call's time)
+    assert strip((tmp_path / "out3" / "report.md").read_text()) == strip(report)
