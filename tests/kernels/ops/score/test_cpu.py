@@ -103,11 +103,12 @@ def test_decode_rejects_a_visible_page_outside_the_cache(gen):
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 def test_prefill_matches_reference(gen, fmt, monkeypatch):
-    """A cached prefix, an empty request and a long one scored in several chunks (the chunk size is shrunk so
-    that chunks end inside pages and the page-wise causal cut moves between chunks)."""
+    """A cached prefix (its first tile starts inside a page), an empty request and a long one whose tiles see up to
+    5 pages in key chunks of 2 (shrunk from the default so that the last chunk is partial and the own page is the
+    first or the second page of a chunk)."""
     import m3_kernels.ops.score.cpu as cpu
 
-    monkeypatch.setattr(cpu, "_SCORE_ELEMS", 2 * 600 * 3)  # 3 rows against 5 pages
+    monkeypatch.setattr(cpu, "_KEY_PAGES", 2)
     seq_lens, new = [270, 40, 601], [70, 0, 601]
     k_cache, k_scale = build_cache(gen, fmt, 16)
     block_table = torch.randperm(16, generator=gen)[:15].view(3, 5).int()
