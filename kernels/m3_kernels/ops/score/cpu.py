@@ -89,9 +89,14 @@ def score_decode_cpu(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, ma
     return out.copy_(res)
 
 
-def score_prefill_cpu(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None, out=None):
+def score_prefill_cpu(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None, out=None,
+                      skip_rows_seeing: int = 0):
     """Prefill block scores, fp32 ``[H, total_new_tokens, max_block]`` (contract:
     ``naive.score_prefill_ref``). Every column is written, into ``out`` when given.
+
+    ``skip_rows_seeing``: rows that see at most this many pages are not scored (all -inf). MSA selection
+    takes every visible block of a row that sees at most ``topk`` of them whatever the scores, so the
+    server passes ``topk`` (the first 16 pages of every prompt are then free).
 
     Per request the new rows go in tiles of one query page; a tile scores the pages it sees (the causal
     triangle, page-wise) in key chunks of ``_KEY_PAGES`` pages: one fp32 matmul per chunk whose
@@ -118,6 +123,9 @@ def score_prefill_cpu(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, 
             page = (first_pos + t0) // PAGE_SIZE  # the tile's query page; rows t0..t1-1 sit in it
             t1 = min(r1 - r0, (page + 1) * PAGE_SIZE - first_pos)
             n = t1 - t0
+            if page + 1 <= skip_rows_seeing:
+                t0 = t1
+                continue
             qt = qf[t0:t1].view(n * H, -1)
             seen = min(page + 1, n_pages)  # pages the tile sees (its own page partially)
             for c0 in range(0, seen, _KEY_PAGES):

@@ -164,3 +164,25 @@ def test_prefill_selection_matches_float64_selection_up_to_near_ties(gen, fmt, t
                 assert abs(float(want[h, r, j]) - kept) <= float(bound[h, r]), (h, r, j)
     if ties:
         assert differ == 0
+
+
+def test_prefill_skips_rows_that_see_few_pages(gen):
+    """``skip_rows_seeing=3``: rows seeing at most 3 pages read -inf everywhere, the others equal the reference; the
+    selection of every row is that of the full scores."""
+    from m3_kernels.ops.select import select_blocks, visible_blocks
+
+    k_cache, k_scale = build_cache(gen, "mxfp4", 6)
+    seq = torch.tensor([700, 300], dtype=torch.int32)
+    new = [700, 50]  # request 0 from position 0; request 1's rows at positions 250..299 (pages 1 and 2)
+    cu = torch.tensor([0, 700, 750], dtype=torch.int32)
+    block_table = torch.stack([torch.randperm(6, generator=gen), torch.randperm(6, generator=gen)]).int()
+    q = make_q(gen, 750, 2, torch.bfloat16)
+    got = score_prefill_cpu(q, k_cache, k_scale, block_table, seq, cu, 0.5, skip_rows_seeing=3)
+    want = score_prefill_ref(q, k_cache, k_scale, block_table, seq, cu, 0.5)
+    positions = torch.cat([torch.arange(700), torch.arange(250, 300)])
+    few = visible_blocks(positions, PAGE_SIZE) <= 3
+    assert int(few.sum()) == 3 * PAGE_SIZE + 50
+    assert torch.isneginf(got[:, few]).all()
+    assert_close_scores(got[:, ~few], want[:, ~few])
+    n_vis = visible_blocks(positions, PAGE_SIZE)
+    assert torch.equal(select_blocks(got, n_vis, 3, 1, 0), select_blocks(want.float(), n_vis, 3, 1, 0))
