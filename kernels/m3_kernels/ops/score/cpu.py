@@ -38,12 +38,14 @@ def dequantize_pages(k_cache: torch.Tensor, k_scale: torch.Tensor | None, pages:
 
     ``k_cache``/``k_scale`` as in ``naive``: bf16/e4m3 ``[P, 128, 128]`` and None, or MXFP4
     ``[P, 128, 64]`` + ``[P, 128, 4]`` uint8."""
+    flat = pages.flatten()
     if k_scale is None:
-        return k_cache[pages].float()
-    data = k_cache[pages]  # [..., 128, 64] uint8
+        return k_cache.index_select(0, flat).view(*pages.shape, *k_cache.shape[1:]).float()
+    data = k_cache.index_select(0, flat).view(*pages.shape, *k_cache.shape[1:])  # [..., 128, 64] uint8
     values = _byte_table(data.device).index_select(0, data.flatten().int())  # [n, 2]
     values = values.view(*data.shape[:-1], k_scale.shape[-1], -1)  # [..., 128, 4, 32]
-    scale = e8m0_to_float(k_scale[pages], torch.float32).unsqueeze(-1)  # [..., 128, 4, 1]
+    scale = e8m0_to_float(k_scale.index_select(0, flat).view(*pages.shape, *k_scale.shape[1:]), torch.float32)
+    scale = scale.unsqueeze(-1)  # [..., 128, 4, 1]
     return (values * scale).flatten(-2)
 
 
