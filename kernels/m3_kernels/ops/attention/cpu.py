@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 _UNION_MAX_BLOCKS = 32  # a tile whose rows' lists span at most this many blocks (all KV heads) reads their union
+_UNION_ELEMS = 1 << 24  # mask entries (tile x KV head x row x key) one call over tiles holds (32 MiB of bf16)
 _PAIR_ELEMS = 1 << 25  # partial-output entries (pair x query head of a KV group x D) one chunk of rows holds
 _GATHER_ELEMS = 1 << 23  # mask entries (query row x head x key) one tile chunk of the decode gather holds
 
@@ -123,13 +124,19 @@ def sparse_attention_extend_cpu(q, k_cache, v_cache, req_to_token, req_pool_indi
     flat = (tile_of_row[None, :, None] * (nb + 1) + torch.where(sel < 0, nb, sel)).view(hkv, -1)
     chosen.view(hkv, -1).scatter_(1, flat, True)
     union = chosen[..., :nb].any(0)  # [tiles, nb]: the blocks any KV head of the tile picked
-    narrow_tile = union.sum(-1) <= _UNION_MAX_BLOCKS
+    width = union.sum(-1)
+    narrow_tile = width <= _UNION_MAX_BLOCKS
     narrow = narrow_tile[tile_of_row]
-    for t in narrow_tile.nonzero().squeeze(1).tolist():
-        r = (tile_of_row == t).nonzero().squeeze(1)
-        out[rest[r]] = _attend_union(_rows(q, rest[r]), k_cache, v_cache, req_to_token, int(req_pool[request[r[0]]]),
-                                     int(seq[request[r[0]]]), pos[r], sel[:, r], union[t].nonzero().squeeze(1),
-                                     block_size, sm_scale)
+    tile_req = torch.div(tile_key, nb, rounding_mode="floor")
+    for tiles in _union_groups(narrow_tile, width, hkv * block_size * block_size):
+        in_group = torch.full((n_tiles,), -1, dtype=torch.long, device=q.device)
+        in_group[tiles] = torch.arange(tiles.numel(), device=q.device)
+        r = (in_group[tile_of_row] >= 0).nonzero().squeeze(1)
+        w = int(width[tiles].max())
+        blocks = torch.sort(union[tiles].to(torch.uint8), dim=-1, descending=True, stable=True).indices[:, :w]
+        out[rest[r]] = _attend_union(_rows(q, rest[r]), k_cache, v_cache, req_to_token, req_pool[tile_req[tiles]],
+                                     seq[tile_req[tiles]], pos[r], sel[:, r], in_group[tile_of_row[r]],
+                                     tile_key[tiles] % nb, blocks, width[tiles], block_size, sm_scale)
     wide = (~narrow).nonzero().squeeze(1)
     step = max(1, _PAIR_ELEMS // (topk * group * d))
     for c0 in range(0, wide.numel(), step):
@@ -139,31 +146,60 @@ def sparse_attention_extend_cpu(q, k_cache, v_cache, req_to_token, req_pool_indi
     return out
 
 
-def _attend_union(q, k_cache, v_cache, req_to_token, pool_row: int, seq_len: int, pos, sel, blocks, block_size: int,
-                  sm_scale: float):
-    """``[n, Hq, D]`` in the cache dtype: the rows ``q [n, Hq, D]`` of one tile (their ``pos`` and distinct visible
-    lists ``sel [Hkv, n, topk]``) against ``blocks [W]``, the union of their lists over the KV heads (read once),
-    per KV head one call through a mask of each row's own blocks and causal limit."""
+def _union_groups(narrow: torch.Tensor, width: torch.Tensor, elems_per_block: int):
+    """int64 tensors of tile ids: the ``narrow`` tiles in order of union ``width`` (blocks), in runs whose widths
+    lie within a quarter of the run's first (its calls pad every tile to the widest) and whose masks
+    (``elems_per_block`` entries per tile and block) fit ``_UNION_ELEMS``."""
+    ids = narrow.nonzero().squeeze(1)
+    ids = ids[torch.argsort(width[ids], stable=True)]
+    widths = width[ids].tolist()
+    i = 0
+    while i < len(widths):
+        j = i + 1
+        while (j < len(widths) and widths[j] <= widths[i] + widths[i] // 4
+               and (j + 1 - i) * max(widths[j], 1) * elems_per_block <= _UNION_ELEMS):
+            j += 1
+        yield ids[i:j]
+        i = j
+
+
+def _attend_union(q, k_cache, v_cache, req_to_token, pool_rows, seq_lens, pos, sel, tile, own_block, blocks, n_blocks,
+                  block_size: int, sm_scale: float):
+    """``[n, Hq, D]`` in the cache dtype: rows ``q [n, Hq, D]`` of ``T`` tiles (``tile [n]`` in ``0..T-1``, ``pos``,
+    distinct visible lists ``sel [Hkv, n, topk]``) against the union of their tile's lists over the KV heads
+    (``blocks [T, W]``, the first ``n_blocks [T]`` of each row valid; tile ``t`` holds query block ``own_block[t]``
+    of the request in ``req_to_token`` row ``pool_rows[t]``, ``seq_lens[t]`` tokens long). One call: tiles padded
+    to ``block_size`` rows and ``W`` blocks, each (tile, KV head) a batch entry whose mask keeps a row's own blocks
+    up to its position."""
     n, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
     dtype, dev = k_cache.dtype, q.device
-    if blocks.numel() == 0:  # no row of the tile sees a token
-        return torch.zeros(n, hq, d, dtype=dtype, device=dev)
-    q = q.to(dtype)
-    tok_pos = (blocks[:, None] * block_size + torch.arange(block_size, device=dev)).flatten()  # [W * bs]
-    slots = req_to_token[pool_row, tok_pos.clamp(max=min(seq_len, req_to_token.shape[1]) - 1)].long()
-    k, v = _rows(k_cache, slots), _rows(v_cache, slots)  # [W * bs, Hkv, D]
-    causal = tok_pos[None] <= pos[:, None]  # [n, W * bs]
-    out = torch.empty(n, hq, d, dtype=dtype, device=dev)
-    for h in range(hkv):
-        member = (sel[h][:, :, None] == blocks[None, None, :]).any(1)  # [n, W]
-        seen = member.repeat_interleave(block_size, dim=1) & causal
-        mask = torch.zeros(n, tok_pos.shape[0], dtype=dtype, device=dev).masked_fill_(~seen, float("-inf"))
-        o = F.scaled_dot_product_attention(q[:, h * group : (h + 1) * group].transpose(0, 1)[None], k[:, h][None, None],
-                                           v[:, h][None, None], attn_mask=mask, scale=sm_scale, enable_gqa=True)
-        out[:, h * group : (h + 1) * group] = o[0].transpose(0, 1)
-    return out
+    n_tiles, w = blocks.shape
+    keys = w * block_size
+    tok = torch.arange(block_size, device=dev)
+    at = tile * block_size + pos % block_size  # each row's place in the padded tiles
+    qt = torch.zeros(n_tiles * block_size, hq, d, dtype=dtype, device=dev).index_copy_(0, at, q.to(dtype))
+    qt = qt.view(n_tiles, block_size, hkv, group, d)
+    tok_pos = (blocks[:, :, None] * block_size + tok).view(n_tiles, keys)  # request-relative positions
+    slots = req_to_token[pool_rows[:, None], torch.minimum(tok_pos, seq_lens[:, None] - 1)].long()
+    k, v = _rows(k_cache, slots), _rows(v_cache, slots)  # [T, keys, Hkv, D]
+    valid = torch.arange(w, device=dev) < n_blocks[:, None]  # [T, W]
+    member = (sel[:, :, :, None] == blocks[tile][None, :, None, :]).any(2) & valid[tile][None]  # [Hkv, n, W]
+    seen = torch.zeros(n_tiles * block_size, hkv, w, dtype=torch.bool, device=dev)
+    seen.index_copy_(0, at, member.permute(1, 0, 2))
+    seen = seen.view(n_tiles, block_size, hkv, w, 1).expand(-1, -1, -1, -1, block_size).reshape(n_tiles, block_size,
+                                                                                                hkv, keys)
+    row_pos = own_block[:, None] * block_size + tok  # [T, bs]: position of each padded row
+    seen = seen & (tok_pos[:, None, :] <= row_pos[:, :, None])[:, :, None]
+    zero, ninf = (torch.full((), x, dtype=dtype, device=dev) for x in (0.0, float("-inf")))
+    mask = torch.where(seen, zero, ninf)  # [T, bs, Hkv, keys], additive
+    out = torch.empty(n_tiles, block_size, hkv, group, d, dtype=dtype, device=dev)
+    for h in range(hkv):  # strided views of the gathered rows: no copies of K, V or the mask
+        o = F.scaled_dot_product_attention(qt[:, :, h].transpose(1, 2), k[:, None, :, h], v[:, None, :, h],
+                                           attn_mask=mask[:, None, :, h], scale=sm_scale, enable_gqa=True)
+        out[:, :, h] = o.transpose(1, 2)  # o: [T, G, bs, D]
+    return _rows(out.view(n_tiles * block_size, hq, d), at)
 
 
 def _attend_split(q, k_cache, v_cache, req_to_token, req_pool, seq_lens, request, pos, own, sel, block_size: int,
