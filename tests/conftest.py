@@ -5,7 +5,8 @@ The whole suite (``pytest`` with no paths, i.e. the README's command) runs on ``
 workers when xdist is installed (the ``test`` extra brings it) and no ``-n`` was given: one test file per
 worker at a time (module-scoped servers stay one per file), in collection order (handing the server files
 out first made them run side by side, each slower: 10 min 16 s against 7 min 17 s). Most of the suite's time
-is server start-ups, which are largely single-threaded imports, so two workers fit a 2-core box. ``-n 0`` runs it in one process; a run naming paths is not changed.
+is server start-ups, which are largely single-threaded imports, so two workers fit a 2-core box. ``-n 0``
+runs it in one process; a run naming paths is not changed.
 """
 
 import importlib.util

@@ -4,19 +4,26 @@ Both entry points take ``naive.sparse_attention_ref``'s arguments and return its
 attention runs in the cache's dtype (bf16 in a bf16 model, as SGLang's dense ``torch_native`` backend
 does), in torch's flash attention kernel: logits and softmax in fp32, ``P @ V`` in the cache dtype.
 
-Prefill/extend (``sparse_attention_extend_cpu``), per request and KV head:
+Prefill/extend (``sparse_attention_extend_cpu``), three paths, all exact:
 
-- rows whose lists hold every block they can see (at most ``topk`` visible blocks: the start of every
-  prompt) are plain causal attention over the request's prefix: one flash call per request;
-- every other row's list splits into its own block (causal inside the block) and earlier blocks (all
-  tokens visible). Own blocks: the rows of one query block form a tile and all tiles go through one
-  causal flash call. Earlier blocks: the (row, block) pairs are grouped by block, and each block's keys
-  attend to the rows that picked it in one flash call without a mask. Each call also returns the
-  log-sum-exp of its logits per row and head, by which a row's partial results over its blocks merge
-  exactly (a softmax over the union of its blocks). The work is that of the selected blocks only,
-  however different the rows' lists are.
+- dense runs: rows whose lists hold every block they can see (at most ``topk`` visible blocks: the start
+  of every prompt) are plain causal attention over the request's prefix, one call per request;
+- union tiles: the other rows of one (request, query block) form a tile; a tile whose lists span at most
+  ``_UNION_MAX_BLOCKS`` blocks (over its KV heads) reads that union once and attends through a mask of
+  each row's blocks and causal limit (tiles of similar width share one call per KV head). Its work is the
+  union's, up to about twice the selected blocks': cheaper than the split below at such widths;
+- split: a wider tile's rows split their lists into the own block (one causal call over all such tiles)
+  and earlier blocks, whose (row, block) pairs are grouped by block: each block's keys attend to the rows
+  that picked it in one call without a mask. Each call also returns the log-sum-exp of its logits per
+  row and head, by which a row's partial results merge exactly (a softmax over the union of its blocks):
+  the work of the selected blocks only, however different the rows' lists are, plus a gather of the
+  rows' queries and a scatter of their partial results.
 
-Decode (``sparse_attention_decode_cpu``): each row reads its own blocks (gathered) through a mask.
+Decode (``sparse_attention_decode_cpu``): rows that pick every block they see in one masked call over
+their whole contexts; the others read their own blocks (gathered) through a mask.
+
+Gathers go through ``index_select`` (advanced indexing gathers element-wise on the CPU, several times
+slower). A row that sees no selected token gets zeros, as torch's flash kernel gives a fully masked row.
 """
 
 import torch
@@ -141,8 +148,8 @@ def sparse_attention_extend_cpu(q, k_cache, v_cache, req_to_token, req_pool_indi
     step = max(1, _PAIR_ELEMS // (topk * group * d))
     for c0 in range(0, wide.numel(), step):
         r = wide[c0 : c0 + step]
-        out[rest[r]] = _attend_split(_rows(q, rest[r]), k_cache, v_cache, req_to_token, req_pool, seq, request[r], pos[r],
-                                     own[r], sel[:, r], block_size, sm_scale)
+        out[rest[r]] = _attend_split(_rows(q, rest[r]), k_cache, v_cache, req_to_token, req_pool, seq, request[r],
+                                     pos[r], own[r], sel[:, r], block_size, sm_scale)
     return out
 
 
