@@ -184,8 +184,11 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
         padded_tokens, n = q.shape[0], meta.num_tokens  # DP attention may pad q past the real tokens
         q, idx_q, positions = q[:n], idx_q[:n], forward_batch.positions[:n]
         if q.device.type == "cpu":  # the fast torch scorer (checked against naive.py in tests/kernels)
+            # Rows seeing at most topk blocks take them all (no scores needed) unless the recorder keeps scores.
+            skip = self.topk_blocks if self.recorder is None else 0
             scores = score_prefill_cpu(self._index_q(idx_q), idx_cache, idx_scale, meta.block_table, meta.seq_lens,
-                                       meta.cu_seqlens_q, self.idx_sm_scale, max_block=meta.max_block)
+                                       meta.cu_seqlens_q, self.idx_sm_scale, max_block=meta.max_block,
+                                       skip_rows_seeing=skip)
         else:
             scores = score_prefill(self._index_q(idx_q), idx_cache, idx_scale, meta.block_table, meta.seq_lens,
                                    meta.cu_seqlens_q, self.idx_sm_scale, max_block=meta.max_block, plan=meta.plan)

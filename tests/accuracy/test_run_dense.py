@@ -3,7 +3,8 @@ serving path attends every visible block, i.e. exact causal attention.
 
 Checked on the pieces the server runs: the block selector (torch reference; the Triton selector
 under the interpreter on CPU and compiled on a GPU) and the attention over the selected blocks
-(``sparse_attention_torch`` on CPU; SGLang's Triton sparse prefill/decode kernels on a GPU),
+(``m3_kernels.ops.attention``'s CPU serving kernel and its reference on CPU; SGLang's Triton sparse
+prefill/decode kernels on a GPU),
 against a float64 causal-attention oracle.
 """
 
@@ -20,7 +21,8 @@ from m3_kernels.formats import PAGE_SIZE  # noqa: E402
 from m3_kernels.ops.select import select_blocks, visible_blocks  # noqa: E402
 from m3_kernels.ops.select.naive import select_blocks_ref  # noqa: E402
 from m3_kernels.testing import triton_module  # noqa: E402
-from sglang_m3.sparse_attention import sparse_attention_torch  # noqa: E402
+from m3_kernels.ops.attention import sparse_attention_extend_cpu  # noqa: E402
+from m3_kernels.ops.attention.naive import sparse_attention_ref  # noqa: E402
 
 HEAD_DIM = 128
 
@@ -100,9 +102,11 @@ def test_torch_attention_over_every_block_is_causal_attention(gen, seq_len, pref
     positions = torch.arange(prefix, seq_len)
     q = torch.randn(len(positions), hq, HEAD_DIM, generator=gen)
     topk_idx = _dense_rows(visible_blocks(positions, PAGE_SIZE), topk).expand(hkv, -1, -1).contiguous()
-    got = sparse_attention_torch(q, k_cache, v_cache, req_to_token, torch.tensor([1]), torch.tensor([seq_len]),
-                                 torch.tensor([0, len(positions)]), positions, topk_idx, PAGE_SIZE, HEAD_DIM**-0.5)
-    _assert_close("o", _causal_oracle(q, k, v, positions, HEAD_DIM**-0.5), got, 1e-5)
+    args = (q, k_cache, v_cache, req_to_token, torch.tensor([1]), torch.tensor([seq_len]),
+            torch.tensor([0, len(positions)]), positions, topk_idx, PAGE_SIZE, HEAD_DIM**-0.5)
+    want = _causal_oracle(q, k, v, positions, HEAD_DIM**-0.5)
+    _assert_close("o", want, sparse_attention_extend_cpu(*args), 1e-5)  # the CPU serving kernel
+    _assert_close("o", want, sparse_attention_ref(*args, dtype=torch.float32), 1e-5)
 
 
 @pytest.mark.gpu

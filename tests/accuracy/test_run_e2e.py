@@ -11,7 +11,7 @@ from accuracy import run
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "minimax-m3.1-tiny"
 CPU_LAUNCH = ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "4096",
-              "--load-format", "dummy"]
+              "--load-format", "dummy", "--skip-server-warmup"]
 
 
 @pytest.mark.slow

@@ -26,3 +26,27 @@ def test_eager_interleaved_swiglu_equals_sglangs_compiled_function_bitwise(gen):
     got = swiglu_interleaved_eager(x, alpha=1.702, limit=7.0)
     assert got.shape == (5, 3, 16)
     assert torch.equal(got, reference(x, 1.702, 7.0))
+
+
+def test_cpu_per_head_norm_equals_sglangs_gemma_norm_bitwise(gen):
+    """The forward the model installs on its per-head norms off CUDA equals SGLang's ``GemmaRMSNorm`` (its native
+    path, what a CPU runs) bit for bit, on q-shaped input with more rows than one chunk; calls with a residual
+    keep SGLang's own path."""
+    import functools
+
+    from sglang.srt.layers.layernorm import GemmaRMSNorm
+
+    from sglang_m3.models.minimax_m3_1 import _gemma_norm_forward_cpu
+
+    norm = GemmaRMSNorm(128, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(128, generator=gen) * 0.3)
+    x = (torch.randn(3000, 16 * 128, generator=gen) * 2).to(torch.bfloat16).view(-1, 128)
+    want = norm.forward_native(x)
+    norm.forward = functools.partial(_gemma_norm_forward_cpu, norm)
+    got = norm(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    residual = torch.randn_like(x)
+    out, res = norm(x, residual)
+    want_out, want_res = norm.forward_native(x, residual)
+    assert torch.equal(out, want_out) and torch.equal(res, want_res)

@@ -20,7 +20,7 @@ import torch
 from ...formats import PAGE_SIZE, e2m1_decode, e8m0_to_float, unpack_e2m1
 from .common import check_decode_args, check_prefill_args, check_prefill_lengths
 
-_SCORE_ELEMS = 1 << 24  # fp32 dot products held at once by a prefill chunk (64 MiB)
+_KEY_PAGES = 8  # pages of keys one prefill matmul scores (128 rows x 4 heads x 1024 keys: 2 MiB of fp32)
 _LUTS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -38,12 +38,14 @@ def dequantize_pages(k_cache: torch.Tensor, k_scale: torch.Tensor | None, pages:
 
     ``k_cache``/``k_scale`` as in ``naive``: bf16/e4m3 ``[P, 128, 128]`` and None, or MXFP4
     ``[P, 128, 64]`` + ``[P, 128, 4]`` uint8."""
+    flat = pages.flatten()
     if k_scale is None:
-        return k_cache[pages].float()
-    data = k_cache[pages]  # [..., 128, 64] uint8
+        return k_cache.index_select(0, flat).view(*pages.shape, *k_cache.shape[1:]).float()
+    data = k_cache.index_select(0, flat).view(*pages.shape, *k_cache.shape[1:])  # [..., 128, 64] uint8
     values = _byte_table(data.device).index_select(0, data.flatten().int())  # [n, 2]
     values = values.view(*data.shape[:-1], k_scale.shape[-1], -1)  # [..., 128, 4, 32]
-    scale = e8m0_to_float(k_scale[pages], torch.float32).unsqueeze(-1)  # [..., 128, 4, 1]
+    scale = e8m0_to_float(k_scale.index_select(0, flat).view(*pages.shape, *k_scale.shape[1:]), torch.float32)
+    scale = scale.unsqueeze(-1)  # [..., 128, 4, 1]
     return (values * scale).flatten(-2)
 
 
@@ -89,15 +91,26 @@ def score_decode_cpu(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, ma
     return out.copy_(res)
 
 
-def score_prefill_cpu(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None, out=None):
+def score_prefill_cpu(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None, out=None,
+                      skip_rows_seeing: int = 0):
     """Prefill block scores, fp32 ``[H, total_new_tokens, max_block]`` (contract:
-    ``naive.score_prefill_ref``). Every column is written, into ``out`` when given."""
+    ``naive.score_prefill_ref``). Every column is written, into ``out`` when given.
+
+    ``skip_rows_seeing``: rows that see at most this many pages are not scored (all -inf). MSA selection
+    takes every visible block of a row that sees at most ``topk`` of them whatever the scores, so the
+    server passes ``topk`` (the first 16 pages of every prompt are then free).
+
+    Per request the new rows go in tiles of one query page; a tile scores the pages it sees (the causal
+    triangle, page-wise) in key chunks of ``_KEY_PAGES`` pages: one fp32 matmul per chunk whose
+    ``[tile rows x H, chunk tokens]`` products stay in cache for the page max, and only the tile's own
+    page is masked."""
     _, batch, H, max_block, sm_scale = check_prefill_args(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q,
                                                           sm_scale, max_block, out)
     check_prefill_lengths(q, seq_lens, cu_seqlens_q)
     dev = q.device
     res = torch.full((H, q.shape[0], max_block), float("-inf"), dtype=torch.float32, device=dev)
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    tok = torch.arange(PAGE_SIZE, device=dev)
     for b in range(batch):
         r0, r1 = cu[b], cu[b + 1]
         if r1 <= r0:
@@ -106,16 +119,27 @@ def score_prefill_cpu(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, 
         n_pages = min(max_block, (lens[b] - 1) // PAGE_SIZE + 1)
         pages = _check_pages(block_table[b : b + 1], torch.tensor([n_pages], device=dev), k_cache.shape[0])[0]
         k = dequantize_pages(k_cache, k_scale, pages).view(n_pages * PAGE_SIZE, -1)  # [L, 128]
-        rows = max(1, _SCORE_ELEMS // (H * n_pages * PAGE_SIZE))
-        for c0 in range(r0, r1, rows):
-            c1 = min(c0 + rows, r1)
-            pos = first_pos + torch.arange(c0 - r0, c1 - r0, device=dev)  # [R]
-            p = min(n_pages, (first_pos + c1 - r0 - 1) // PAGE_SIZE + 1)  # pages the chunk's last row sees
-            dots = torch.matmul(q[c0:c1].float(), k[: p * PAGE_SIZE].t())  # [R, H, p*128]
-            hidden = torch.arange(p * PAGE_SIZE, device=dev)[None] > pos[:, None]  # [R, p*128]
-            dots.masked_fill_(hidden[:, None], float("-inf"))
-            best = dots.view(c1 - c0, H, p, PAGE_SIZE).amax(dim=-1) * sm_scale  # [R, H, p]
-            res[:, c0:c1, :p] = best.transpose(0, 1)
+        qf = q[r0:r1].float()  # [R, H, 128]
+        t0 = 0
+        while t0 < r1 - r0:
+            page = (first_pos + t0) // PAGE_SIZE  # the tile's query page; rows t0..t1-1 sit in it
+            t1 = min(r1 - r0, (page + 1) * PAGE_SIZE - first_pos)
+            n = t1 - t0
+            if page + 1 <= skip_rows_seeing:
+                t0 = t1
+                continue
+            qt = qf[t0:t1].view(n * H, -1)
+            seen = min(page + 1, n_pages)  # pages the tile sees (its own page partially)
+            for c0 in range(0, seen, _KEY_PAGES):
+                c1 = min(seen, c0 + _KEY_PAGES)
+                dots = torch.matmul(qt, k[c0 * PAGE_SIZE : c1 * PAGE_SIZE].t()).view(n, H, c1 - c0, PAGE_SIZE)
+                if c1 == page + 1:  # the tile's own page: tokens after a row are hidden from it
+                    pos = first_pos + torch.arange(t0, t1, device=dev)
+                    hidden = page * PAGE_SIZE + tok[None] > pos[:, None]  # [n, 128]
+                    dots[:, :, -1].masked_fill_(hidden[:, None], float("-inf"))
+                best = dots.amax(dim=-1).mul_(sm_scale)  # [n, H, c1 - c0]
+                res[:, r0 + t0 : r0 + t1, c0:c1] = best.transpose(0, 1)
+            t0 = t1
     if out is None:
         return res
     return out.copy_(res)

@@ -103,11 +103,12 @@ def test_decode_rejects_a_visible_page_outside_the_cache(gen):
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 def test_prefill_matches_reference(gen, fmt, monkeypatch):
-    """A cached prefix, an empty request and a long one scored in several chunks (the chunk size is shrunk so
-    that chunks end inside pages and the page-wise causal cut moves between chunks)."""
+    """A cached prefix (its first tile starts inside a page), an empty request and a long one whose tiles see up to
+    5 pages in key chunks of 2 (shrunk from the default so that the last chunk is partial and the own page is the
+    first or the second page of a chunk)."""
     import m3_kernels.ops.score.cpu as cpu
 
-    monkeypatch.setattr(cpu, "_SCORE_ELEMS", 2 * 600 * 3)  # 3 rows against 5 pages
+    monkeypatch.setattr(cpu, "_KEY_PAGES", 2)
     seq_lens, new = [270, 40, 601], [70, 0, 601]
     k_cache, k_scale = build_cache(gen, fmt, 16)
     block_table = torch.randperm(16, generator=gen)[:15].view(3, 5).int()
@@ -127,3 +128,61 @@ def test_prefill_rejects_inconsistent_lengths(gen):
     with pytest.raises(ValueError):
         score_prefill_cpu(q, k_cache, k_scale, torch.zeros(1, 2, dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
                           torch.tensor([0, 5], dtype=torch.int32), 1.0)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("ties", [False, True], ids=["random", "tied-pages"])
+def test_prefill_selection_matches_float64_selection_up_to_near_ties(gen, fmt, ties):
+    """The top-16 blocks picked from the fp32 serving scores equal those picked from the float64 oracle's scores,
+    row by row and index head by head, except where the oracle itself puts a dropped and a kept block within the
+    fp32 error bound of the scores (a genuine near-tie); exactly tied pages pick the same (lower) ids in both."""
+    from m3_kernels.ops.select import select_blocks, visible_blocks
+
+    n_pages, new, H, sm_scale = 22, 300, 4, 128**-0.5
+    k_cache, k_scale = build_cache(gen, fmt, n_pages, ties=ties)
+    seq = torch.tensor([n_pages * PAGE_SIZE - 5], dtype=torch.int32)  # last page partial
+    block_table = torch.randperm(n_pages, generator=gen).int()[None]
+    cu = torch.tensor([0, new], dtype=torch.int32)
+    q = make_q(gen, new, H, torch.bfloat16)
+    got = score_prefill_cpu(q, k_cache, k_scale, block_table, seq, cu, sm_scale)
+    want = score_prefill_ref(q, k_cache, k_scale, block_table, seq, cu, sm_scale)
+    n_vis = visible_blocks(seq.long() - new + torch.arange(new), PAGE_SIZE)
+    assert bool((n_vis > 16).all())  # every row ranks
+    sel_got, sel_want = select_blocks(got, n_vis), select_blocks(want.float(), n_vis)
+    k = dequantize_index_k(k_cache, k_scale, torch.float64).view(-1, 128)
+    # |fp32 score - exact| <= sm_scale * 128 * 2^-24 * sum_i |q_i k_i| (<= |q| |k| by Cauchy-Schwarz), doubled.
+    bound = 2 * sm_scale * 128 * 2.0**-24 * q.double().norm(dim=-1).t() * float(k.norm(dim=-1).max())  # [H, rows]
+    differ = 0
+    for h in range(H):
+        for r in range(new):
+            a, b = set(sel_got[h, r].tolist()), set(sel_want[h, r].tolist())
+            if a == b:
+                continue
+            differ += 1
+            kept = min(float(want[h, r, j]) for j in b)  # the oracle's weakest pick
+            for j in a ^ b:
+                assert abs(float(want[h, r, j]) - kept) <= float(bound[h, r]), (h, r, j)
+    if ties:
+        assert differ == 0
+
+
+def test_prefill_skips_rows_that_see_few_pages(gen):
+    """``skip_rows_seeing=3``: rows seeing at most 3 pages read -inf everywhere, the others equal the reference; the
+    selection of every row is that of the full scores."""
+    from m3_kernels.ops.select import select_blocks, visible_blocks
+
+    k_cache, k_scale = build_cache(gen, "mxfp4", 6)
+    seq = torch.tensor([700, 300], dtype=torch.int32)
+    new = [700, 50]  # request 0 from position 0; request 1's rows at positions 250..299 (pages 1 and 2)
+    cu = torch.tensor([0, 700, 750], dtype=torch.int32)
+    block_table = torch.stack([torch.randperm(6, generator=gen), torch.randperm(6, generator=gen)]).int()
+    q = make_q(gen, 750, 2, torch.bfloat16)
+    got = score_prefill_cpu(q, k_cache, k_scale, block_table, seq, cu, 0.5, skip_rows_seeing=3)
+    want = score_prefill_ref(q, k_cache, k_scale, block_table, seq, cu, 0.5)
+    positions = torch.cat([torch.arange(700), torch.arange(250, 300)])
+    few = visible_blocks(positions, PAGE_SIZE) <= 3
+    assert int(few.sum()) == 3 * PAGE_SIZE + 50
+    assert torch.isneginf(got[:, few]).all()
+    assert_close_scores(got[:, ~few], want[:, ~few])
+    n_vis = visible_blocks(positions, PAGE_SIZE)
+    assert torch.equal(select_blocks(got, n_vis, 3, 1, 0), select_blocks(want.float(), n_vis, 3, 1, 0))
