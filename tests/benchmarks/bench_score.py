@@ -189,13 +189,14 @@ def bench_cell(pools, peer, S, H, B, ctx, copy_gbs, sm_scale=0.088, peer_max_bat
 
     def scorer(fmt, qq, r, with_select=False, kernel="triton"):
         kc, ks = pools.cache(fmt)
+        if kernel == "base":  # validated once, outside the graph
+            checked = cuda_backend.check_cuda_decode(qq, kc, ks, bts[r], seq, S, sm_scale, npg, outs[r])
 
         def f():
             if kernel == "cuda":
                 cuda_backend.score_decode(qq, kc, ks, bts[r], seq, S, sm_scale, npg, outs[r])
-            elif kernel == "base":  # the baseline module, same launch arguments as score_decode_checked
-                base.score_decode_mxfp4(qq.view(torch.uint8), kc, ks, bts[r], seq, outs[r], int(qq.dtype != torch.bfloat16),
-                                        S, npg, 0, 1, sm_scale, torch.cuda.get_device_properties(0).multi_processor_count)
+            elif kernel == "base":  # the baseline build, launched as the current one is
+                cuda_backend.score_decode_checked(checked, qq, kc, ks, bts[r], seq, S, outs[r], 0, 1, module=base)
             else:
                 score_decode_triton(qq, kc, ks, fmt, B, npg, bts[r], seq, S, sm_scale, outs[r])
             if with_select:

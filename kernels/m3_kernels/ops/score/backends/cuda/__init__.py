@@ -106,8 +106,8 @@ def verify_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_b
 
 def load_module(source=SOURCE, name="m3_score_decode_mxfp4"):
     """The TVM-FFI module compiled from ``source`` (built, or loaded from SGLang's JIT cache) under
-    ``name``; its function ``score_decode_mxfp4`` takes ``score_decode_checked``'s launch arguments.
-    The benchmark passes an earlier revision of the source to time it beside this one."""
+    ``name``, for ``score_decode_checked(..., module=)``. The benchmark passes an earlier revision of
+    the source to time it beside this one."""
     try:
         from sglang.jit_kernel.utils import load_jit  # SGLang 0.5.16
     except ImportError:
@@ -167,16 +167,17 @@ def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_bl
     return score_decode_checked(checked, q, k_cache, k_scale, block_table, seq_lens, S, out, cp_rank, cp_world)
 
 
-def score_decode_checked(checked, q, k_cache, k_scale, block_table, seq_lens, S, out, cp_rank, cp_world):
+def score_decode_checked(checked, q, k_cache, k_scale, block_table, seq_lens, S, out, cp_rank, cp_world, module=None):
     """``score_decode`` after ``check_cuda_decode`` returned ``checked`` for these arguments and the
-    backend is available (the dispatcher's auto path validates once, then calls this)."""
+    backend is available (the dispatcher's auto path validates once, then calls this). ``module``:
+    another build of the kernel (``load_module``; the benchmark's baseline), else this source's."""
     _, batch, H, max_block, sm_scale = checked
     if out is None:
         out = torch.full((H, batch * S, max_block), float("-inf"), dtype=torch.float32, device=q.device)
     if batch == 0 or max_block == 0:
         return out
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    _module().score_decode_mxfp4(q.view(torch.uint8), k_cache, k_scale, block_table, seq_lens, out,
-                                 int(q.dtype != torch.bfloat16), S, max_block, cp_rank, cp_world, sm_scale,
-                                 _num_sms(index))
+    (module or _module()).score_decode_mxfp4(q.view(torch.uint8), k_cache, k_scale, block_table, seq_lens, out,
+                                             int(q.dtype != torch.bfloat16), S, max_block, cp_rank, cp_world,
+                                             sm_scale, _num_sms(index))
     return out
