@@ -187,22 +187,27 @@ def bench_cell(pools, peer, S, H, B, ctx, copy_gbs, sm_scale=0.088, peer_max_bat
     pos = (seq.long()[:, None] - S + torch.arange(S, device="cuda")).flatten()
     nvis = (pos // PAGE_SIZE + 1).to(torch.int32)
 
-    def scorer(fmt, qq, r, with_select=False, kernel="triton"):
+    checked = {}
+
+    def scorer(fmt, qq, r, with_select=False, kernel="triton", pdl=None, sel_warps=None):
+        """One call (scorer, then the selector if asked) on region r; ``pdl`` None = the default."""
         kc, ks = pools.cache(fmt)
-        if kernel == "base":  # validated once, outside the graph
-            checked = cuda_backend.check_cuda_decode(qq, kc, ks, bts[r], seq, S, sm_scale, npg, outs[r])
+        if kernel in ("cuda", "base") and (r, qq.dtype) not in checked:  # validated once, outside the graph
+            checked[r, qq.dtype] = cuda_backend.check_cuda_decode(qq, kc, ks, bts[r], seq, S, sm_scale, npg, outs[r])
 
         def f():
-            if kernel == "cuda":
-                cuda_backend.score_decode(qq, kc, ks, bts[r], seq, S, sm_scale, npg, outs[r])
-            elif kernel == "base":  # the baseline build, launched as the current one is
-                cuda_backend.score_decode_checked(checked, qq, kc, ks, bts[r], seq, S, outs[r], 0, 1, module=base)
-            else:
-                score_decode_triton(qq, kc, ks, fmt, B, npg, bts[r], seq, S, sm_scale, outs[r])
+            if kernel in ("cuda", "base"):  # the baseline build is launched as the current one is
+                cuda_backend.score_decode_checked(checked[r, qq.dtype], qq, kc, ks, bts[r], seq, S, outs[r], 0, 1,
+                                                  module=base if kernel == "base" else None, pdl=pdl)
+            elif kernel == "triton":
+                score_decode_triton(qq, kc, ks, fmt, B, npg, bts[r], seq, S, sm_scale, outs[r], pdl=pdl)
             if with_select:
-                select_blocks_triton(outs[r], nvis, TOPK_BLOCKS, 1, 0, out=sel[r])
+                select_blocks_triton(outs[r], nvis, TOPK_BLOCKS, 1, 0, out=sel[r], pdl=pdl, num_warps=sel_warps)
 
         return f
+
+    def timed(fmt, qq=q, **kw):
+        return graph_time_us([scorer(fmt, qq, r, **kw) for r in range(regions)])
 
     res = {"S": S, "H": H, "B": B, "ctx": ctx, "regions": regions, "gate": "pass"}
     # Correctness gate on request 0 of region 0 for each of our arms.
@@ -226,20 +231,20 @@ def bench_cell(pools, peer, S, H, B, ctx, copy_gbs, sm_scale=0.088, peer_max_bat
     rounds = {name: [] for name in order}
     for name in order:
         fmt, kernel = kernels[name]
-        rounds[name].append(graph_time_us([scorer(fmt, q, r, kernel=kernel) for r in range(regions)]))
+        rounds[name].append(timed(fmt, kernel=kernel))
     for name in rounds:
         res[f"{name}_us"] = statistics.mean(rounds[name])
     res["spread"] = max(abs(a - b) / min(a, b) for a, b in rounds.values())
-    res["mxfp4_triton_us"] = graph_time_us([scorer(IndexKFormat.MXFP4, q, r) for r in range(regions)])
-    res["mxfp4_e4m3q_us"] = graph_time_us([scorer(IndexKFormat.MXFP4, q8, r, kernel="cuda") for r in range(regions)])
-    res["fp8_sel_us"] = graph_time_us([scorer(IndexKFormat.FP8, q, r, True) for r in range(regions)])
-    res["mxfp4_sel_us"] = graph_time_us([scorer(IndexKFormat.MXFP4, q, r, True, kernel="cuda")
-                                         for r in range(regions)])
-    res["select_us"] = graph_time_us(
-        [lambda r=r: select_blocks_triton(outs[r], nvis, TOPK_BLOCKS, 1, 0, out=sel[r]) for r in range(regions)])
-    res["select_4w_us"] = graph_time_us(  # the selector's earlier launch (4 warps per row), for the record
-        [lambda r=r: select_blocks_triton(outs[r], nvis, TOPK_BLOCKS, 1, 0, out=sel[r], num_warps=4)
-         for r in range(regions)])
+    res["mxfp4_triton_us"] = timed(IndexKFormat.MXFP4)
+    res["mxfp4_e4m3q_us"] = timed(IndexKFormat.MXFP4, q8, kernel="cuda")
+    res["fp8_sel_us"] = timed(IndexKFormat.FP8, with_select=True)
+    res["mxfp4_sel_us"] = timed(IndexKFormat.MXFP4, with_select=True, kernel="cuda")
+    # The same launches without programmatic dependent launch (ops.pdl), for the record.
+    res["fp8_nopdl_us"] = timed(IndexKFormat.FP8, pdl=False)
+    res["mxfp4_nopdl_us"] = timed(IndexKFormat.MXFP4, kernel="cuda", pdl=False)
+    res["mxfp4_sel_nopdl_us"] = timed(IndexKFormat.MXFP4, with_select=True, kernel="cuda", pdl=False)
+    for name, warps in (("select", None), ("select_1w", 1), ("select_4w", 4)):
+        res[f"{name}_us"] = timed(IndexKFormat.MXFP4, with_select=True, kernel="none", sel_warps=warps)
     tokens = B * npg * PAGE_SIZE
     for name, tb in (("fp8", IndexKFormat.FP8.token_bytes), ("mxfp4", IndexKFormat.MXFP4.token_bytes)):
         res[f"{name}_gbs"] = tokens * tb / (res[f"{name}_us"] * 1e-6) / 1e9
@@ -309,26 +314,36 @@ def bench_writer(pools, copy_gbs, tokens=32768, sets=8):
     return rows
 
 
+COLUMNS = [  # (header, format of one result row)
+    ("shape", lambda r: f"S{r['S']} H{r['H']}" + ("" if r["gate"] == "pass" else f" (gate {r['gate']})")),
+    ("B", lambda r: f"{r['B']}"), ("ctx", lambda r: f"{r['ctx']}"),
+    ("fp8 us", lambda r: f"{r['fp8_us']:.1f}"), ("fp8 % copy", lambda r: f"{r['fp8_pct']:.0f}%"),
+    ("MXFP4 us", lambda r: f"{r['mxfp4_us']:.1f}"), ("MXFP4 % copy", lambda r: f"{r['mxfp4_pct']:.0f}%"),
+    ("MXFP4 floor us", lambda r: f"{r['mxfp4_floor_us']:.1f}"), ("MXFP4/fp8", lambda r: f"{r['ratio']:.2f}"),
+    ("fp8 no-PDL us", lambda r: f"{r['fp8_nopdl_us']:.1f}"), ("MXFP4 no-PDL us", lambda r: f"{r['mxfp4_nopdl_us']:.1f}"),
+    ("MXFP4/fp8 no-PDL", lambda r: f"{r['mxfp4_nopdl_us'] / r['fp8_nopdl_us']:.2f}"),
+    ("MXFP4 Triton us", lambda r: f"{r['mxfp4_triton_us']:.1f}"),
+    ("MXFP4 e4m3-Q us", lambda r: f"{r['mxfp4_e4m3q_us']:.1f}"),
+    ("select us", lambda r: f"{r['select_us']:.1f}"), ("select 1-warp us", lambda r: f"{r['select_1w_us']:.1f}"),
+    ("select 4-warp us", lambda r: f"{r['select_4w_us']:.1f}"), ("fp8+sel us", lambda r: f"{r['fp8_sel_us']:.1f}"),
+    ("MXFP4+sel us", lambda r: f"{r['mxfp4_sel_us']:.1f}"),
+    ("MXFP4+sel no-PDL us", lambda r: f"{r['mxfp4_sel_nopdl_us']:.1f}"),
+    ("SGLang us", lambda r: f"{r['peer_us']:.1f}" if "peer_us" in r else "-"),
+    ("SGLang / MXFP4+sel", lambda r: f"{r['speedup_mxfp4_sel']:.2f}x" if "peer_us" in r else "-"),
+    ("MXFP4 base us", lambda r: f"{r['mxfp4_base_us']:.1f}" if "vs_base" in r else "-"),
+    ("MXFP4/base", lambda r: f"{r['vs_base']:.3f}" if "vs_base" in r else "-"),
+]
+
+
 def table(results, writer, copy_gbs, header, copy_note=""):
     lines = [header, "", f"Copy bandwidth measured in this run: {copy_gbs / 1000:.2f} TB/s (read + write){copy_note}.",
              "", "MXFP4 = the CUDA kernel (backends/cuda); MXFP4 Triton = the portable fallback; fp8 = Triton. "
-             "+sel: with the MSA top-16 selection (Triton).", ""]
-    lines.append("| shape | B | ctx | fp8 us | fp8 % copy | MXFP4 us | MXFP4 GB/s | MXFP4 % copy | MXFP4 floor us | "
-                 "MXFP4/fp8 | MXFP4 Triton us | MXFP4 Triton % copy | MXFP4 e4m3-Q us | select us | select 4-warp us | fp8+sel us | "
-                 "MXFP4+sel us | SGLang us | SGLang % copy | SGLang / MXFP4+sel | MXFP4 base us | MXFP4/base |")
-    lines.append("|" + "---|" * 22)
+             "+sel: with the MSA top-16 selection (Triton) in the same graph. Launches use programmatic dependent "
+             "launch (ops.pdl) unless the column says no-PDL; select: the selector alone (default warps, 1, 4).", ""]
+    lines.append("| " + " | ".join(h for h, _ in COLUMNS) + " |")
+    lines.append("|" + "---|" * len(COLUMNS))
     for r in results:
-        gate = "" if r["gate"] == "pass" else f" (gate {r['gate']})"
-        peer = (f"{r['peer_us']:.1f} | {r['peer_pct']:.0f}% | {r['speedup_mxfp4_sel']:.2f}x" if "peer_us" in r
-                else "- | - | -")
-        base = f"{r['mxfp4_base_us']:.1f} | {r['vs_base']:.3f}" if "vs_base" in r else "- | -"
-        lines.append(
-            f"| S{r['S']} H{r['H']}{gate} | {r['B']} | {r['ctx']} | {r['fp8_us']:.1f} | {r['fp8_pct']:.0f}% | "
-            f"{r['mxfp4_us']:.1f} | {r['mxfp4_gbs']:.0f} | {r['mxfp4_pct']:.0f}% | {r['mxfp4_floor_us']:.1f} | "
-            f"{r['ratio']:.2f} | {r['mxfp4_triton_us']:.1f} | {r['mxfp4_triton_pct']:.0f}% | "
-            f"{r['mxfp4_e4m3q_us']:.1f} | {r['select_us']:.1f} | {r['select_4w_us']:.1f} | {r['fp8_sel_us']:.1f} | "
-            f"{r['mxfp4_sel_us']:.1f} | "
-            f"{peer} | {base} |")
+        lines.append("| " + " | ".join(fmt(r) for _, fmt in COLUMNS) + " |")
     if writer:
         lines += ["", "Index-cache writer, 32768 fp32 tokens to random slots (bytes: fp32 in + slot + cache row):", "",
                   "| format | us | M tokens/s | GB/s | % copy |", "|---|---|---|---|---|"]

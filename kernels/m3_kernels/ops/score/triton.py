@@ -52,6 +52,7 @@ from ...formats import (
     PAGE_SIZE,
     IndexKFormat,
 )
+from ..pdl import triton_launch_kwargs, use_pdl
 
 _FMT_CODE = {IndexKFormat.BF16: 0, IndexKFormat.FP8: 1, IndexKFormat.MXFP4: 2}
 _F16_K_EXP = 14  # MXFP4 K is formed as 2^-14 * e2m1 in fp16
@@ -289,7 +290,11 @@ def _score_kernel(
     Q_TOP: tl.constexpr,
     MX_STACK: tl.constexpr,  # MXFP4: the tile's NV vectors fit the stacked page loop
     NV: tl.constexpr,  # query vectors per tile padded to a power of two >= 4 (MX_STACK)
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (ops.pdl)
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     i_c, i_tile = tl.program_id(0), tl.program_id(1)
     if PREFILL:
         b = tl.load(tile_ptr + 2 * i_tile)
@@ -455,7 +460,7 @@ def _cache_args(k_cache, k_scale, fmt):
 
 
 def _launch(q, k_cache, k_scale, fmt, block_table, seq_lens, cu, tiles, out, n_tiles, S, rows, max_block,
-            sm_scale, cp_rank, cp_world, prefill, fill_tail, pp=None, num_warps=4, num_stages=2):
+            sm_scale, cp_rank, cp_world, prefill, fill_tail, pp=None, num_warps=4, num_stages=2, pdl=None):
     H = q.shape[1]
     nq = max(16, triton.next_power_of_2(rows * H))
     nv = max(4, triton.next_power_of_2(rows * H))
@@ -472,24 +477,26 @@ def _launch(q, k_cache, k_scale, fmt, block_table, seq_lens, cu, tiles, out, n_t
         FMT=_FMT_CODE[fmt], Q_FP8=q.dtype == FP8_DTYPE, H=H, ROWS=rows, NQ=nq, PP=pp, PREFILL=prefill,
         MX_STACK=nv <= _MX_STACK_MAX_NV, NV=nv, FILL_TAIL=fill_tail, NUM_STAGES=num_stages, USE_ASM=_use_asm(),
         **_static_constexprs(), num_warps=num_warps,
+        **triton_launch_kwargs(use_pdl(q.device) if pdl is None else pdl),
     )
     return out
 
 
 def score_decode_triton(q, k_cache, k_scale, fmt, batch, max_block, block_table, seq_lens, S, sm_scale,
-                        out=None, cp_rank=0, cp_world=1, pp=None, num_warps=4, num_stages=2):
+                        out=None, cp_rank=0, cp_world=1, pp=None, num_warps=4, num_stages=2, pdl=None):
     """Decode scores ``fp32 [H, batch*S, max_block]``; arguments validated by ``check_decode_args``.
 
     No host synchronisation and no data-dependent grid: safe to capture in a CUDA graph. With
     ``out=None`` the buffer is allocated here and every column past a row's last visible page
-    reads -inf; a preallocated ``out`` is written up to each request's last page only.
+    reads -inf; a preallocated ``out`` is written up to each request's last page only. ``pdl``:
+    programmatic dependent launch (default ``ops.pdl.use_pdl``).
     """
     H = q.shape[1]
     fill_tail = out is None
     if out is None:
         out = torch.empty((H, batch * S, max_block), dtype=torch.float32, device=q.device)
     return _launch(q, k_cache, k_scale, fmt, block_table, seq_lens, None, None, out, batch, S, S, max_block,
-                   sm_scale, cp_rank, cp_world, False, fill_tail, pp, num_warps, num_stages)
+                   sm_scale, cp_rank, cp_world, False, fill_tail, pp, num_warps, num_stages, pdl)
 
 
 def prefill_tiles(cu_seqlens_q, H: int, device=None):

@@ -1,7 +1,8 @@
 """Triton MSA block selector against ``naive.select_blocks_ref``: exact equality of the ids.
 
-Scores are drawn from a few integers so ties are frequent (ties go to the lower id), with NaN and
--inf sprinkled in; visible counts cover 0, 1, topk-1, topk, topk+1 and nb. CPU cases run under the
+Scores are drawn from a few integers so ties are frequent (ties go to the lower id), with NaN, -inf,
++inf and -0.0 (which ties with +0.0) sprinkled in; visible counts cover 0, 1, topk-1, topk, topk+1
+and nb. CPU cases run under the
 Triton interpreter; the GPU cases (``-m gpu``) add large block counts and CUDA-graph replay.
 """
 
@@ -28,12 +29,14 @@ def random_scores(gen, H, rows, nb):
     s = torch.randint(-4, 4, (H, rows, nb), generator=gen).float()
     s[torch.rand(s.shape, generator=gen) < 0.05] = float("nan")
     s[torch.rand(s.shape, generator=gen) < 0.05] = float("-inf")
+    s[torch.rand(s.shape, generator=gen) < 0.02] = float("inf")
+    s[torch.rand(s.shape, generator=gen) < 0.05] = -0.0
     return s
 
 
-def check(gen, device, H, nb, topk=16, local=1, init=0):
+def check(gen, device, H, nb, topk=16, local=1, init=0, scores=None):
     rows = 8
-    scores = random_scores(gen, H, rows, nb)
+    scores = random_scores(gen, H, rows, nb) if scores is None else scores
     n_vis = torch.tensor([0, 1, topk - 1, topk, topk + 1, nb, nb - 1, max(0, nb // 2)], dtype=torch.int32).clamp(max=nb)
     want = select_blocks_ref(scores, n_vis, topk, local, init)
     if device == "cpu":
@@ -49,6 +52,16 @@ def test_select_small(gen, nb, topk, local, init):
     if torch.cuda.is_available():
         pytest.skip("interpreter cases run on CPU-only machines (CI)")
     check(gen, "cpu", 2, nb, topk, local, init)
+
+
+def test_select_continuous_and_bf16(gen):
+    """Distinct fp32 scores of both signs and tiny magnitudes (the bit mapping's order), and bf16."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter cases run on CPU-only machines (CI)")
+    s = torch.randn(2, 8, 129, generator=gen, dtype=torch.float64) * torch.exp2(
+        torch.randint(-140, 100, (2, 8, 129), generator=gen).double())
+    check(gen, "cpu", 2, 129, scores=s.float())
+    check(gen, "cpu", 2, 129, scores=random_scores(gen, 2, 8, 129).bfloat16())
 
 
 @pytest.mark.gpu

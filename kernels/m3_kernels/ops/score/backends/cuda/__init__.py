@@ -23,6 +23,7 @@ import sys
 import torch
 
 from .....formats import IndexKFormat
+from ....pdl import use_pdl
 from ...common import check_decode_args, supported
 
 NAME = "cuda"
@@ -167,10 +168,12 @@ def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_bl
     return score_decode_checked(checked, q, k_cache, k_scale, block_table, seq_lens, S, out, cp_rank, cp_world)
 
 
-def score_decode_checked(checked, q, k_cache, k_scale, block_table, seq_lens, S, out, cp_rank, cp_world, module=None):
+def score_decode_checked(checked, q, k_cache, k_scale, block_table, seq_lens, S, out, cp_rank, cp_world, module=None,
+                         pdl=None):
     """``score_decode`` after ``check_cuda_decode`` returned ``checked`` for these arguments and the
     backend is available (the dispatcher's auto path validates once, then calls this). ``module``:
-    another build of the kernel (``load_module``; the benchmark's baseline), else this source's."""
+    another build of the kernel with the same launcher signature (``load_module``; the benchmark's
+    baseline), else this source's. ``pdl``: programmatic dependent launch (default ``ops.pdl.use_pdl``)."""
     _, batch, H, max_block, sm_scale = checked
     if out is None:
         out = torch.full((H, batch * S, max_block), float("-inf"), dtype=torch.float32, device=q.device)
@@ -179,5 +182,5 @@ def score_decode_checked(checked, q, k_cache, k_scale, block_table, seq_lens, S,
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     (module or _module()).score_decode_mxfp4(q.view(torch.uint8), k_cache, k_scale, block_table, seq_lens, out,
                                              int(q.dtype != torch.bfloat16), S, max_block, cp_rank, cp_world,
-                                             sm_scale, _num_sms(index))
+                                             sm_scale, _num_sms(index), int(use_pdl(q.device) if pdl is None else pdl))
     return out

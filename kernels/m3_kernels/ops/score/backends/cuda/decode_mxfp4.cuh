@@ -11,7 +11,9 @@
 // Each warp streams its run through its own 2-stage ring of shared-memory page buffers filled by
 // 1-D bulk copies (cp.async.bulk, 8192 data + 512 scale bytes per page) on mbarriers; no
 // cross-warp synchronisation. A page is 8 tiles of 16 tokens; each tile is 8 mma.sync m16n8k16
-// (fp16 in, fp32 accumulate) per group of 8 query vectors.
+// (fp16 in, fp32 accumulate) per group of 8 query vectors. Launched with programmatic dependent
+// launch when asked (ops/pdl.py): every thread waits on the kernels before it first, then releases
+// the next one's launch.
 //
 // The dims are permuted (K and Q alike: a dot product does not change) so that a thread's A
 // fragment of a token row over K = 128 is exactly MX group `lane % 4` of that row: one 16-byte
@@ -468,6 +470,10 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm(NT)) score_decode_mxf
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem) + warp * kStages;
   uint8_t* ring = smem + kBarrierBytes + warp * kStages * kStageBytes;
 
+  // Programmatic dependent launch (a no-op without it): wait for the kernels before this one, then
+  // let the next PDL kernel (the selector) be scheduled while this grid runs.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" :::);
   const int total = total_pages(p, lane);
   const int warps = gridDim.x * kWarps;
   const int gw = blockIdx.x * kWarps + warp;
@@ -542,7 +548,7 @@ inline void check_cuda(cudaError_t err, const char* what) {
 }
 
 template <int NT, bool Q_E4M3>
-void launch(const Params& params, int num_sms, DLDevice device) {
+void launch(const Params& params, int num_sms, bool pdl, DLDevice device) {
   auto kernel = score_decode_mxfp4_kernel<NT, Q_E4M3>;
   // Per device and cheap; allowed during CUDA-graph capture (not a stream operation).
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
@@ -552,8 +558,17 @@ void launch(const Params& params, int num_sms, DLDevice device) {
   const int64_t ctas = std::min<int64_t>((int64_t)num_sms * ctas_per_sm(NT), (pages_bound + kWarps - 1) / kWarps);
   if (ctas <= 0) return;
   auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(device.device_type, device.device_id));
-  kernel<<<static_cast<unsigned>(ctas), kWarps * 32, kSmemBytes, stream>>>(params);
-  check_cuda(cudaGetLastError(), "score_decode_mxfp4 launch");
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(ctas));
+  config.blockDim = dim3(kWarps * 32);
+  config.dynamicSmemBytes = kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = pdl ? 1 : 0;
+  check_cuda(cudaLaunchKernelEx(&config, kernel, params), "score_decode_mxfp4 launch");
 }
 
 // Arguments already validated in Python (backends/cuda/__init__.py). `q_bytes` is q viewed as uint8
@@ -561,7 +576,7 @@ void launch(const Params& params, int num_sms, DLDevice device) {
 inline void score_decode_mxfp4(tvm::ffi::TensorView q_bytes, tvm::ffi::TensorView k_data, tvm::ffi::TensorView k_scale,
                                tvm::ffi::TensorView block_table, tvm::ffi::TensorView seq_lens,
                                tvm::ffi::TensorView out, int64_t q_e4m3, int64_t S, int64_t max_block, int64_t cp_rank,
-                               int64_t cp_world, double sm_scale, int64_t num_sms) {
+                               int64_t cp_world, double sm_scale, int64_t num_sms, int64_t pdl) {
   Params p;
   p.k_data = static_cast<const uint8_t*>(k_data.data_ptr());
   p.k_scale = static_cast<const uint8_t*>(k_scale.data_ptr());
@@ -586,15 +601,16 @@ inline void score_decode_mxfp4(tvm::ffi::TensorView q_bytes, tvm::ffi::TensorVie
   const int nt = (p.S * p.H + 7) / 8;
   const DLDevice device = q_bytes.device();
   const int sms = static_cast<int>(num_sms);
+  const bool use_pdl = pdl != 0;
   switch (nt * 2 + (q_e4m3 != 0 ? 1 : 0)) {
-    case 2: launch<1, false>(p, sms, device); break;
-    case 3: launch<1, true>(p, sms, device); break;
-    case 4: launch<2, false>(p, sms, device); break;
-    case 5: launch<2, true>(p, sms, device); break;
-    case 6: launch<3, false>(p, sms, device); break;
-    case 7: launch<3, true>(p, sms, device); break;
-    case 8: launch<4, false>(p, sms, device); break;
-    case 9: launch<4, true>(p, sms, device); break;
+    case 2: launch<1, false>(p, sms, use_pdl, device); break;
+    case 3: launch<1, true>(p, sms, use_pdl, device); break;
+    case 4: launch<2, false>(p, sms, use_pdl, device); break;
+    case 5: launch<2, true>(p, sms, use_pdl, device); break;
+    case 6: launch<3, false>(p, sms, use_pdl, device); break;
+    case 7: launch<3, true>(p, sms, use_pdl, device); break;
+    case 8: launch<4, false>(p, sms, use_pdl, device); break;
+    case 9: launch<4, true>(p, sms, use_pdl, device); break;
     default: TVM_FFI_THROW(ValueError) << "S * H must be in [1, 32], got " << p.S * p.H;
   }
 }

@@ -1,0 +1,54 @@
+"""Programmatic dependent launch (PDL) for the decode scorers and the block selector.
+
+A kernel launched with PDL may start while the kernel before it in the stream is still running. It
+must wait (``griddepcontrol.wait``; Triton's ``gdc_wait``) before it touches memory an earlier kernel
+writes or reads, and it lets the next PDL kernel start once each of its programs has called
+``griddepcontrol.launch_dependents`` (or exited). Every PDL kernel here does both, in that order, as
+its first statements: it only takes the launch latency off the critical path, never reads early.
+Inside a CUDA graph the edge to such a kernel becomes a programmatic edge. Kernels without the
+attribute, before or after ours, are unaffected (they wait for full completion as usual).
+
+Used on NVIDIA sm_90+ (Triton's launcher and the CUDA scorer); never on ROCm, the CPU or the Triton
+interpreter. ``M3_PDL=0`` turns it off everywhere (for A-B timing and as an escape hatch).
+"""
+
+import functools
+import os
+
+import torch
+
+ENV = "M3_PDL"
+MIN_CAPABILITY = (9, 0)
+
+try:  # Triton's grid-dependency ops (absent from some builds; then PDL stays off for Triton kernels)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    HAVE_TRITON_GDC = True
+except ImportError:  # pragma: no cover - depends on the Triton build
+    gdc_launch_dependents = gdc_wait = None
+    HAVE_TRITON_GDC = False
+
+
+def use_pdl(device) -> bool:
+    """True if kernels on ``device`` are launched with PDL (CUDA sm_90+, not ROCm, not the Triton
+    interpreter, ``M3_PDL`` not "0")."""
+    device = torch.device(device)
+    if device.type != "cuda" or getattr(torch.version, "hip", None):
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" or os.environ.get(ENV, "1") == "0":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= MIN_CAPABILITY
+
+
+def triton_launch_kwargs(pdl: bool) -> dict:
+    """Extra launch arguments for a Triton kernel that takes a ``USE_PDL`` constexpr."""
+    pdl = bool(pdl) and HAVE_TRITON_GDC
+    return {"USE_PDL": pdl, "launch_pdl": True} if pdl else {"USE_PDL": False}
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+__all__ = ["ENV", "HAVE_TRITON_GDC", "gdc_launch_dependents", "gdc_wait", "triton_launch_kwargs", "use_pdl"]
