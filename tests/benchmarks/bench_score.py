@@ -190,7 +190,7 @@ def bench_cell(pools, peer, S, H, B, ctx, copy_gbs, sm_scale=0.088, peer_max_bat
     checked = {}
 
     def scorer(fmt, qq, r, with_select=False, kernel="triton", pdl=None, sel_warps=None):
-        """One call (scorer, then the selector if asked) on region r; ``pdl`` None = the default."""
+        """One call (scorer, then the selector if asked) on region r; ``pdl`` None = the default (M3_PDL)."""
         kc, ks = pools.cache(fmt)
         if kernel in ("cuda", "base") and (r, qq.dtype) not in checked:  # validated once, outside the graph
             checked[r, qq.dtype] = cuda_backend.check_cuda_decode(qq, kc, ks, bts[r], seq, S, sm_scale, npg, outs[r])
@@ -239,10 +239,10 @@ def bench_cell(pools, peer, S, H, B, ctx, copy_gbs, sm_scale=0.088, peer_max_bat
     res["mxfp4_e4m3q_us"] = timed(IndexKFormat.MXFP4, q8, kernel="cuda")
     res["fp8_sel_us"] = timed(IndexKFormat.FP8, with_select=True)
     res["mxfp4_sel_us"] = timed(IndexKFormat.MXFP4, with_select=True, kernel="cuda")
-    # The same launches without programmatic dependent launch (ops.pdl), for the record.
-    res["fp8_nopdl_us"] = timed(IndexKFormat.FP8, pdl=False)
-    res["mxfp4_nopdl_us"] = timed(IndexKFormat.MXFP4, kernel="cuda", pdl=False)
-    res["mxfp4_sel_nopdl_us"] = timed(IndexKFormat.MXFP4, with_select=True, kernel="cuda", pdl=False)
+    # The same launches with programmatic dependent launch (ops.pdl, opt-in), for the record.
+    res["fp8_pdl_us"] = timed(IndexKFormat.FP8, pdl=True)
+    res["mxfp4_pdl_us"] = timed(IndexKFormat.MXFP4, kernel="cuda", pdl=True)
+    res["mxfp4_sel_pdl_us"] = timed(IndexKFormat.MXFP4, with_select=True, kernel="cuda", pdl=True)
     for name, warps in (("select", None), ("select_1w", 1), ("select_4w", 4)):
         res[f"{name}_us"] = timed(IndexKFormat.MXFP4, with_select=True, kernel="none", sel_warps=warps)
     tokens = B * npg * PAGE_SIZE
@@ -320,14 +320,14 @@ COLUMNS = [  # (header, format of one result row)
     ("fp8 us", lambda r: f"{r['fp8_us']:.1f}"), ("fp8 % copy", lambda r: f"{r['fp8_pct']:.0f}%"),
     ("MXFP4 us", lambda r: f"{r['mxfp4_us']:.1f}"), ("MXFP4 % copy", lambda r: f"{r['mxfp4_pct']:.0f}%"),
     ("MXFP4 floor us", lambda r: f"{r['mxfp4_floor_us']:.1f}"), ("MXFP4/fp8", lambda r: f"{r['ratio']:.2f}"),
-    ("fp8 no-PDL us", lambda r: f"{r['fp8_nopdl_us']:.1f}"), ("MXFP4 no-PDL us", lambda r: f"{r['mxfp4_nopdl_us']:.1f}"),
-    ("MXFP4/fp8 no-PDL", lambda r: f"{r['mxfp4_nopdl_us'] / r['fp8_nopdl_us']:.2f}"),
+    ("fp8 PDL us", lambda r: f"{r['fp8_pdl_us']:.1f}"), ("MXFP4 PDL us", lambda r: f"{r['mxfp4_pdl_us']:.1f}"),
+    ("MXFP4/fp8 PDL", lambda r: f"{r['mxfp4_pdl_us'] / r['fp8_pdl_us']:.2f}"),
     ("MXFP4 Triton us", lambda r: f"{r['mxfp4_triton_us']:.1f}"),
     ("MXFP4 e4m3-Q us", lambda r: f"{r['mxfp4_e4m3q_us']:.1f}"),
     ("select us", lambda r: f"{r['select_us']:.1f}"), ("select 1-warp us", lambda r: f"{r['select_1w_us']:.1f}"),
     ("select 4-warp us", lambda r: f"{r['select_4w_us']:.1f}"), ("fp8+sel us", lambda r: f"{r['fp8_sel_us']:.1f}"),
     ("MXFP4+sel us", lambda r: f"{r['mxfp4_sel_us']:.1f}"),
-    ("MXFP4+sel no-PDL us", lambda r: f"{r['mxfp4_sel_nopdl_us']:.1f}"),
+    ("MXFP4+sel PDL us", lambda r: f"{r['mxfp4_sel_pdl_us']:.1f}"),
     ("SGLang us", lambda r: f"{r['peer_us']:.1f}" if "peer_us" in r else "-"),
     ("SGLang / MXFP4+sel", lambda r: f"{r['speedup_mxfp4_sel']:.2f}x" if "peer_us" in r else "-"),
     ("MXFP4 base us", lambda r: f"{r['mxfp4_base_us']:.1f}" if "vs_base" in r else "-"),
@@ -338,8 +338,9 @@ COLUMNS = [  # (header, format of one result row)
 def table(results, writer, copy_gbs, header, copy_note=""):
     lines = [header, "", f"Copy bandwidth measured in this run: {copy_gbs / 1000:.2f} TB/s (read + write){copy_note}.",
              "", "MXFP4 = the CUDA kernel (backends/cuda); MXFP4 Triton = the portable fallback; fp8 = Triton. "
-             "+sel: with the MSA top-16 selection (Triton) in the same graph. Launches use programmatic dependent "
-             "launch (ops.pdl) unless the column says no-PDL; select: the selector alone (default warps, 1, 4).", ""]
+             "+sel: with the MSA top-16 selection (Triton) in the same graph. PDL columns: launched with programmatic "
+             "dependent launch (ops.pdl, opt-in), the others as served by default; select: the selector alone "
+             "(default warps, 1, 4).", ""]
     lines.append("| " + " | ".join(h for h, _ in COLUMNS) + " |")
     lines.append("|" + "---|" * len(COLUMNS))
     for r in results:

@@ -8,8 +8,9 @@ its first statements: it only takes the launch latency off the critical path, ne
 Inside a CUDA graph the edge to such a kernel becomes a programmatic edge. Kernels without the
 attribute, before or after ours, are unaffected (they wait for full completion as usual).
 
-Used on NVIDIA sm_90+ (Triton's launcher and the CUDA scorer); never on ROCm, the CPU or the Triton
-interpreter. ``M3_PDL=0`` turns it off everywhere (for A-B timing and as an escape hatch).
+Off by default: on an H200 (2026-12-01, docs/perf.md) it took 0-3% off a scorer call but made the
+scorer + selector pair up to 3 us slower at 100k-128k tokens, so ``M3_PDL=1`` opts in (NVIDIA sm_90+
+only: Triton's launcher and the CUDA scorer); never on ROCm, the CPU or the Triton interpreter.
 """
 
 import functools
@@ -29,12 +30,12 @@ except ImportError:  # pragma: no cover - depends on the Triton build
 
 
 def use_pdl(device) -> bool:
-    """True if kernels on ``device`` are launched with PDL (CUDA sm_90+, not ROCm, not the Triton
-    interpreter, ``M3_PDL`` not "0")."""
+    """True if kernels on ``device`` are launched with PDL: ``M3_PDL=1``, CUDA sm_90+, not ROCm, not
+    the Triton interpreter."""
     device = torch.device(device)
     if device.type != "cuda" or getattr(torch.version, "hip", None):
         return False
-    if os.environ.get("TRITON_INTERPRET", "0") == "1" or os.environ.get(ENV, "1") == "0":
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" or os.environ.get(ENV, "0") != "1":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index) >= MIN_CAPABILITY

@@ -1,33 +1,38 @@
 """Programmatic dependent launch (``ops.pdl``): when it is used, and (GPU) that a PDL chain in a
 CUDA graph reads only what the kernel before it finished writing.
 
-The GPU chain: plain kernels stage the inputs and poison the score buffer with NaN, then the scorer
+PDL is opt-in (``M3_PDL=1``); the GPU test turns it on. The GPU chain: plain kernels stage the inputs and poison the score buffer with NaN, then the scorer
 (PDL, it releases its dependents at its start) and the selector (PDL) run, then a plain copy reads the
 selection. A selector that did not wait would see the poison or a partial buffer; the selection and
 the scores must equal an eager run with PDL off, bit for bit, on every replay.
 """
 
+import os
 import pathlib
 
 import pytest
 import torch
 
-from m3_kernels.formats import PAGE_SIZE
-from m3_kernels.ops import pdl
-from m3_kernels.ops.score import score_decode
-from m3_kernels.ops.score.backends import cuda as cuda_backend
-from m3_kernels.ops.score.naive import score_decode_ref
-from m3_kernels.ops.select import select_blocks, visible_blocks
-from m3_kernels.ops.select.naive import select_blocks_ref
-from m3_kernels.testing import abs_index_k, assert_scores_close, make_q, q_abs, random_cache
+if not torch.cuda.is_available():  # as the other kernel tests: Triton imported here runs interpreted
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from m3_kernels.formats import PAGE_SIZE  # noqa: E402
+from m3_kernels.ops import pdl  # noqa: E402
+from m3_kernels.ops.score import score_decode  # noqa: E402
+from m3_kernels.ops.score.backends import cuda as cuda_backend  # noqa: E402
+from m3_kernels.ops.score.naive import score_decode_ref  # noqa: E402
+from m3_kernels.ops.select import select_blocks, visible_blocks  # noqa: E402
+from m3_kernels.ops.select.naive import select_blocks_ref  # noqa: E402
+from m3_kernels.testing import abs_index_k, assert_scores_close, make_q, q_abs, random_cache  # noqa: E402
 
 
-def test_off_on_the_cpu_the_interpreter_and_by_env(monkeypatch):
+def test_off_by_default_on_the_cpu_and_in_the_interpreter(monkeypatch):
+    monkeypatch.delenv(pdl.ENV, raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not pdl.use_pdl("cuda")  # opt-in: decided before any CUDA query
+    monkeypatch.setenv(pdl.ENV, "1")
     assert not pdl.use_pdl("cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not pdl.use_pdl("cuda")  # decided before any CUDA query
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setenv(pdl.ENV, "0")
     assert not pdl.use_pdl("cuda")
 
 
@@ -57,6 +62,7 @@ def test_triton_kernels_wait_first():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,backend", [("mxfp4", "cuda"), ("mxfp4", "triton"), ("fp8", "triton")])
 def test_pdl_chain_in_a_graph(gen, monkeypatch, fmt, backend):
+    monkeypatch.setenv(pdl.ENV, "1")
     if not torch.cuda.is_available() or not pdl.use_pdl("cuda"):
         pytest.skip("needs an sm_90+ GPU with PDL")
     if backend == "cuda" and not cuda_backend.is_available():
@@ -98,7 +104,7 @@ def test_pdl_chain_in_a_graph(gen, monkeypatch, fmt, backend):
         monkeypatch.setenv(pdl.ENV, "0")  # the eager reference run: no PDL anywhere
         want_picked = step()
         torch.cuda.synchronize()
-        monkeypatch.delenv(pdl.ENV)
+        monkeypatch.setenv(pdl.ENV, "1")
         written = ~torch.isnan(scores)
         assert torch.equal(written, ~torch.isnan(got_scores))
         assert torch.equal(got_scores[written], scores[written]), "scores differ from the eager run"

@@ -6,8 +6,8 @@ below -inf, as in the reference), then the complement of the block id (ties to t
 the ``topk - init - local`` best candidates one at a time, each pick one max reduction; then it
 appends the local blocks in order, the row's own block last. Rows that see at most ``topk`` blocks get
 ``0 .. n-1`` and -1 padding. No host synchronisation: ``n_visible`` is read on the device (clamped to
-``[0, nb]``), so the call can be captured in a CUDA graph. On sm_90+ it is launched with programmatic
-dependent launch (``ops.pdl``), so it can be resident before the scorer that feeds it finishes.
+``[0, nb]``), so the call can be captured in a CUDA graph. With ``M3_PDL=1`` on sm_90+ it is launched
+with programmatic dependent launch (``ops.pdl``).
 """
 
 import torch
@@ -57,15 +57,20 @@ def _select_kernel(
     tl.store(out_ptr + i_h.to(tl.int64) * stride_o_h + i_r.to(tl.int64) * stride_o_r + o_k, res, mask=o_k < TOPK)
 
 
-def _num_warps(block: int) -> int:
-    """Warps per row: one up to 1024 blocks (131072 tokens), 4 up to 4096, 8 beyond (registers)."""
-    return 1 if block <= 1024 else 4 if block <= 4096 else 8
+def _num_warps(block: int, programs: int) -> int:
+    """Warps per (row, head) program. Measured on an H200 (2026-12-01, docs/perf.md): one warp up to 256
+    blocks (32k tokens: 3.8-4.2 us against 4.2-5.8 with four); at 1024 blocks four warps while the
+    programs are few (32-256 rows: 5.1-7.6 us against 8.2-9.6) and one from 512 programs (10.5 against
+    11.2 us); 4 up to 4096 blocks, 8 beyond (registers)."""
+    if block <= 256 or (block <= 1024 and programs >= 512):
+        return 1
+    return 4 if block <= 4096 else 8
 
 
 def select_blocks_triton(scores, n_visible, topk, local_blocks, init_blocks, out=None, num_warps=None, pdl=None):
     """int32 ``[H, rows, topk]``; ``scores [H, rows, nb]`` fp32/bf16 with a contiguous last dim,
     ``n_visible [rows]`` int32/int64 on the same device. Parameters validated by the caller.
-    ``num_warps``: per row (default ``_num_warps``); ``pdl``: launch with programmatic dependent
+    ``num_warps``: per program (default ``_num_warps``); ``pdl``: launch with programmatic dependent
     launch (default ``ops.pdl.use_pdl``); the benchmark compares both."""
     H, rows, nb = scores.shape
     if nb > _MAX_ID:
@@ -81,7 +86,7 @@ def select_blocks_triton(scores, n_visible, topk, local_blocks, init_blocks, out
     _select_kernel[(rows, H)](
         scores, nvis.contiguous(), out, nb, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
         TOPK=topk, LOCAL=local_blocks, INIT=init_blocks, BLOCK=block, TOPK_P2=triton.next_power_of_2(topk),
-        ID_BITS=_ID_BITS, MAX_ID=_MAX_ID, num_warps=num_warps or _num_warps(block),
+        ID_BITS=_ID_BITS, MAX_ID=_MAX_ID, num_warps=num_warps or _num_warps(block, rows * H),
         **triton_launch_kwargs(use_pdl(scores.device) if pdl is None else pdl),
     )
     return out

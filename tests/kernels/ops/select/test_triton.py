@@ -74,6 +74,18 @@ def test_select_matrix(gen, H, nb, topk, local, init):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_warps", [1, 2, 4, 8])
+@pytest.mark.parametrize("nb", [200, 1024, 3000])
+def test_select_every_warp_count(gen, num_warps, nb):
+    """The default picks 1, 4 or 8 warps by size (``_num_warps``); the ids must not depend on it."""
+    H, rows = 2, 8
+    scores = random_scores(gen, H, rows, nb)
+    n_vis = torch.tensor([0, 1, 16, 17, nb, nb - 1, nb // 2, 300], dtype=torch.int32).clamp(max=nb)
+    got = _select()(scores.cuda(), n_vis.cuda(), 16, 1, 0, num_warps=num_warps).cpu()
+    assert torch.equal(got, select_blocks_ref(scores, n_vis, 16, 1, 0))
+
+
+@pytest.mark.gpu
 def test_select_graph_replay(gen):
     H, rows, nb = 2, 8, 300
     scores = torch.zeros(H, rows, nb, device="cuda")

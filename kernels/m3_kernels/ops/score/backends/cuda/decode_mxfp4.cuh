@@ -12,8 +12,8 @@
 // 1-D bulk copies (cp.async.bulk, 8192 data + 512 scale bytes per page) on mbarriers; no
 // cross-warp synchronisation. A page is 8 tiles of 16 tokens; each tile is 8 mma.sync m16n8k16
 // (fp16 in, fp32 accumulate) per group of 8 query vectors. Launched with programmatic dependent
-// launch when asked (ops/pdl.py): every thread waits on the kernels before it first, then releases
-// the next one's launch.
+// launch when asked (ops/pdl.py, opt-in): every thread waits on the kernels before it first, then
+// releases the next one's launch.
 //
 // The dims are permuted (K and Q alike: a dot product does not change) so that a thread's A
 // fragment of a token row over K = 128 is exactly MX group `lane % 4` of that row: one 16-byte
