@@ -21,11 +21,11 @@ import torch
 ENV = "M3_PDL"
 MIN_CAPABILITY = (9, 0)
 
-try:  # Triton's grid-dependency ops (absent from some builds; then PDL stays off for Triton kernels)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
-    HAVE_TRITON_GDC = True
+try:  # Triton's grid-dependency ops, used as tl.extra.cuda.gdc_* (absent from some builds: PDL off there)
+    import triton.language.extra.cuda as _triton_cuda
+
+    HAVE_TRITON_GDC = hasattr(_triton_cuda, "gdc_wait") and hasattr(_triton_cuda, "gdc_launch_dependents")
 except ImportError:  # pragma: no cover - depends on the Triton build
-    gdc_launch_dependents = gdc_wait = None
     HAVE_TRITON_GDC = False
 
 
@@ -52,4 +52,4 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-__all__ = ["ENV", "HAVE_TRITON_GDC", "gdc_launch_dependents", "gdc_wait", "triton_launch_kwargs", "use_pdl"]
+__all__ = ["ENV", "HAVE_TRITON_GDC", "triton_launch_kwargs", "use_pdl"]
