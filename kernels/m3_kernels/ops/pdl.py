@@ -21,12 +21,6 @@ import torch
 ENV = "M3_PDL"
 MIN_CAPABILITY = (9, 0)
 
-try:  # Triton's grid-dependency ops, used as tl.extra.cuda.gdc_* (absent from some builds: PDL off there)
-    import triton.language.extra.cuda as _triton_cuda
-
-    HAVE_TRITON_GDC = hasattr(_triton_cuda, "gdc_wait") and hasattr(_triton_cuda, "gdc_launch_dependents")
-except ImportError:  # pragma: no cover - depends on the Triton build
-    HAVE_TRITON_GDC = False
 
 
 def use_pdl(device) -> bool:
@@ -43,8 +37,20 @@ def use_pdl(device) -> bool:
 
 def triton_launch_kwargs(pdl: bool) -> dict:
     """Extra launch arguments for a Triton kernel that takes a ``USE_PDL`` constexpr."""
-    pdl = bool(pdl) and HAVE_TRITON_GDC
+    pdl = bool(pdl) and have_triton_gdc()
     return {"USE_PDL": pdl, "launch_pdl": True} if pdl else {"USE_PDL": False}
+
+
+@functools.lru_cache(maxsize=None)
+def have_triton_gdc() -> bool:
+    """Triton's grid-dependency ops (``tl.extra.cuda.gdc_*``; absent from some builds: PDL off there).
+    Looked up at the first launch, not at import: importing Triton early would keep the kernel tests
+    from switching it to the interpreter."""
+    try:
+        import triton.language.extra.cuda as triton_cuda
+    except ImportError:  # pragma: no cover - depends on the Triton build
+        return False
+    return hasattr(triton_cuda, "gdc_wait") and hasattr(triton_cuda, "gdc_launch_dependents")
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,4 +58,4 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-__all__ = ["ENV", "HAVE_TRITON_GDC", "triton_launch_kwargs", "use_pdl"]
+__all__ = ["ENV", "have_triton_gdc", "triton_launch_kwargs", "use_pdl"]

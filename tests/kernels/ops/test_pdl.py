@@ -38,7 +38,7 @@ def test_off_by_default_on_the_cpu_and_in_the_interpreter(monkeypatch):
 
 def test_triton_launch_kwargs():
     assert pdl.triton_launch_kwargs(False) == {"USE_PDL": False}
-    want = {"USE_PDL": True, "launch_pdl": True} if pdl.HAVE_TRITON_GDC else {"USE_PDL": False}
+    want = {"USE_PDL": True, "launch_pdl": True} if pdl.have_triton_gdc() else {"USE_PDL": False}
     assert pdl.triton_launch_kwargs(True) == want
 
 
