@@ -4,14 +4,19 @@ Both entry points take ``naive.sparse_attention_ref``'s arguments and return its
 attention runs in the cache's dtype (bf16 in a bf16 model, as SGLang's dense ``torch_native`` backend
 does), in torch's flash attention kernel: logits and softmax in fp32, ``P @ V`` in the cache dtype.
 
-Prefill/extend (``sparse_attention_extend_cpu``), three paths, all exact:
+Prefill/extend (``sparse_attention_extend_cpu``), four paths, all exact:
 
 - dense runs: rows whose lists hold every block they can see (at most ``topk`` visible blocks: the start
   of every prompt) are plain causal attention over the request's prefix, one call per request;
-- union tiles: the other rows of one (request, query block) form a tile; a tile whose lists span at most
-  ``_UNION_MAX_BLOCKS`` blocks (over its KV heads) reads that union once and attends through a mask of
-  each row's blocks and causal limit (tiles of similar width share one call per KV head). Its work is the
-  union's, up to about twice the selected blocks': cheaper than the split below at such widths;
+- prefix tiles: the other rows of one (request, query block) form a tile; a tile that sees at most
+  ``_PREFIX_MAX_BLOCKS`` blocks and whose lists (over its KV heads) cover at least ``_PREFIX_MIN_FRACTION`` of
+  them attends the request's whole prefix up to its last row through a mask of each row's blocks and causal
+  limit, ``_PREFIX_TILES_PER_CALL`` consecutive tiles and all KV heads in one call; the request's K/V are
+  gathered once (shared with its dense run). With rows whose lists are unrelated (dummy weights) a tile's
+  union is nearly every block it sees, so this is the union's work without gathering it per tile;
+- union tiles: a tile whose lists span at most ``_UNION_MAX_BLOCKS`` blocks, but a small part of its prefix,
+  reads that union once and attends through a mask of each row's blocks and causal limit (tiles of similar
+  width share one call per KV head). Its work is the union's, up to about twice the selected blocks';
 - split: a wider tile's rows split their lists into the own block (one causal call over all such tiles)
   and earlier blocks, whose (row, block) pairs are grouped by block: each block's keys attend to the rows
   that picked it in one call without a mask. Each call also returns the log-sum-exp of its logits per
@@ -20,7 +25,8 @@ Prefill/extend (``sparse_attention_extend_cpu``), three paths, all exact:
   rows' queries and a scatter of their partial results.
 
 Decode (``sparse_attention_decode_cpu``): rows that pick every block they see in one masked call over
-their whole contexts; the others read their own blocks (gathered) through a mask.
+their whole contexts; the others in one call over their own blocks (each row's and KV head's ``topk`` blocks
+gathered), its query heads of a KV head as the call's query rows.
 
 Gathers go through ``index_select`` (advanced indexing gathers element-wise on the CPU, several times
 slower). A row that sees no selected token gets zeros, as torch's flash kernel gives a fully masked row.

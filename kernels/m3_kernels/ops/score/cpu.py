@@ -47,7 +47,7 @@ def dequantize_pages(k_cache: torch.Tensor, k_scale: torch.Tensor | None, pages:
     values = values.view(*data.shape[:-1], k_scale.shape[-1], -1)  # [..., 128, 4, 32]
     scale = e8m0_to_float(k_scale.index_select(0, flat).view(*pages.shape, *k_scale.shape[1:]), torch.float32)
     scale = scale.unsqueeze(-1)  # [..., 128, 4, 1]
-    return (values * scale).flatten(-2)
+    return values.mul_(scale).flatten(-2)  # in place: a second buffer made 32 pages 2.0 ms instead of 0.8 on 2 cores
 
 
 def _check_pages(block_table: torch.Tensor, n_pages: torch.Tensor, num_cache_pages: int) -> torch.Tensor:
@@ -103,8 +103,8 @@ def score_prefill_cpu(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, 
 
     Per request the new rows go in tiles of one query page; a tile scores the pages it sees (the causal
     triangle, page-wise) in key chunks of ``_KEY_PAGES`` pages: one fp32 matmul per chunk whose
-    ``[tile rows x H, chunk tokens]`` products stay in cache for the page max, and only the tile's own
-    page is masked."""
+    ``[tile rows x H, chunk tokens]`` products stay in the last-level cache for the page max, and only the tile's
+    own page is masked."""
     _, batch, H, max_block, sm_scale = check_prefill_args(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q,
                                                           sm_scale, max_block, out)
     check_prefill_lengths(q, seq_lens, cu_seqlens_q)
