@@ -14,6 +14,9 @@ construction and modules:
 - per-head norms: SGLang's ``GemmaRMSNorm`` (q, k and index q/k norms) makes five full-size fp32 passes
   off CUDA; off CUDA their forward is ``m3_kernels.ops.norm.gemma_rms_norm_cpu``, the same arithmetic over
   cache-sized chunks of rows (bit for bit; at a 4k prefill a sixth of the time went there);
+- norm + RoPE: the per-head q/k norms and RoPE after them (main and index heads) run as one chunked pass,
+  ``m3_kernels.ops.norm.gemma_rms_norm_rope_cpu``, bit for bit SGLang's norm then its ``forward_native`` RoPE
+  (taken only where that is the RoPE SGLang would run: a plain ``RotaryEmbedding`` dispatching to it);
 - activations: SGLang's ``swigluoai`` for the dense MLP and the interleaved one its torch MoE path
   calls are ``torch.compile`` functions, which on a CPU compile C++ at the first prefill and again
   at the first decode (tens of seconds on a 2-core box, paid by the first request); off CUDA the
@@ -36,8 +39,9 @@ import logging
 import torch
 from torch import nn
 
-from m3_kernels.ops.norm import gemma_rms_norm_cpu
+from m3_kernels.ops.norm import gemma_rms_norm_cpu, gemma_rms_norm_rope_cpu
 from sglang.srt.layers.layernorm import GemmaRMSNorm
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding
 from sglang.srt.models.minimax_m3 import MiniMaxM3Attention, MiniMaxM3MLP, MiniMaxM3MoE
 from sglang.srt.models.minimax_m3 import MiniMaxM3SparseForCausalLM as _UpstreamM3
 
@@ -109,6 +113,34 @@ def _gemma_norm_forward_cpu(norm: GemmaRMSNorm, x, residual=None, post_residual_
     return gemma_rms_norm_cpu(x, norm.weight, norm.variance_epsilon)
 
 
+def _runs_native_rope(rotary) -> bool:
+    """Whether ``rotary`` is a RoPE layer whose forward is SGLang's ``RotaryEmbedding.forward_native``."""
+    method = getattr(rotary, "_forward_method", None)
+    return (isinstance(rotary, RotaryEmbedding) and getattr(method, "__func__", None) is RotaryEmbedding.forward_native
+            and not hasattr(rotary, "sin_cos_cache"))
+
+
+def _norm_rope_cpu(norm: GemmaRMSNorm, rotary, positions, x, head_dim: int):
+    return gemma_rms_norm_rope_cpu(x, norm.weight, norm.variance_epsilon, positions.flatten(), rotary.cos_sin_cache,
+                                   head_dim, rotary.rotary_dim, rotary.is_neox_style)
+
+
+def _qk_norm_rope_cpu(attn: MiniMaxM3Attention, positions, q, k):
+    """``MiniMaxM3Attention._qk_norm_rope`` (per-head Gemma norms, then RoPE) in one chunked pass per tensor."""
+    if q.is_cuda or not _runs_native_rope(attn.rotary_emb):
+        return type(attn)._qk_norm_rope(attn, positions, q, k)
+    return tuple(_norm_rope_cpu(norm, attn.rotary_emb, positions, x, attn.head_dim)
+                 for norm, x in ((attn.q_norm, q), (attn.k_norm, k)))
+
+
+def _index_qk_norm_rope_cpu(attn: MiniMaxM3Attention, positions, idx_q, idx_k):
+    """``MiniMaxM3Attention._index_qk_norm_rope`` likewise, for the index heads."""
+    if idx_q.is_cuda or not _runs_native_rope(attn.index_rotary_emb):
+        return type(attn)._index_qk_norm_rope(attn, positions, idx_q, idx_k)
+    return tuple(_norm_rope_cpu(norm, attn.index_rotary_emb, positions, x, attn.idx_head_dim)
+                 for norm, x in ((attn.index_q_norm, idx_q), (attn.index_k_norm, idx_k)))
+
+
 def _fp32_router_logits(moe: MiniMaxM3MoE, hidden_states: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(hidden_states.float(), moe.gate.weight.float())
 
@@ -133,6 +165,11 @@ class MiniMaxM3SparseForCausalLM(_UpstreamM3):
                         norm = getattr(module, name, None)
                         if isinstance(norm, GemmaRMSNorm):
                             norm.forward = functools.partial(_gemma_norm_forward_cpu, norm)
+                    if module.qk_norm_type == "per_head" and all(
+                            isinstance(getattr(module, n, None), GemmaRMSNorm) for n in PER_HEAD_NORMS[:2]):
+                        module._qk_norm_rope = functools.partial(_qk_norm_rope_cpu, module)
+                    if all(isinstance(getattr(module, n, None), GemmaRMSNorm) for n in PER_HEAD_NORMS[2:]):
+                        module._index_qk_norm_rope = functools.partial(_index_qk_norm_rope_cpu, module)
                 if isinstance(module, MiniMaxM3MLP) and config.hidden_act == "swigluoai":
                     module.act_fn = functools.partial(swigluoai_eager, alpha=config.swiglu_alpha,
                                                       limit=config.swiglu_limit)

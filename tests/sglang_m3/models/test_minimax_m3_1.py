@@ -50,3 +50,44 @@ def test_cpu_per_head_norm_equals_sglangs_gemma_norm_bitwise(gen):
     out, res = norm(x, residual)
     want_out, want_res = norm.forward_native(x, residual)
     assert torch.equal(out, want_out) and torch.equal(res, want_res)
+
+
+def test_cpu_norm_rope_equals_sglangs_norm_then_rope_bitwise(gen, monkeypatch):
+    """The ``_qk_norm_rope`` / ``_index_qk_norm_rope`` the model installs off CUDA equal SGLang's methods (per-head
+    ``GemmaRMSNorm``, then its RoPE layer, which on a CPU runs ``forward_native``) bit for bit, on M3's geometry
+    (16 q heads, 4 KV heads, 4 index heads, head 128, partial NeoX RoPE over 64 dims, bf16) at positions up to 4k."""
+    import functools
+    import types
+
+    from sglang.srt.layers.layernorm import GemmaRMSNorm
+    from sglang.srt.layers.rotary_embedding import base as rotary_base
+    from sglang.srt.layers.rotary_embedding import get_rope
+    from sglang.srt.models.minimax_m3 import MiniMaxM3Attention
+
+    from sglang_m3.models.minimax_m3_1 import (_index_qk_norm_rope_cpu, _qk_norm_rope_cpu, _runs_native_rope,
+                                               _torch_rotary_off_cuda)
+
+    monkeypatch.setattr(rotary_base, "get_server_args", lambda: types.SimpleNamespace(rl_on_policy_target=None))
+    with _torch_rotary_off_cuda():
+        rotary = get_rope(128, rotary_dim=64, max_position=4096, base=5e6).to(torch.bfloat16)
+    assert _runs_native_rope(rotary) and rotary.is_neox_style
+    norms = {}
+    for name in ("q_norm", "k_norm", "index_q_norm", "index_k_norm"):
+        norms[name] = GemmaRMSNorm(128, eps=1e-6)
+        with torch.no_grad():
+            norms[name].weight.copy_(torch.randn(128, generator=gen) * 0.3)
+    attn = types.SimpleNamespace(rotary_emb=rotary, index_rotary_emb=rotary, head_dim=128, idx_head_dim=128,
+                                 qk_norm_type="per_head", **norms)
+    for fn in ("_qk_norm", "_index_qk_norm", "_qk_norm_rope", "_index_qk_norm_rope"):
+        setattr(attn, fn, functools.partial(getattr(MiniMaxM3Attention, fn), attn))
+    attn._can_use_rocm_qk_norm_rope = lambda *args: False
+    attn._can_use_rocm_index_qk_norm_rope_static = False
+    tokens = 700
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    q, k, idx_q, idx_k = ((torch.randn(tokens, h * 128, generator=gen) * 2).to(torch.bfloat16) for h in (16, 4, 4, 1))
+    for mine, sglangs, a, b in ((_qk_norm_rope_cpu, attn._qk_norm_rope, q, k),
+                                (_index_qk_norm_rope_cpu, attn._index_qk_norm_rope, idx_q, idx_k)):
+        want = sglangs(positions, a, b)
+        got = mine(attn, positions, a, b)
+        for g, w in zip(got, want):
+            assert g.dtype == torch.bfloat16 and g.shape == w.shape and torch.equal(g, w)

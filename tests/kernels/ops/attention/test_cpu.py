@@ -46,11 +46,12 @@ def msa_lists(gen, hkv, positions, topk, block_size, holes=False):
 
 
 class PathSpy:
-    """Counts the rows each extend path attends (dense run, union tile, split)."""
+    """Counts the rows each extend path attends (dense run, prefix tile, union tile, split)."""
 
     def __init__(self, monkeypatch):
-        self.rows = {"dense": 0, "union": 0, "split": 0}
-        for name, fn in (("dense", cpu._attend_dense), ("union", cpu._attend_union), ("split", cpu._attend_split)):
+        self.rows = {"dense": 0, "prefix": 0, "union": 0, "split": 0}
+        for name in self.rows:
+            fn = getattr(cpu, f"_attend_{name}")
             monkeypatch.setattr(cpu, f"_attend_{name}", self._wrap(name, fn))
 
     def _wrap(self, name, fn):
@@ -81,10 +82,11 @@ def batch(gen, dtype, lens, new, hq=8, hkv=2, d=16, topk=3, block_size=BLOCK, ho
 # mask), and a long prompt whose last block is partial.
 LENS, NEW = [61, 37, 9, 5, 10, 45], [61, 14, 1, 0, 3, 45]
 MODES = {  # monkeypatched limits -> the paths the sparse rows take
-    "union": dict(_UNION_MAX_BLOCKS=10**6),
-    "split": dict(_UNION_MAX_BLOCKS=0),
-    "mixed": dict(_UNION_MAX_BLOCKS=8),
-    "split-chunks": dict(_UNION_MAX_BLOCKS=0, _PAIR_ELEMS=7 * 3 * 4 * 16),  # chunks of 7 rows that cut tiles
+    "prefix": dict(_PREFIX_MAX_BLOCKS=10**6, _PREFIX_MIN_FRACTION=0.0),
+    "union": dict(_UNION_MAX_BLOCKS=10**6, _PREFIX_MAX_BLOCKS=0),
+    "split": dict(_UNION_MAX_BLOCKS=0, _PREFIX_MAX_BLOCKS=0),
+    "mixed": dict(_UNION_MAX_BLOCKS=8, _PREFIX_MAX_BLOCKS=6, _PREFIX_MIN_FRACTION=0.0),
+    "split-chunks": dict(_UNION_MAX_BLOCKS=0, _PREFIX_MAX_BLOCKS=0, _PAIR_ELEMS=7 * 3 * 4 * 16),  # 7-row chunks
 }
 
 
@@ -107,15 +109,16 @@ def test_extend_matches_oracle(gen, dtype, mode, holes, monkeypatch):
                                                     sm_scale), rtol=1e-12, atol=1e-12)
     sparse_rows = q.shape[0] - spy.rows["dense"]
     assert spy.rows["dense"] >= 3 * BLOCK + 3  # request 0's first three blocks and request 4's rows
-    if mode == "union":
-        assert spy.rows == {"dense": spy.rows["dense"], "union": sparse_rows, "split": 0}
+    if mode in ("prefix", "union"):
+        assert spy.rows == {"dense": spy.rows["dense"], "prefix": 0, "union": 0, "split": 0, mode: sparse_rows}
     elif mode.startswith("split"):
-        assert spy.rows == {"dense": spy.rows["dense"], "union": 0, "split": sparse_rows}
+        assert spy.rows == {"dense": spy.rows["dense"], "prefix": 0, "union": 0, "split": sparse_rows}
     else:
-        assert spy.rows["union"] > 0 and spy.rows["split"] > 0 and spy.rows["union"] + spy.rows["split"] == sparse_rows
+        assert spy.rows["prefix"] > 0 and spy.rows["union"] > 0 and spy.rows["split"] > 0
+        assert spy.rows["prefix"] + spy.rows["union"] + spy.rows["split"] == sparse_rows
 
 
-@pytest.mark.parametrize("mode", ["union", "split"])
+@pytest.mark.parametrize("mode", ["prefix", "union", "split"])
 def test_extend_at_block_128_edges(gen, mode, monkeypatch):
     """M3's block and head geometry (block 128, 16 query heads over 4 KV heads x 128, bf16), prompts of 1, 127, 128,
     129 and 300 tokens and an extension of a 128-token prefix to 300 (its last page partial)."""
@@ -128,14 +131,15 @@ def test_extend_at_block_128_edges(gen, mode, monkeypatch):
 
 
 def test_extend_without_rows_and_without_visible_tokens(gen, monkeypatch):
-    """No rows at all; rows whose lists hold nothing visible get zeros, on the union and the split path."""
+    """No rows at all; rows whose lists hold nothing visible get zeros, on the prefix, union and split paths."""
     args = list(batch(gen, torch.float32, [9], [0]))
     assert sparse_attention_extend_cpu(*args).shape == (0, 8, 16)
     args = list(batch(gen, torch.float32, [30], [6]))
     args[8] = torch.full_like(args[8], -1)
     args[8][0, :3, 0] = 7  # KV head 0 of the first three rows: their own block; the rest: nothing
-    for limit in (0, 10**6):
-        monkeypatch.setattr(cpu, "_UNION_MAX_BLOCKS", limit)
+    for mode in ("split", "union", "prefix"):
+        for name, value in MODES[mode].items():
+            monkeypatch.setattr(cpu, name, value)
         got = sparse_attention_extend_cpu(*args)
         want = sparse_attention_ref(*args)
         assert torch.equal(want[3:], torch.zeros_like(want[3:]))
