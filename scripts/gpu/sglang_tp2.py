@@ -52,10 +52,12 @@ import tp_check  # noqa: E402
 
 from m3_kernels.formats import PAGE_SIZE, TOPK_BLOCKS  # noqa: E402
 
-CPU_TP_ENV = {  # SGLang on a CPU with --tp > 1 (a CUDA build of torch finds libnccl and would use it)
-    "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2",
-    "SGLANG_CPU_OMP_THREADS_BIND": "0|1",
-}
+def cpu_tp_env(tp: int) -> dict:
+    """SGLang on a CPU with --tp > 1: no NCCL (a CUDA build of torch finds libnccl and would use it), and
+    one core per rank, ranks sharing cores when there are fewer cores than ranks ("0|1|0|1": TP4 on 2)."""
+    cores = os.cpu_count() or 1
+    return {"SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2",
+            "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(r % cores) for r in range(tp))}
 
 
 def generate(server, ids, new_tokens: int, timeout: float = 900) -> dict:
@@ -241,7 +243,7 @@ def main():
             rec = work / f"{name}.jsonl"
             extra = ["--json-model-override-args", json.dumps({"index_k_debug_record": str(rec)})]
             extra += ["--tp", str(tp)] if tp > 1 else ["--base-gpu-id", str(i % 2)] if not args.cpu else []
-            env = {"M3_LOAD_REPORT": str(work / f"{name}.load.jsonl")} | (CPU_TP_ENV if args.cpu and tp > 1 else {})
+            env = {"M3_LOAD_REPORT": str(work / f"{name}.load.jsonl")} | (cpu_tp_env(tp) if args.cpu and tp > 1 else {})
             servers[name] = (h200.Server(name, cfg, base + mode + extra, log_dir, env), rec, fmt)
     h200.log(f"started {len(servers)} servers: {list(servers)}")
 

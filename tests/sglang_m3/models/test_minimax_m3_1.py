@@ -1,5 +1,6 @@
 """The CPU fixes of the MiniMax-M3.1 model class that run without a server."""
 
+import pytest
 import torch
 
 from sglang_m3.models.minimax_m3_1 import swiglu_interleaved_eager, swigluoai_eager
@@ -67,10 +68,14 @@ def test_cpu_norm_rope_equals_sglangs_norm_then_rope_bitwise(gen, monkeypatch):
     from sglang_m3.models.minimax_m3_1 import (_index_qk_norm_rope_cpu, _qk_norm_rope_cpu, _runs_native_rope,
                                                _torch_rotary_off_cuda)
 
-    monkeypatch.setattr(rotary_base, "get_server_args", lambda: types.SimpleNamespace(rl_on_policy_target=None))
+    # 0.5.16 reads the server args in the RoPE layer (absent in a unit test); later releases do not.
+    monkeypatch.setattr(rotary_base, "get_server_args", lambda: types.SimpleNamespace(rl_on_policy_target=None),
+                        raising=False)
     with _torch_rotary_off_cuda():
         rotary = get_rope(128, rotary_dim=64, max_position=4096, base=5e6).to(torch.bfloat16)
-    assert _runs_native_rope(rotary) and rotary.is_neox_style
+    if not _runs_native_rope(rotary):  # e.g. 0.5.23's fused-op RoPE layer: the model then keeps SGLang's methods
+        pytest.skip("this SGLang's RoPE layer does not dispatch to forward_native; the fused CPU pass is not installed")
+    assert rotary.is_neox_style
     norms = {}
     for name in ("q_norm", "k_norm", "index_q_norm", "index_k_norm"):
         norms[name] = GemmaRMSNorm(128, eps=1e-6)
