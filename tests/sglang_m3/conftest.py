@@ -37,21 +37,40 @@ def server_command(port: int, *extra: str, max_total_tokens: int = 16384) -> lis
 class Server:
     """One ``sglang.launch_server`` subprocess (own process group) with its log file."""
 
+    PORT_RETRIES = 2  # fresh ports for a server that lost a port race at start-up (see wait_ready)
+
     def __init__(self, log_path: Path, *extra: str, max_total_tokens: int = 16384, record: Path | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.record = record
         if record is not None:
             extra = (*extra, "--json-model-override-args", json.dumps({"index_k_debug_record": str(record)}))
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(server_command(self.port, *extra, max_total_tokens=max_total_tokens),
+        self._extra, self._max_total_tokens, self._port_retries = extra, max_total_tokens, self.PORT_RETRIES
+        self._log = None
+        self._launch()
+
+    def _launch(self) -> None:
+        if self._log is not None:  # a relaunch: the failed start's children go with its process group
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._log.close()
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(server_command(self.port, *self._extra, max_total_tokens=self._max_total_tokens),
                                      stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> "Server":
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                # Servers started side by side pick their ports (and SGLang its internal ones) independently:
+                # one can find a port taken between the pick and the bind. Such a start is retried on new ports.
+                if "address already in use" in self.log_tail() and self._port_retries > 0:
+                    self._port_retries -= 1
+                    self._launch()
+                    continue
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/model_info", timeout=5) as r:
