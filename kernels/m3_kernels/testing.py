@@ -18,6 +18,22 @@ def triton_module(name: str, kernel: str):
     return mod
 
 
+def capture_graph(fn, warmup=None):
+    """A ``torch.cuda.CUDAGraph`` of ``fn()``, captured after one call of ``warmup`` (default ``fn``) on a side
+    stream (compiles kernels and settles allocations outside the capture, as CUDA-graph capture requires)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        (warmup or fn)()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def fill_random_index_k(gen, k_cache, k_scale, scale_lo: int = 122, scale_hi: int = 127):
     """Fill an index-K cache (from ``alloc_index_k_cache``) with random contents, in place: MXFP4
     every e2m1 code and e8m0 scale bytes in ``[scale_lo, scale_hi]``; fp8 random e4m3 bytes without

@@ -23,7 +23,7 @@ from m3_kernels.ops.score.backends import cuda as cuda_backend  # noqa: E402
 from m3_kernels.ops.score.naive import score_decode_ref  # noqa: E402
 from m3_kernels.ops.select import select_blocks, visible_blocks  # noqa: E402
 from m3_kernels.ops.select.naive import select_blocks_ref  # noqa: E402
-from m3_kernels.testing import abs_index_k, assert_scores_close, make_q, q_abs, random_cache  # noqa: E402
+from m3_kernels.testing import abs_index_k, assert_scores_close, capture_graph, make_q, q_abs, random_cache  # noqa: E402
 
 
 def test_off_by_default_on_the_cpu_and_in_the_interpreter(monkeypatch):
@@ -86,14 +86,7 @@ def test_pdl_chain_in_a_graph(gen, monkeypatch, fmt, backend):
         score_decode(q, k_data, k_scale, bt, seq, S, 0.25, mb, scores, backend=backend)
         return select_blocks(scores, nvis)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        picked.copy_(step())
+    graph = capture_graph(lambda: picked.copy_(step()))
     for lens in ([1, 127, 128, 129], [16384, 2049, 16000, 5], [16384] * 4):
         stage["q"].copy_(make_q(gen, batch * S, H, torch.bfloat16, "cuda"))
         stage["bt"].copy_(torch.randperm(pages, generator=gen)[: batch * mb].reshape(batch, mb))

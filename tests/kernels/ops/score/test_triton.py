@@ -31,6 +31,7 @@ from m3_kernels.ops.score.naive import score_decode_ref, score_prefill_ref  # no
 from m3_kernels.testing import (  # noqa: E402
     abs_index_k,
     assert_scores_close,
+    capture_graph,
     make_q,
     q_abs,
     random_cache,
@@ -250,14 +251,7 @@ def test_cuda_graph_capture_and_replay(gen, fmt):
     def run():
         score_decode(q, k_cache, k_scale, bt, seq, S, 0.5, mb, out, backend="triton")
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph = capture_graph(run)
     for lens in ([4, 129, 1000, 2048], [2048, 5, 300, 128], [17, 17, 17, 1900]):
         bt.copy_(torch.randperm(pages, generator=gen)[: batch * mb].reshape(batch, mb))
         seq.copy_(torch.tensor(lens))

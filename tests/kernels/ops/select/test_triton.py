@@ -18,7 +18,7 @@ import triton  # noqa: E402
 
 from m3_kernels.ops.select import check_select_args, select_blocks  # noqa: E402
 from m3_kernels.ops.select.naive import select_blocks_ref  # noqa: E402
-from m3_kernels.testing import triton_module  # noqa: E402
+from m3_kernels.testing import capture_graph, triton_module  # noqa: E402
 
 
 def _select():
@@ -91,14 +91,7 @@ def test_select_graph_replay(gen):
     scores = torch.zeros(H, rows, nb, device="cuda")
     n_vis = torch.zeros(rows, dtype=torch.int32, device="cuda")
     out = {}
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        select_blocks(scores, n_vis)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out["ids"] = select_blocks(scores, n_vis)
+    graph = capture_graph(lambda: out.update(ids=select_blocks(scores, n_vis)))
     for _ in range(3):
         s = random_scores(gen, H, rows, nb)
         nv = torch.randint(0, nb + 1, (rows,), generator=gen, dtype=torch.int32)

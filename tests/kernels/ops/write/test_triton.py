@@ -35,7 +35,7 @@ from m3_kernels.formats import (  # noqa: E402
 )
 from m3_kernels.formats.mxfp4 import sanitize_fp32  # noqa: E402
 from m3_kernels.ops.write import write_index_k  # noqa: E402
-from m3_kernels.testing import triton_module  # noqa: E402
+from m3_kernels.testing import capture_graph, triton_module  # noqa: E402
 
 CPU = pytest.param("cpu", id="cpu")
 GPU = pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)
@@ -302,14 +302,9 @@ def test_writer_in_cuda_graph(gen, fmt, seed):
     k = torch.zeros(300, 128, device="cuda")
     loc = torch.zeros(300, dtype=torch.int64, device="cuda")
     k_cache, k_scale = alloc_index_k_cache(8, "mxfp4", "cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        write_index_k(k, loc, k_cache, k_scale, fmt, sign_seed=seed, check_loc=False)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        write_index_k(k, loc, k_cache, k_scale, fmt, sign_seed=seed)  # the slot check is skipped while capturing
+    # The slot check is skipped while capturing; the warm-up call skips it explicitly.
+    graph = capture_graph(lambda: write_index_k(k, loc, k_cache, k_scale, fmt, sign_seed=seed),
+                          warmup=lambda: write_index_k(k, loc, k_cache, k_scale, fmt, sign_seed=seed, check_loc=False))
     for _ in range(2):
         kk = corner_keys(gen, 300) if fmt == "mxfp4" else rotation_keys(gen, 300)[0]
         ll = torch.randperm(8 * PAGE_SIZE, generator=gen)[:300]

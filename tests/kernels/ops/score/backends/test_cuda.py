@@ -29,7 +29,7 @@ from m3_kernels.formats import (
 from m3_kernels.ops.score import prepare_decode, score_decode
 from m3_kernels.ops.score.backends import cuda as cuda_backend
 from m3_kernels.ops.score.naive import score_decode_ref
-from m3_kernels.testing import abs_index_k, assert_scores_close, make_q, q_abs, random_cache
+from m3_kernels.testing import abs_index_k, assert_scores_close, capture_graph, make_q, q_abs, random_cache
 
 SOURCE = cuda_backend.SOURCE
 INSTANCES = [(nt, e4m3) for nt in (1, 2, 3, 4) for e4m3 in (False, True)]
@@ -289,14 +289,7 @@ def test_cuda_graph_capture_and_replay(gen):
     def run():
         score_decode(q, k_data, k_scale, bt, seq, S, 0.5, mb, out, backend="cuda")
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph = capture_graph(run)
     for lens in ([4, 129, 1000, 2048], [2048, 5, 300, 128], [17, 17, 17, 1900]):
         bt.copy_(torch.randperm(pages, generator=gen)[: batch * mb].reshape(batch, mb))
         seq.copy_(torch.tensor(lens))
