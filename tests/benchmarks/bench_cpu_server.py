@@ -11,6 +11,10 @@ same flags and dummy weights:
   size, layers, heads, head dim and vocabulary, dense MLP of the tiny config's dense width); a
   ``sitecustomize`` flips SGLang's rotary CPU flag (without it Llama's rotary layer imports vllm on a
   CPU). sglang_m3 is installed, so its CPU ``OMP_WAIT_POLICY=PASSIVE`` applies to this arm too.
+- ``m3dense``: the tiny M3.1 itself with MSA turned off (``sparse_attention_freq`` all 0: every layer
+  attends densely as layer 0 does; no index branch, no index-K cache), served by this tree. It has the
+  MoE, per-head norms and partial RoPE that ``dense`` lacks, so ``m3.1`` against it isolates what
+  sparse attention costs or saves, where ``dense`` also counts the rest of the architecture.
 
 Per arm: server ready time; the demo's ``/generate`` (``sglang_m3.demo``'s 2.4k-token prompt, 16 new
 tokens); decode tokens/s at batch 1 with a 4k context and at batch 16 with 1k contexts (prompts
@@ -53,6 +57,22 @@ def dense_config(folder: Path) -> Path:
         "max_position_embeddings": CONTEXT, "bos_token_id": tiny["bos_token_id"], "eos_token_id": tiny["eos_token_id"],
         "tie_word_embeddings": False, "hidden_act": "silu",
     }
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    for f in TINY.iterdir():
+        if f.name != "config.json":
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+def m3_dense_config(folder: Path) -> Path:
+    """The tiny M3.1 with every layer dense (``sparse_attention_freq`` all 0), weights and tokenizer as TINY."""
+    cfg = json.loads((TINY / "config.json").read_text())
+    sparse = dict(cfg["sparse_attention_config"])
+    n = cfg["num_hidden_layers"]
+    sparse["sparse_attention_freq"] = [0] * n
+    sparse["sparse_disable_index_value"] = [0] * n
+    cfg["sparse_attention_config"] = sparse
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     for f in TINY.iterdir():
@@ -182,7 +202,8 @@ def main(argv=None) -> int:
     p.add_argument("--before-tree", type=Path, help="a checkout to compare with (its sglang_m3 and m3_kernels)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--prefill", default="2048,4096,8192,16384", help="prompt lengths of the prefill column(s)")
-    p.add_argument("--arms", default="before,after,dense", help="subset and order of arms in the first round")
+    p.add_argument("--arms", default="before,after,dense", help="subset and order of arms in the first round "
+                   "(before, after, dense, m3dense)")
     p.add_argument("--max-total-tokens", type=int, default=70000)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for a server to start")
@@ -196,6 +217,7 @@ def main(argv=None) -> int:
     arms = {
         "after": Arm("m3.1", TINY, REPO, ["--index-k-format", "mxfp4", *ctx_override], env),
         "dense": Arm("dense", dense_config(tmp / "dense"), REPO, [], env, (rotary_shim(tmp / "shim"),)),
+        "m3dense": Arm("m3.1-msa-off", m3_dense_config(tmp / "m3dense"), REPO, ctx_override, env),
     }
     if args.before_tree is not None:
         arms["before"] = Arm("m3.1@before", TINY, args.before_tree.resolve(),
