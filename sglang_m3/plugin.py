@@ -14,7 +14,7 @@ supported release):
 | target | kind | SGLang | why |
 |---|---|---|---|
 | ``ServerArgs.add_cli_args`` / ``from_cli_args`` | after / before | | ``--index-k-format`` into the model overrides |
-| ``ServerArgs.from_cli_args`` | before | | ``--device cpu``: ``OMP_WAIT_POLICY=PASSIVE`` for its processes unless set |
+| ``ServerArgs.from_cli_args`` | before | | ``--device cpu``: ``OMP_WAIT_POLICY=PASSIVE``, ``GOMP_SPINCOUNT=3000`` |
 | ``ServerArgs._parse_cuda_graph_config`` | after | < 0.5.19 | prefill without a CUDA graph (host-planned scorer) |
 | ``cuda_graph_hook.handle_cuda_graph_config`` | after | >= 0.5.19 | the same, declared as a resolution |
 | ``ModelConfig.__init__`` | after | | validate the format at start-up (message names the choices) |
@@ -81,16 +81,24 @@ def _fold_index_k_format_flag(cls, args):
 
 
 OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
+GOMP_SPINCOUNT = "GOMP_SPINCOUNT"
+CPU_SPINCOUNT = "3000"  # libgomp spins ~100,000 per ms: about 30 us of spinning before a thread sleeps
 
 
-def _cpu_omp_passive(cls, args):
+def _cpu_openmp_waits(cls, args):
     """In the launcher, before the scheduler and its peers are spawned (they inherit the environment and
-    read it when OpenMP starts): a ``--device cpu`` server gets ``OMP_WAIT_POLICY=PASSIVE`` unless the
-    user set it. OpenMP's default spin-wait costs about 6 ms per torch op when another process holds
-    one of the cores (measured on a 2-core box: 1-token decode at 0.9 tokens/s, 13.7 with PASSIVE)."""
-    if getattr(args, "device", None) == "cpu" and OMP_WAIT_POLICY not in os.environ:
-        os.environ[OMP_WAIT_POLICY] = "PASSIVE"
-        logger.info("--device cpu: %s=PASSIVE for the server's processes (set it to override)", OMP_WAIT_POLICY)
+    read it when OpenMP starts): a ``--device cpu`` server gets ``OMP_WAIT_POLICY=PASSIVE`` and
+    ``GOMP_SPINCOUNT=3000`` unless the user set either. OpenMP's default spin-wait (3 ms) costs about 6 ms
+    per torch op when another process holds one of the cores (measured on a 2-core box: 1-token decode at
+    0.9 tokens/s, 13.7 with PASSIVE); no spin at all makes a thread sleep between the many small ops of a
+    decode step (PASSIVE alone: 31 tokens/s at batch 1 and 4k on a quiet box, 40 with 3000 spins, which
+    cost 15% when a busy process holds a core; docs/perf.md, CPU serving path, fourth round)."""
+    if getattr(args, "device", None) != "cpu" or OMP_WAIT_POLICY in os.environ or GOMP_SPINCOUNT in os.environ:
+        return None
+    os.environ[OMP_WAIT_POLICY] = "PASSIVE"
+    os.environ[GOMP_SPINCOUNT] = CPU_SPINCOUNT
+    logger.info("--device cpu: %s=PASSIVE %s=%s for the server's processes (set either to override)",
+                OMP_WAIT_POLICY, GOMP_SPINCOUNT, CPU_SPINCOUNT)
     return None
 
 
@@ -313,7 +321,7 @@ def hook_table() -> tuple[Hook, ...]:
     return (
         Hook(f"{server_args}.add_cli_args", _add_index_k_format_flag, "AFTER"),
         Hook(f"{server_args}.from_cli_args", _fold_index_k_format_flag, "BEFORE"),
-        Hook(f"{server_args}.from_cli_args", _cpu_omp_passive, "BEFORE"),
+        Hook(f"{server_args}.from_cli_args", _cpu_openmp_waits, "BEFORE"),
         Hook(f"{server_args}._parse_cuda_graph_config", _no_prefill_cuda_graph, "AFTER", until=RESOLUTION_PIPELINE),
         Hook("sglang.srt.arg_groups.cuda_graph_hook.handle_cuda_graph_config", _no_prefill_cuda_graph_declared,
              "AFTER", since=RESOLUTION_PIPELINE),

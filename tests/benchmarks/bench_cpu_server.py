@@ -10,7 +10,8 @@ same flags and dummy weights:
 - ``dense``: plain SGLang 0.5.16 serving ``LlamaForCausalLM`` built from the tiny config (same hidden
   size, layers, heads, head dim and vocabulary, dense MLP of the tiny config's dense width); a
   ``sitecustomize`` flips SGLang's rotary CPU flag (without it Llama's rotary layer imports vllm on a
-  CPU). sglang_m3 is installed, so its CPU ``OMP_WAIT_POLICY=PASSIVE`` applies to this arm too.
+  CPU). sglang_m3 is installed, so its CPU OpenMP settings (``OMP_WAIT_POLICY=PASSIVE``, ``GOMP_SPINCOUNT=3000``)
+  apply to this arm too.
 - ``m3dense``: the tiny M3.1 itself with MSA turned off (``sparse_attention_freq`` all 0: every layer
   attends densely as layer 0 does; no index branch, no index-K cache), served by this tree. It has the
   MoE, per-head norms and partial RoPE that ``dense`` lacks, so ``m3.1`` against it isolates what

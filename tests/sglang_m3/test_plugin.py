@@ -133,16 +133,22 @@ def test_detokenizer_target_is_picklable_and_loads_plugins_first():
     assert seen["target"]("args", "ports") == (("args", "ports"), {}, True)
 
 
-@pytest.mark.parametrize("device,preset,expected", [("cpu", None, "PASSIVE"), ("cpu", "ACTIVE", "ACTIVE"),
-                                                    ("cuda", None, None)])
-def test_cpu_servers_get_passive_openmp_waits_unless_set(monkeypatch, device, preset, expected):
-    from sglang_m3.plugin import OMP_WAIT_POLICY, _cpu_omp_passive
+@pytest.mark.parametrize("device,preset,expected", [
+    ("cpu", {}, ("PASSIVE", "3000")),
+    ("cpu", {"OMP_WAIT_POLICY": "ACTIVE"}, ("ACTIVE", None)),  # the user's choice: no spin count forced on it
+    ("cpu", {"GOMP_SPINCOUNT": "0"}, (None, "0")),
+    ("cuda", {}, (None, None)),
+])
+def test_cpu_servers_get_short_openmp_waits_unless_set(monkeypatch, device, preset, expected):
+    from sglang_m3.plugin import GOMP_SPINCOUNT, OMP_WAIT_POLICY, _cpu_openmp_waits
 
-    monkeypatch.delenv(OMP_WAIT_POLICY, raising=False)
-    if preset is not None:
-        monkeypatch.setenv(OMP_WAIT_POLICY, preset)
-    assert _cpu_omp_passive(None, SimpleNamespace(device=device)) is None
-    assert os.environ.get(OMP_WAIT_POLICY) == expected
+    for name in (OMP_WAIT_POLICY, GOMP_SPINCOUNT):  # set, then removed: monkeypatch restores what the hook sets
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    for name, value in preset.items():
+        monkeypatch.setenv(name, value)
+    assert _cpu_openmp_waits(None, SimpleNamespace(device=device)) is None
+    assert (os.environ.get(OMP_WAIT_POLICY), os.environ.get(GOMP_SPINCOUNT)) == expected
 
 
 def test_cpu_openmp_hook_runs_when_the_launcher_parses_its_flags(monkeypatch):
@@ -151,15 +157,17 @@ def test_cpu_openmp_hook_runs_when_the_launcher_parses_its_flags(monkeypatch):
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
 
-    from sglang_m3.plugin import OMP_WAIT_POLICY
+    from sglang_m3.plugin import GOMP_SPINCOUNT, OMP_WAIT_POLICY
 
-    monkeypatch.delenv(OMP_WAIT_POLICY, raising=False)
+    for name in (OMP_WAIT_POLICY, GOMP_SPINCOUNT):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     load_plugins()
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(["--model-path", str(TINY_MODEL), "--device", "cpu", "--load-format", "dummy"])
     assert ServerArgs.from_cli_args(args).device == "cpu"
-    assert os.environ.get(OMP_WAIT_POLICY) == "PASSIVE"
+    assert (os.environ.get(OMP_WAIT_POLICY), os.environ.get(GOMP_SPINCOUNT)) == ("PASSIVE", "3000")
 
 
 @pytest.mark.parametrize("registered", [False, True])
