@@ -259,7 +259,31 @@ def _attn_backend(original, runner, full_attn_backend):
     from .backend import MiniMaxM31SparseAttnBackend
 
     sparse = MiniMaxM31SparseAttnBackend(runner, settings)
+    if str(runner.device) == "cpu" and hasattr(full_attn_backend, "_run_sdpa_forward_decode"):  # torch_native
+        full_attn_backend._run_sdpa_forward_decode = functools.partial(
+            _dense_decode_cpu, full_attn_backend._run_sdpa_forward_decode)
     return MiniMaxHybridAttnBackend(full_attn_backend, sparse, sparse.sparse_layer_ids)
+
+
+def _dense_decode_cpu(original, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                      encoder_lens=None, scaling=None, enable_gqa=False, causal=False, is_cross_attn=False,
+                      sliding_window_size=None):
+    """SGLang's ``TorchNativeAttnBackend._run_sdpa_forward_decode`` (``query``/``output [batch, Hq, D]``) for the
+    model's dense layers on the CPU, through ``m3_kernels.ops.attention.dense_attention_decode_cpu`` (one call, a
+    KV head's query heads as its rows, where SGLang makes one ``enable_gqa`` call per request); cross attention,
+    sliding windows and mixed dtypes keep SGLang's."""
+    from m3_kernels.ops.attention import dense_attention_decode_cpu
+
+    plain = (encoder_lens is None and not is_cross_attn and not causal
+             and (sliding_window_size is None or sliding_window_size <= -1)
+             and query.dtype == k_cache.dtype == v_cache.dtype and query.shape[1] % k_cache.shape[1] == 0)
+    if not plain:
+        return original(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, encoder_lens,
+                        scaling=scaling, enable_gqa=enable_gqa, causal=causal, is_cross_attn=is_cross_attn,
+                        sliding_window_size=sliding_window_size)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    output.copy_(dense_attention_decode_cpu(query, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale))
+    return output
 
 
 # ---- request validation ----------------------------------------------------------------------

@@ -12,6 +12,7 @@ from sglang_m3.compat import RESOLUTION_PIPELINE, at_least, setting
 from sglang_m3.plugin import (
     _build_index_k_pool,
     _check_input_ids_in_vocab,
+    _dense_decode_cpu,
     _no_prefill_cuda_graph,
     _no_prefill_cuda_graph_declared,
     _validate_index_k_settings,
@@ -183,3 +184,32 @@ def test_clients_loading_our_tokenizer_see_no_model_type_warning(registered):
     assert res.returncode == 0, res.stderr[-2000:]
     warned = "to instantiate a model of type" in res.stdout + res.stderr
     assert warned is not registered
+
+
+def test_cpu_dense_layer_decode_equals_sglangs_torch_native_decode(gen):
+    """The dense layers' CPU decode the plugin installs on SGLang's torch_native backend equals that backend's own
+    per-request ``enable_gqa`` SDPA (bf16, 16 query heads on 4 KV heads, lengths 1, 129 and 300 in one batch)
+    within bf16 rounding; a sliding-window call is handed to SGLang's, arguments unchanged."""
+    import torch
+
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    def sglang_decode(*args, **kwargs):
+        return TorchNativeAttnBackend._run_sdpa_forward_decode(None, *args, **kwargs)
+
+    lens, slots = [1, 129, 300], 1200
+    k_cache = torch.randn(slots, 4, 128, generator=gen).bfloat16()
+    v_cache = torch.randn(slots, 4, 128, generator=gen).bfloat16()
+    req_to_token = torch.randperm(slots, generator=gen)[: 4 * 300].view(4, 300).int()
+    req_pool_indices, seq_lens = torch.tensor([3, 0, 2]), torch.tensor(lens)
+    query = torch.randn(3, 16, 128, generator=gen).bfloat16()
+    args = (k_cache, v_cache, req_to_token, req_pool_indices, seq_lens)
+    want = torch.full_like(query, float("nan"))
+    sglang_decode(query, want, *args, scaling=0.09, enable_gqa=True)
+    got = torch.full_like(query, float("nan"))
+    _dense_decode_cpu(_unreachable, query, got, *args, scaling=0.09, enable_gqa=True)
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=4 * 2.0**-9 * float(v_cache.abs().max()))
+    calls = []
+    _dense_decode_cpu(lambda *a, **kw: calls.append((a, kw)), query, got, *args, scaling=0.09, enable_gqa=True,
+                      sliding_window_size=64)
+    assert len(calls) == 1 and calls[0][1]["sliding_window_size"] == 64 and calls[0][0][0] is query

@@ -3,4 +3,4 @@
 ``cpu.py`` holds the serving kernels, ``naive.py`` the masked whole-context reference they follow.
 """
 
-from .cpu import sparse_attention_decode_cpu, sparse_attention_extend_cpu  # noqa: F401
+from .cpu import dense_attention_decode_cpu, sparse_attention_decode_cpu, sparse_attention_extend_cpu  # noqa: F401

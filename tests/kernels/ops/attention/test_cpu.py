@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import m3_kernels.ops.attention.cpu as cpu
-from m3_kernels.ops.attention.cpu import sparse_attention_decode_cpu, sparse_attention_extend_cpu
+from m3_kernels.ops.attention.cpu import (dense_attention_decode_cpu, sparse_attention_decode_cpu,
+                                         sparse_attention_extend_cpu)
 from m3_kernels.ops.attention.naive import sparse_attention_ref
 
 from .test_naive import BLOCK, brute_force
@@ -185,3 +186,30 @@ def test_decode_rows_at_block_edges(gen, dtype):
         slots = req_to_token[req_pool_indices[b], :length]
         want = brute_force(q[b], k_cache, v_cache, slots, length - 1, sel[:, b], 0.35)
         torch.testing.assert_close(out[b].double(), want, **tolerance(dtype, v_cache))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4), (16, 1)])
+def test_dense_decode_over_whole_contexts(gen, dtype, hq, hkv):
+    """The dense layers' decode: every token up to the row's position, query head h on KV head h // (Hq / Hkv),
+    requests of lengths 1, 127, 128, 129 and longer in one call (padding masked), against the float64 brute force
+    with every block listed; an empty batch returns an empty result."""
+    d, block = 16, 128
+    lens = [1, block - 1, block, block + 1, 3 * block + 5]
+    width = max(lens)
+    slots = 2 * len(lens) * width
+    k_cache = torch.randn(slots, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(slots, hkv, d, generator=gen).to(dtype)
+    req_to_token = torch.randperm(slots, generator=gen)[: (len(lens) + 1) * width].view(len(lens) + 1, width).int()
+    req_pool_indices = torch.randperm(len(lens) + 1, generator=gen)[: len(lens)]
+    seq_lens = torch.tensor(lens)
+    q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
+    out = dense_attention_decode_cpu(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, 0.3)
+    assert out.shape == q.shape and out.dtype == dtype
+    every_block = torch.arange(width // block + 1)[None].expand(hkv, -1)
+    for b, length in enumerate(lens):
+        want = brute_force(q[b], k_cache, v_cache, req_to_token[req_pool_indices[b], :length].long(), length - 1,
+                           every_block, 0.3, block_size=block)
+        torch.testing.assert_close(out[b].double(), want, **tolerance(dtype, v_cache))
+    empty = dense_attention_decode_cpu(q[:0], k_cache, v_cache, req_to_token, req_pool_indices[:0], seq_lens[:0], 0.3)
+    assert empty.shape == (0, hq, d)
