@@ -21,7 +21,7 @@ supported release):
 | ``get_model_architecture`` | around | | serve ``MiniMaxM3SparseForCausalLM`` with this package's class |
 | ``KVCacheConfigurator._build_minimax_sparse_kv_pool`` | around | | build ``MiniMaxM31SparseKVPool`` |
 | ``DefaultPoolConfigurator._compute_cell_size`` | around | | budget the format's bytes (capacity grows with it) |
-| ``attn_backend_wrapper`` | around | | pair the dense backend with ``MiniMaxM31SparseAttnBackend`` |
+| ``attn_backend_wrapper`` | around | | pair dense backend and ``MiniMaxM31SparseAttnBackend``; CPU: decode folded |
 | ``TokenizerManager._validate_one_request`` | before | | reject token ids outside the vocabulary (HTTP 400) |
 | ``TokenizerManager._handle_batch_request`` | before | < 0.5.22 | drop the request states ``n > 1`` leaves behind |
 | ``TokenizerManager._handle_batch_request`` | around | < 0.5.20 | an ``n > 1`` handler ended early aborts its samples |
