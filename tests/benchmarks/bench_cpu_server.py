@@ -46,6 +46,16 @@ TINY = REPO / "configs" / "minimax-m3.1-tiny"
 CONTEXT = 32768
 
 
+def _model_folder(folder: Path, cfg: dict) -> Path:
+    """``folder`` holding ``cfg`` as its ``config.json`` and every other file of TINY (weights, tokenizer)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    for f in TINY.iterdir():
+        if f.name != "config.json":
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
 def dense_config(folder: Path) -> Path:
     """A Llama config of the tiny M3.1's size (tokenizer copied), for plain SGLang."""
     tiny = json.loads((TINY / "config.json").read_text())
@@ -58,12 +68,7 @@ def dense_config(folder: Path) -> Path:
         "max_position_embeddings": CONTEXT, "bos_token_id": tiny["bos_token_id"], "eos_token_id": tiny["eos_token_id"],
         "tie_word_embeddings": False, "hidden_act": "silu",
     }
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
-    for f in TINY.iterdir():
-        if f.name != "config.json":
-            shutil.copy(f, folder / f.name)
-    return folder
+    return _model_folder(folder, cfg)
 
 
 def m3_dense_config(folder: Path) -> Path:
@@ -74,12 +79,7 @@ def m3_dense_config(folder: Path) -> Path:
     sparse["sparse_attention_freq"] = [0] * n
     sparse["sparse_disable_index_value"] = [0] * n
     cfg["sparse_attention_config"] = sparse
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
-    for f in TINY.iterdir():
-        if f.name != "config.json":
-            shutil.copy(f, folder / f.name)
-    return folder
+    return _model_folder(folder, cfg)
 
 
 ROTARY_SHIM = """# bench_cpu_server.py: SGLang 0.5.16's rotary layer imports vllm off CUDA unless its module flag says CPU;
