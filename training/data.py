@@ -65,6 +65,7 @@ MAX_KV_PAIRS = 512
 MULTIKEY_RANGE = (2, 8)
 COPY_MAX_NUMBERS = 64
 QUERY_TOKENS = 128  # a sample of T tokens asks at most T // QUERY_TOKENS distinct keys (~40 tokens each)
+_FIT_ATTEMPTS = 8  # builds per sample before TaskGenerator._fit gives up
 
 KV_PROMPT = (
     "Some keys and their values are listed in the chronicle below. Remember them: you will be asked for one.\n\n"
@@ -275,14 +276,18 @@ class TaskGenerator:
 
     def _fit(self, build, length: int) -> Sample:
         """Calls ``build(slack)`` until the sample fits ``length`` tokens (the first sentence, encoded
-        without its leading space, and newline-joined pieces can differ from the estimate)."""
+        without its leading space, and newline-joined pieces can differ from the estimate).
+
+        Each retry adds the overshoot plus 2, times ``2**attempt``: a retry draws a new haystack window,
+        which holds whole sentences, so the same overshoot can come back; the doubling ends that."""
         slack = 0
-        for _ in range(6):
+        for attempt in range(_FIT_ATTEMPTS):
             sample = build(slack)
-            if len(sample.input_ids) <= length:
+            overshoot = len(sample.input_ids) - length
+            if overshoot <= 0:
                 return sample
-            slack += len(sample.input_ids) - length + 2
-        raise RuntimeError(f"could not fit a sample into {length} tokens")
+            slack += (overshoot + 2) << attempt
+        raise RuntimeError(f"could not fit a sample into {length} tokens in {_FIT_ATTEMPTS} attempts")
 
     def _questions(self, qa: list[tuple[str, str]], context: int, length: int) -> list[tuple[str, str]]:
         """``qa`` without its last pairs (never the first) until ``context`` fixed tokens plus the

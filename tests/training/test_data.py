@@ -204,6 +204,32 @@ def test_every_task_at_32k(tok, gen, rng):
         assert all(b < 32768 // data.BLOCK for b in s.evidence_blocks())
 
 
+def _stub(n_tokens: int) -> data.Sample:
+    return data.Sample(input_ids=[1] * n_tokens, answer_start=n_tokens - 1, evidence=[], task="kv")
+
+
+def test_fit_ends_when_each_new_window_overshoots_the_same(gen):
+    """A build whose overshoot does not shrink by itself until ``slack`` reaches 60 (what a fresh
+    haystack window of whole sentences can do): the old fixed step of overshoot + 2 gave up at 25."""
+    calls = []
+
+    def build(slack):
+        calls.append(slack)
+        return _stub(1000 if slack >= 60 else 1003)
+
+    assert len(gen._fit(build, 1000).input_ids) == 1000
+    assert calls == [0, 5, 15, 35, 75]
+    with pytest.raises(RuntimeError, match="could not fit a sample into 1000 tokens in 8 attempts"):
+        gen._fit(lambda slack: _stub(1001), 1000)
+
+
+def test_kv_at_32k_fits_with_the_seed_that_once_overshot(tok, gen):
+    """Seed 369354016 drew a kv sample at 32k whose five retries overshot by 2-4 tokens each (CI, 2026-12-01)."""
+    rng = random.Random(369354016)
+    for task in data.TASKS:
+        _check_common(tok, gen.sample(task, rng, 32768), 32768)
+
+
 # -- batches -------------------------------------------------------------------------------------------
 def test_make_batch_is_a_function_of_seed_and_step(gen):
     spec = data.BatchSpec((512, 1024), 2048, lm_rows=8, kl_random_rows=8)
