@@ -96,8 +96,10 @@ class Server:
             return e.code, json.loads(e.read() or b"{}")
 
     def generate(self, input_ids, max_new_tokens: int = 4, **kw):
+        """Greedy ``/generate`` of exactly ``max_new_tokens`` (EOS ignored: dummy weights may pick it)."""
         status, body = self.post("/generate", {"input_ids": input_ids,
-                                               "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
+                                               "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,
+                                                                   "ignore_eos": True},
                                                **kw})
         assert status == 200, body
         return body
