@@ -217,12 +217,23 @@ class SGLangServer:
         return [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model, "--host", self.host,
                 "--port", str(self.port), *self.launch_args]
 
+    def env(self) -> dict:
+        """The environment of the launch: on ``--device cpu`` with the plugin's OpenMP waits set at start."""
+        on_cpu = any(a == "--device" and b == "cpu" for a, b in zip(self.launch_args, self.launch_args[1:]))
+        on_cpu = on_cpu or "--device=cpu" in self.launch_args
+        if not on_cpu:
+            return dict(os.environ)
+        from sglang_m3.plugin import cpu_launch_env
+
+        return cpu_launch_env()
+
     def __enter__(self):
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("w")
         self._log.write(" ".join(self.command()) + "\n")
         self._log.flush()
-        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=self.env(),
+                                     start_new_session=True)
         try:
             self._wait_healthy()
         except BaseException:

@@ -41,6 +41,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from sglang_m3.plugin import cpu_launch_env
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "minimax-m3.1-tiny"
 CONTEXT = 32768
@@ -117,7 +119,7 @@ def start(arm: Arm, port: int, max_total_tokens: int, log):
            "--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", str(max_total_tokens),
            "--context-length", str(CONTEXT), "--host", "127.0.0.1", "--port", str(port), "--skip-server-warmup",
            "--sleep-on-idle", "--log-level", "warning", *arm.extra]
-    env = dict(os.environ, **arm.env)
+    env = cpu_launch_env(dict(os.environ, **arm.env))
     env["PYTHONPATH"] = os.pathsep.join([*map(str, arm.path), str(arm.tree), str(arm.tree / "kernels"),
                                          env.get("PYTHONPATH", "")])
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=arm.tree,

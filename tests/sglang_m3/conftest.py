@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from sglang_m3.plugin import cpu_launch_env
+
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "configs" / "minimax-m3.1-tiny"
 STARTUP_TIMEOUT_S = 600
@@ -59,7 +61,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(server_command(self.port, *self._extra, max_total_tokens=self._max_total_tokens),
-                                     stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+                                     stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env=cpu_launch_env(),
+                                     start_new_session=True)
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> "Server":
         deadline = time.monotonic() + timeout_s

@@ -2,6 +2,8 @@
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -169,6 +171,64 @@ def test_cpu_openmp_hook_runs_when_the_launcher_parses_its_flags(monkeypatch):
     args = parser.parse_args(["--model-path", str(TINY_MODEL), "--device", "cpu", "--load-format", "dummy"])
     assert ServerArgs.from_cli_args(args).device == "cpu"
     assert (os.environ.get(OMP_WAIT_POLICY), os.environ.get(GOMP_SPINCOUNT)) == ("PASSIVE", "3000")
+
+
+@pytest.mark.parametrize("preset,expected", [
+    ({}, ("PASSIVE", "3000")),
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, ("ACTIVE", None)),
+    ({"GOMP_SPINCOUNT": "0"}, (None, "0")),
+])
+def test_cpu_launch_env_adds_the_waits_unless_either_is_set(preset, expected):
+    from sglang_m3.plugin import GOMP_SPINCOUNT, OMP_WAIT_POLICY, cpu_launch_env
+
+    base = {"PATH": "/bin", **preset}
+    env = cpu_launch_env(base)
+    assert (env.get(OMP_WAIT_POLICY), env.get(GOMP_SPINCOUNT)) == expected
+    assert env["PATH"] == "/bin" and base == {"PATH": "/bin", **preset}  # a copy; the argument is left alone
+
+
+@pytest.mark.parametrize("device,initial,launched,choice,expected", [
+    ("cpu", {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000"}, True, None, "fork"),
+    ("cpu", {"GOMP_SPINCOUNT": "0"}, True, None, "fork"),  # the user's OpenMP choice, read at start
+    ("cpu", {"OMP_WAIT_POLICY": "ACTIVE"}, True, "fork", "fork"),
+    ("cpu", {}, True, None, "spawn"),  # OpenMP started with its 3 ms spin: only spawned children get the waits
+    ("cpu", None, True, None, "spawn"),  # no /proc/self/environ: the start-up environment is unknown
+    ("cpu", {"OMP_WAIT_POLICY": "PASSIVE"}, False, None, "spawn"),  # an Engine in a process that may have run torch
+    ("cpu", {"OMP_WAIT_POLICY": "PASSIVE"}, True, "spawn", "spawn"),  # SGLANG_M3_CPU_START=spawn
+    ("cuda", {"OMP_WAIT_POLICY": "PASSIVE"}, True, None, "spawn"),
+])
+def test_cpu_children_fork_only_where_safe(device, initial, launched, choice, expected):
+    from sglang_m3.plugin import cpu_children_start
+
+    assert cpu_children_start(device, initial, launched, choice) == expected
+
+
+def test_launched_by_sglang_knows_both_entry_points():
+    from importlib.machinery import ModuleSpec
+
+    from sglang_m3.plugin import _launched_by_sglang
+
+    as_module = SimpleNamespace(__spec__=ModuleSpec("sglang.launch_server", None))
+    script = SimpleNamespace(__spec__=None)
+    assert _launched_by_sglang(as_module, ["/x/sglang/launch_server.py", "--model-path", "m"])
+    assert _launched_by_sglang(script, ["/venv/bin/sglang", "serve", "--model-path", "m"])
+    assert not _launched_by_sglang(script, ["/venv/bin/sglang", "generate"])
+    assert not _launched_by_sglang(SimpleNamespace(__spec__=ModuleSpec("pytest", None)), ["pytest"])
+    assert not _launched_by_sglang(None, [])
+
+
+def test_initial_environ_is_the_start_up_environment(monkeypatch):
+    from sglang_m3.plugin import _initial_environ
+
+    if not os.path.exists("/proc/self/environ"):
+        pytest.skip("no /proc/self/environ (not Linux)")
+    monkeypatch.setenv("M3_SET_AFTER_START", "1")  # os.environ only: not what the process started with
+    start = _initial_environ()
+    assert "M3_SET_AFTER_START" not in start and start.get("PATH") == os.environ.get("PATH")
+    code = "from sglang_m3.plugin import _initial_environ; print(_initial_environ()['M3_AT_START'])"
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, M3_AT_START="a=b c"),
+                         capture_output=True, text=True, check=True).stdout
+    assert out == "a=b c\n"
 
 
 @pytest.mark.parametrize("registered", [False, True])

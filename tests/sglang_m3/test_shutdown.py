@@ -83,6 +83,12 @@ def sampling(n: int = 1, max_new_tokens: int = 3, **kw) -> dict:
     return {"n": n, "max_new_tokens": max_new_tokens, "temperature": 1.0, **kw}
 
 
+def test_its_children_were_forked_from_the_launcher(server):
+    """The test servers start with the OpenMP waits in their environment (``cpu_launch_env``), so the
+    plugin forks the scheduler and detokenizer; every test here then runs on forked children, SIGTERM too."""
+    assert "scheduler and detokenizer forked from the launcher" in server.log_tail(chars=1 << 24)
+
+
 def test_every_request_kind_leaves_no_state_and_no_slot_behind(server):
     free_at_start = free_tokens(server)
     assert free_at_start == _loads(server)["max_total_num_tokens"]
