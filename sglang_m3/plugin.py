@@ -22,7 +22,7 @@ supported release):
 | ``get_model_architecture`` | around | | serve ``MiniMaxM3SparseForCausalLM`` with this package's class |
 | ``KVCacheConfigurator._build_minimax_sparse_kv_pool`` | around | | build ``MiniMaxM31SparseKVPool`` |
 | ``DefaultPoolConfigurator._compute_cell_size`` | around | | budget the format's bytes (capacity grows with it) |
-| ``attn_backend_wrapper`` | around | | pair dense backend and ``MiniMaxM31SparseAttnBackend``; CPU: decode folded |
+| ``attn_backend_wrapper`` | around | | pair dense backend and ``MiniMaxM31SparseAttnBackend``; CPU: dense decode and extend |
 | ``TokenizerManager._validate_one_request`` | before | | reject token ids outside the vocabulary (HTTP 400) |
 | ``TokenizerManager._handle_batch_request`` | before | < 0.5.22 | drop the request states ``n > 1`` leaves behind |
 | ``TokenizerManager._handle_batch_request`` | around | < 0.5.20 | an ``n > 1`` handler ended early aborts its samples |
@@ -321,6 +321,8 @@ def _attn_backend(original, runner, full_attn_backend):
     if str(runner.device) == "cpu" and hasattr(full_attn_backend, "_run_sdpa_forward_decode"):  # torch_native
         full_attn_backend._run_sdpa_forward_decode = functools.partial(
             _dense_decode_cpu, full_attn_backend._run_sdpa_forward_decode)
+        full_attn_backend._run_sdpa_forward_extend = functools.partial(
+            _dense_extend_cpu, full_attn_backend._run_sdpa_forward_extend)
     return MiniMaxHybridAttnBackend(full_attn_backend, sparse, sparse.sparse_layer_ids)
 
 
@@ -342,6 +344,28 @@ def _dense_decode_cpu(original, query, output, k_cache, v_cache, req_to_token, r
                         sliding_window_size=sliding_window_size)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     output.copy_(dense_attention_decode_cpu(query, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale))
+    return output
+
+
+def _dense_extend_cpu(original, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                      extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None, enable_gqa=False,
+                      causal=False, is_cross_attn=False, sliding_window_size=None):
+    """SGLang's ``TorchNativeAttnBackend._run_sdpa_forward_extend`` (``query``/``output [tokens, Hq, D]``) for the
+    model's dense layers on the CPU, through ``m3_kernels.ops.attention.dense_attention_extend_cpu`` (the new rows
+    only, where SGLang pads each request's query to its whole sequence); cross attention, non-causal calls,
+    sliding windows and mixed dtypes keep SGLang's."""
+    from m3_kernels.ops.attention import dense_attention_extend_cpu
+
+    plain = (encoder_lens is None and not is_cross_attn and causal
+             and (sliding_window_size is None or sliding_window_size <= -1)
+             and query.dtype == k_cache.dtype == v_cache.dtype and query.shape[1] % k_cache.shape[1] == 0)
+    if not plain:
+        return original(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
+                        extend_seq_lens, encoder_lens, scaling=scaling, enable_gqa=enable_gqa, causal=causal,
+                        is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    output.copy_(dense_attention_extend_cpu(query, k_cache, v_cache, req_to_token, req_pool_indices,
+                                            extend_prefix_lens, extend_seq_lens, scale))
     return output
 
 

@@ -15,6 +15,7 @@ from sglang_m3.plugin import (
     _build_index_k_pool,
     _check_input_ids_in_vocab,
     _dense_decode_cpu,
+    _dense_extend_cpu,
     _no_prefill_cuda_graph,
     _no_prefill_cuda_graph_declared,
     _validate_index_k_settings,
@@ -273,3 +274,32 @@ def test_cpu_dense_layer_decode_equals_sglangs_torch_native_decode(gen):
     _dense_decode_cpu(lambda *a, **kw: calls.append((a, kw)), query, got, *args, scaling=0.09, enable_gqa=True,
                       sliding_window_size=64)
     assert len(calls) == 1 and calls[0][1]["sliding_window_size"] == 64 and calls[0][0][0] is query
+
+
+def test_cpu_dense_layer_extend_equals_sglangs_torch_native_extend(gen):
+    """The dense layers' CPU extend the plugin installs equals SGLang's torch_native extend (which pads each query
+    to its whole sequence) within bf16 rounding: three requests in one batch (a fresh 129-token prompt, 1 row after
+    127 cached tokens, 200 rows after 256), 16 query heads on 4 KV heads; a non-causal call goes to SGLang's."""
+    import torch
+
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    def sglang_extend(*args, **kwargs):
+        return TorchNativeAttnBackend._run_sdpa_forward_extend(None, *args, **kwargs)
+
+    prefix, new = torch.tensor([0, 127, 256]), torch.tensor([129, 1, 200])
+    slots = 2000
+    k_cache = torch.randn(slots, 4, 128, generator=gen).bfloat16()
+    v_cache = torch.randn(slots, 4, 128, generator=gen).bfloat16()
+    req_to_token = torch.randperm(slots, generator=gen)[: 4 * 456].view(4, 456).int()
+    args = (k_cache, v_cache, req_to_token, torch.tensor([2, 0, 3]), prefix + new, prefix, new)
+    query = torch.randn(int(new.sum()), 16, 128, generator=gen).bfloat16()
+    want = torch.full_like(query, float("nan"))
+    sglang_extend(query, want, *args, scaling=0.09, enable_gqa=True, causal=True)
+    got = torch.full_like(query, float("nan"))
+    _dense_extend_cpu(_unreachable, query, got, *args, scaling=0.09, enable_gqa=True, causal=True)
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=4 * 2.0**-9 * float(v_cache.abs().max()))
+    calls = []
+    _dense_extend_cpu(lambda *a, **kw: calls.append((a, kw)), query, got, *args, scaling=0.09, enable_gqa=True,
+                      causal=False)
+    assert len(calls) == 1 and calls[0][1]["causal"] is False and calls[0][0][0] is query

@@ -3,4 +3,9 @@
 ``cpu.py`` holds the serving kernels, ``naive.py`` the masked whole-context reference they follow.
 """
 
-from .cpu import dense_attention_decode_cpu, sparse_attention_decode_cpu, sparse_attention_extend_cpu  # noqa: F401
+from .cpu import (  # noqa: F401
+    dense_attention_decode_cpu,
+    dense_attention_extend_cpu,
+    sparse_attention_decode_cpu,
+    sparse_attention_extend_cpu,
+)

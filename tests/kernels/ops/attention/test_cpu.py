@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import m3_kernels.ops.attention.cpu as cpu
-from m3_kernels.ops.attention.cpu import (dense_attention_decode_cpu, sparse_attention_decode_cpu,
-                                         sparse_attention_extend_cpu)
+from m3_kernels.ops.attention.cpu import (dense_attention_decode_cpu, dense_attention_extend_cpu,
+                                         sparse_attention_decode_cpu, sparse_attention_extend_cpu)
 from m3_kernels.ops.attention.naive import sparse_attention_ref
 
 from .test_naive import BLOCK, brute_force
@@ -186,6 +186,42 @@ def test_decode_rows_at_block_edges(gen, dtype):
         slots = req_to_token[req_pool_indices[b], :length]
         want = brute_force(q[b], k_cache, v_cache, slots, length - 1, sel[:, b], 0.35)
         torch.testing.assert_close(out[b].double(), want, **tolerance(dtype, v_cache))
+
+
+# (cached prefix, new rows) per request: fresh prompts (causal call), one row after a prefix, a prefix ending at
+# a block edge, rows folded (<= 64) and not (> 64) after a prefix, and a request with no new rows.
+EXTENDS = [(0, 1), (0, BLOCK + 1), (BLOCK - 1, 1), (BLOCK, BLOCK - 1), (BLOCK + 1, 65), (3 * BLOCK + 5, 64), (7, 0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4), (16, 1)])
+def test_dense_extend_over_whole_contexts(gen, dtype, hq, hkv):
+    """The dense layers' extend: each new row over every token up to its position, the requests' rows packed in
+    turn, against the float64 brute force with every block listed; rows folded or not, an empty batch."""
+    d = 16
+    width = max(p + n for p, n in EXTENDS)
+    slots = 2 * len(EXTENDS) * width
+    k_cache = torch.randn(slots, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(slots, hkv, d, generator=gen).to(dtype)
+    req_to_token = torch.randperm(slots, generator=gen)[: (len(EXTENDS) + 1) * width].view(-1, width).int()
+    req_pool_indices = torch.randperm(len(EXTENDS) + 1, generator=gen)[: len(EXTENDS)]
+    prefix_lens = torch.tensor([p for p, _ in EXTENDS])
+    extend_lens = torch.tensor([n for _, n in EXTENDS])
+    q = torch.randn(int(extend_lens.sum()), hq, d, generator=gen).to(dtype)
+    out = dense_attention_extend_cpu(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens,
+                                     0.3)
+    assert out.shape == q.shape and out.dtype == dtype
+    every_block = torch.arange(width // BLOCK + 1)[None].expand(hkv, -1)
+    r = 0
+    for b, (prefix, n) in enumerate(EXTENDS):
+        token_slots = req_to_token[req_pool_indices[b], : prefix + n].long()
+        for i in range(n):
+            want = brute_force(q[r + i], k_cache, v_cache, token_slots, prefix + i, every_block, 0.3)
+            torch.testing.assert_close(out[r + i].double(), want, **tolerance(dtype, v_cache))
+        r += n
+    empty = dense_attention_extend_cpu(q[:0], k_cache, v_cache, req_to_token, req_pool_indices[:0], prefix_lens[:0],
+                                       extend_lens[:0], 0.3)
+    assert empty.shape == (0, hq, d)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
