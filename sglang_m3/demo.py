@@ -65,7 +65,8 @@ def launch(model: Path, index_k_format: str, port: int, log_file, max_total_toke
     if overrides:
         cmd += ["--json-model-override-args", json.dumps(overrides)]
     print("$", " ".join(cmd), flush=True)
-    return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=cpu_launch_env(), start_new_session=True)
+    return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=cpu_launch_env(),
+                            start_new_session=True)
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:

@@ -22,7 +22,7 @@ supported release):
 | ``get_model_architecture`` | around | | serve ``MiniMaxM3SparseForCausalLM`` with this package's class |
 | ``KVCacheConfigurator._build_minimax_sparse_kv_pool`` | around | | build ``MiniMaxM31SparseKVPool`` |
 | ``DefaultPoolConfigurator._compute_cell_size`` | around | | budget the format's bytes (capacity grows with it) |
-| ``attn_backend_wrapper`` | around | | pair dense backend and ``MiniMaxM31SparseAttnBackend``; CPU: dense decode and extend |
+| ``attn_backend_wrapper`` | around | | pair dense and ``MiniMaxM31SparseAttnBackend``; CPU: dense decode, extend |
 | ``TokenizerManager._validate_one_request`` | before | | reject token ids outside the vocabulary (HTTP 400) |
 | ``TokenizerManager._handle_batch_request`` | before | < 0.5.22 | drop the request states ``n > 1`` leaves behind |
 | ``TokenizerManager._handle_batch_request`` | around | < 0.5.20 | an ``n > 1`` handler ended early aborts its samples |
@@ -152,8 +152,9 @@ def _cpu_children_start(result, server_args):
     import multiprocessing
     import sys
 
-    start = cpu_children_start(getattr(server_args, "device", None), _initial_environ(),
-                               _launched_by_sglang(sys.modules.get("__main__"), sys.argv), os.environ.get(CPU_START_ENV))
+    launched = _launched_by_sglang(sys.modules.get("__main__"), sys.argv)
+    start = cpu_children_start(getattr(server_args, "device", None), _initial_environ(), launched,
+                               os.environ.get(CPU_START_ENV))
     if start == "fork":
         multiprocessing.set_start_method("fork", force=True)
         logger.info("--device cpu: scheduler and detokenizer forked from the launcher (%s=spawn to spawn them)",
