@@ -4,9 +4,10 @@ Installing the package is all it takes (SGLang loads the entry point in the laun
 manager, scheduler and, from 0.5.22, detokenizer). The entry point first checks that the installed
 SGLang is one this plugin supports (``compat``: 0.5.16 through 0.5.23) and stops the server with
 a message naming that range otherwise. The vocabulary check, the parallel-sampling rows, the
-detokenizer row and the allocator rows act for every model served where this package is
-installed, the allocator only off CUDA; the others engage only for a config with
-``index_k_format`` (the flag only when given), so upstream MiniMax-M3 configs keep SGLang's own path.
+detokenizer row, the allocator rows and the two ``--device cpu`` process rows (OpenMP waits, forked
+children) act for every model served where this package is installed, the allocator only off CUDA;
+the others engage only for a config with ``index_k_format`` (the flag only when given), so upstream
+MiniMax-M3 configs keep SGLang's own path.
 
 One table, keyed by SGLang release (``since`` inclusive, ``until`` exclusive; blank: every
 supported release):
@@ -118,7 +119,8 @@ def _cpu_openmp_waits(cls, args):
 def _initial_environ() -> dict[str, str] | None:
     """The environment this process started with (Linux ``/proc/self/environ``; None elsewhere)."""
     try:
-        raw = open("/proc/self/environ", "rb").read()
+        with open("/proc/self/environ", "rb") as f:
+            raw = f.read()
     except OSError:
         return None
     pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
