@@ -109,7 +109,7 @@ def _cpu_openmp_waits(cls, args):
     docs/perf.md, CPU serving path, fourth round)."""
     if getattr(args, "device", None) != "cpu" or OMP_WAIT_POLICY in os.environ or GOMP_SPINCOUNT in os.environ:
         return None
-    os.environ.update(cpu_launch_env())
+    os.environ.update(cpu_launch_env({}))  # neither is set: the two defaults
     logger.info("--device cpu: %s=PASSIVE %s=%s for the server's processes (set either to override; "
                 "exported before the launch, they also let its children be forked: ready about 2x sooner)",
                 OMP_WAIT_POLICY, GOMP_SPINCOUNT, CPU_SPINCOUNT)
@@ -329,6 +329,14 @@ def _attn_backend(original, runner, full_attn_backend):
     return MiniMaxHybridAttnBackend(full_attn_backend, sparse, sparse.sparse_layer_ids)
 
 
+def _plain_self_attention(query, k_cache, v_cache, encoder_lens, is_cross_attn, sliding_window_size) -> bool:
+    """Whether a torch_native SDPA call is what the dense CPU kernels serve: self attention without a sliding
+    window, one dtype, whole query-head groups per KV head."""
+    return (encoder_lens is None and not is_cross_attn
+            and (sliding_window_size is None or sliding_window_size <= -1)
+            and query.dtype == k_cache.dtype == v_cache.dtype and query.shape[1] % k_cache.shape[1] == 0)
+
+
 def _dense_decode_cpu(original, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                       encoder_lens=None, scaling=None, enable_gqa=False, causal=False, is_cross_attn=False,
                       sliding_window_size=None):
@@ -338,10 +346,7 @@ def _dense_decode_cpu(original, query, output, k_cache, v_cache, req_to_token, r
     sliding windows and mixed dtypes keep SGLang's."""
     from m3_kernels.ops.attention import dense_attention_decode_cpu
 
-    plain = (encoder_lens is None and not is_cross_attn and not causal
-             and (sliding_window_size is None or sliding_window_size <= -1)
-             and query.dtype == k_cache.dtype == v_cache.dtype and query.shape[1] % k_cache.shape[1] == 0)
-    if not plain:
+    if causal or not _plain_self_attention(query, k_cache, v_cache, encoder_lens, is_cross_attn, sliding_window_size):
         return original(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, encoder_lens,
                         scaling=scaling, enable_gqa=enable_gqa, causal=causal, is_cross_attn=is_cross_attn,
                         sliding_window_size=sliding_window_size)
@@ -359,10 +364,8 @@ def _dense_extend_cpu(original, query, output, k_cache, v_cache, req_to_token, r
     sliding windows and mixed dtypes keep SGLang's."""
     from m3_kernels.ops.attention import dense_attention_extend_cpu
 
-    plain = (encoder_lens is None and not is_cross_attn and causal
-             and (sliding_window_size is None or sliding_window_size <= -1)
-             and query.dtype == k_cache.dtype == v_cache.dtype and query.shape[1] % k_cache.shape[1] == 0)
-    if not plain:
+    if not causal or not _plain_self_attention(query, k_cache, v_cache, encoder_lens, is_cross_attn,
+                                               sliding_window_size):
         return original(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
                         extend_seq_lens, encoder_lens, scaling=scaling, enable_gqa=enable_gqa, causal=causal,
                         is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)

@@ -106,14 +106,10 @@ def _attend_dense(q, k_req, v_req, pos, sm_scale: float):
     p0, p1 = int(pos[0]), int(pos[-1])
     k, v = k_req[None, :, : p1 + 1], v_req[None, :, : p1 + 1]  # [1, Hkv, L, D]
     q = q.to(k_req.dtype)
-    if p0 == 0:
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True, scale=sm_scale,
-                                           enable_gqa=True)
-        return o[0].transpose(0, 1)
-    mask = torch.arange(p1 + 1, device=q.device) <= pos[:, None]  # [n, L]
-    if n > _FOLD_MAX_ROWS:
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=sm_scale,
-                                           enable_gqa=True)
+    mask = None if p0 == 0 else torch.arange(p1 + 1, device=q.device) <= pos[:, None]  # [n, L]
+    if mask is None or n > _FOLD_MAX_ROWS:
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=mask is None,
+                                           scale=sm_scale, enable_gqa=True)
         return o[0].transpose(0, 1)
     group = hq // hkv
     qf = q.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * n, d)  # rows: (query head, row)
