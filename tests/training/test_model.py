@@ -459,7 +459,8 @@ class CheckpointServer(_servers.Server):
 # Tolerances of SGLang (bf16 activations, bf16 RoPE table on the CPU) against the torch model
 # (fp32 on the same bf16 weights). bf16 keeps 8 significant bits: a logprob near -10 nats moves by
 # ~10 * 2^-8 per rounding it inherits, and index scores (~3, dot products of ~11 x 11 / sqrt(128))
-# by a few 1e-2. Measured over seeds: logprob |diff| mean ~0.015, max ~0.11; score |diff| max ~0.05.
+# by a few 1e-2. Measured over seeds: logprob |diff| mean ~0.015, max ~0.11 on rows whose selections match;
+# score |diff| max ~0.05. A near-tie flip moved its row by 0.21 (seed 1588441464).
 LOGPROB_MEAN_TOL = 0.03  # mean |d logprob| over a prompt's tokens
 LOGPROB_MAX_TOL = 0.2
 SCORE_TOL = 0.1  # |d block score| of the first sparse layer
@@ -512,26 +513,31 @@ def test_sglang_serves_the_exported_checkpoint_like_the_torch_model(gen, tmp_pat
             lp = logits[0, :n].log_softmax(-1)
             ours = lp[torch.arange(n), targets]
             diff = (ours - served).abs()
-            print(f"prompt {length}: |d logprob| mean {diff.mean():.4f} max {diff.max():.4f}")
-            assert diff.mean() < LOGPROB_MEAN_TOL and diff.max() < LOGPROB_MAX_TOL
+            flipped = _check_selection(records, aux, cfg)
+            steady = torch.tensor([p not in flipped for p in range(n)])
+            print(f"prompt {length}: |d logprob| mean {diff.mean():.4f} max {diff.max():.4f}, "
+                  f"{int(steady.sum())} rows without a near-tie flip: max {diff[steady].max():.4f}")
+            # A row whose selection flipped at a near-tie attends to another block; only the mean bounds it.
+            assert diff.mean() < LOGPROB_MEAN_TOL and diff[steady].max() < LOGPROB_MAX_TOL
             # greedy: each served token is the torch argmax, or within a tie of it
             for i, tok in enumerate(new):
                 row = lp[len(prompt) - 1 + i]
-                assert row.max() - row[tok] < 0.1, (i, tok, int(row.argmax()))
+                assert not steady[len(prompt) - 1 + i] or row.max() - row[tok] < 0.1, (i, tok, int(row.argmax()))
             if length > TOPK * BLOCK:
                 late = slice(TOPK * BLOCK, n)  # rows that see 17+ blocks
                 dense_ours = dense_logits[0, :n].log_softmax(-1)[torch.arange(n), targets]
                 dense_late = (dense_ours - served).abs()[late].mean()
                 print(f"  rows past 16 blocks: sparse {diff[late].mean():.4f}, dense model {dense_late:.4f}")
                 assert diff[late].mean() < LOGPROB_MEAN_TOL < dense_late, "the comparison cannot tell sparse from dense"
-            _check_selection(records, aux, cfg)
     finally:
         server.stop()
 
 
-def _check_selection(records, aux, cfg):
-    """Served selections (recorder) against the torch model's: equal sets except at near-ties."""
+def _check_selection(records, aux, cfg) -> set[int]:
+    """Served selections (recorder) against the torch model's: equal sets except at near-ties -> the positions
+    whose selection differs in some layer and head."""
     compared = differ = 0
+    flipped = set()
     first = min(cfg.sparse_layer_ids)
     for rec in records:
         layer = rec["layer"]
@@ -552,10 +558,12 @@ def _check_selection(records, aux, cfg):
                 compared += 1
                 if a != b:
                     differ += 1
+                    flipped.add(p)
                     margin = _flip_margin(scores[h, r], nv, cfg)
                     assert margin < TIE_MARGIN, (rec["mode"], layer, h, p, sorted(a ^ b), margin)
     print(f"  selections compared {compared}, differing at near-ties {differ}")
     assert compared and differ <= 0.1 * compared
+    return flipped
 
 
 # ---- GPU: the compiled flex path and a 32k training step (run on an H200) --------------------------
