@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -189,12 +188,6 @@ def resolve_baseline(baseline: str | None, formats: list[str]) -> str:
 # Servers
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get_json(url: str, timeout: float = 5.0):
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read().decode())
@@ -206,7 +199,11 @@ class SGLangServer:
     def __init__(self, model: str, launch_args: list[str], log_path: Path, host: str = "127.0.0.1",
                  port: int | None = None, timeout_s: float = 1800.0):
         self.model, self.launch_args, self.log_path = model, launch_args, log_path
-        self.host, self.port, self.timeout_s = host, port or _free_port(), timeout_s
+        if not port:
+            from sglang_m3.plugin import free_port
+
+            port = free_port(host)
+        self.host, self.port, self.timeout_s = host, port, timeout_s
         self.proc = None
 
     @property

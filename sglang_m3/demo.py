@@ -18,7 +18,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from pathlib import Path
 from m3_kernels.formats import PAGE_SIZE, TOPK_BLOCKS, IndexKFormat
 
 from .config import register_config
-from .plugin import cpu_launch_env
+from .plugin import cpu_launch_env, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINED_MODEL = REPO / "configs" / "msa-small"
@@ -38,12 +37,6 @@ TINY_MODEL = REPO / "configs" / "minimax-m3.1-tiny"
 # The tiny model's old demo prompt (about 2450 tokens with its tokenizer): kept for the CPU benchmark.
 PROMPT = ("MiniMax-M3 scores every 128-token block of the context with a small indexer and attends to the best "
           "sixteen; the indexer keys live in a paged cache, here stored as MXFP4. ")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def has_weights(model: Path) -> bool:
@@ -198,7 +191,7 @@ def main(argv=None) -> int:
     model = args.model.resolve()
     dummy = not has_weights(model)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
-    port = args.port or _free_port()
+    port = args.port or free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="sglang-m3-demo-") as tmp:
         record = Path(tmp) / "selections.jsonl"

@@ -38,6 +38,8 @@ import functools
 import json
 import logging
 import os
+import random
+import socket
 from typing import Callable, NamedTuple
 
 from packaging.version import Version
@@ -96,6 +98,34 @@ def cpu_launch_env(env: dict | None = None) -> dict:
     if OMP_WAIT_POLICY not in env and GOMP_SPINCOUNT not in env:
         env[OMP_WAIT_POLICY], env[GOMP_SPINCOUNT] = "PASSIVE", CPU_SPINCOUNT
     return env
+
+
+EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
+_LOWEST_PORT = 10000
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on now, drawn at random below the kernel's ephemeral range
+    (``EPHEMERAL_PORTS``, 32768-60999 by default). A port there cannot be handed out between this check and the
+    server's own bind: not by ``bind`` to port 0 (how SGLang picks its distributed-init port, so a second server
+    started meanwhile could take a port drawn that way) and not as the source port of an outgoing connection."""
+    try:
+        with open(EPHEMERAL_PORTS) as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(100 if low > _LOWEST_PORT + 100 else 0):
+        port = rng.randrange(_LOWEST_PORT, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
+    with socket.socket() as s:  # no room below the ephemeral range: the kernel's choice
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def _cpu_openmp_waits(cls, args):

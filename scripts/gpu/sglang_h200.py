@@ -29,7 +29,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from sglang_m3.plugin import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 FULL_CONFIG = REPO / "configs" / "minimax-m3.1" / "config.json"
@@ -89,12 +90,6 @@ def bytes_per_token(n_dense: int, n_sparse: int, fmt: str, kv_bytes: int = 1) ->
 
 
 # ---- servers ---------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Server:
     """``python -m sglang.launch_server`` in its own process group, logging to a file; token ids in and

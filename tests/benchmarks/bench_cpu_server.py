@@ -160,9 +160,10 @@ def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def measure(arm: Arm, args, vocab: int, rng: random.Random) -> dict:
-    from sglang_m3.demo import PROMPT, _free_port, stop, wait_ready
+    from sglang_m3.demo import PROMPT, stop, wait_ready
+    from sglang_m3.plugin import free_port
 
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     row = {"arm": arm.name, "load": load1()}
     with tempfile.NamedTemporaryFile("w+", prefix=f"bench-{arm.name.replace('@', '-')}-", suffix=".log",

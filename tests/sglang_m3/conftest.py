@@ -4,7 +4,6 @@ the CPU, on loopback ports, started as subprocesses and torn down with their pro
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,17 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from sglang_m3.plugin import cpu_launch_env
+from sglang_m3.plugin import cpu_launch_env, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "configs" / "minimax-m3.1-tiny"
 STARTUP_TIMEOUT_S = 600
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_command(port: int, *extra: str, max_total_tokens: int = 16384) -> list[str]:

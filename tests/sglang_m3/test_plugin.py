@@ -188,6 +188,33 @@ def test_cpu_launch_env_adds_the_waits_unless_either_is_set(preset, expected):
     assert env["PATH"] == "/bin" and base == {"PATH": "/bin", **preset}  # a copy; the argument is left alone
 
 
+def test_free_port_is_below_the_ephemeral_range_and_skips_busy_ports(monkeypatch, tmp_path):
+    """Ports the kernel hands out (bind to 0, SGLang's own init port; source ports) cannot take it (the CI
+    failure: a server's HTTP port, drawn by bind to 0, was bound by another process before uvicorn's bind)."""
+    import socket
+
+    from sglang_m3 import plugin
+
+    low = int(Path(plugin.EPHEMERAL_PORTS).read_text().split()[0]) if Path(plugin.EPHEMERAL_PORTS).exists() else 32768
+    for _ in range(20):
+        port = plugin.free_port()
+        assert plugin._LOWEST_PORT <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        draws = iter([taken, taken, 12345])
+        monkeypatch.setattr(plugin.random.SystemRandom, "randrange", lambda self, a, b: next(draws))
+        ranges = tmp_path / "ip_local_port_range"
+        ranges.write_text(f"{taken + 1}\t60999\n")
+        monkeypatch.setattr(plugin, "EPHEMERAL_PORTS", str(ranges))
+        assert plugin.free_port() == 12345  # the busy port was drawn twice and refused
+    ranges.write_text(f"{plugin._LOWEST_PORT + 50}\t60999\n")  # no room below the range: the kernel's choice
+    assert plugin.free_port() >= plugin._LOWEST_PORT + 50
+
+
 @pytest.mark.parametrize("device,initial,launched,choice,expected", [
     ("cpu", {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000"}, True, None, "fork"),
     ("cpu", {"GOMP_SPINCOUNT": "0"}, True, None, "fork"),  # the user's OpenMP choice, read at start
