@@ -229,8 +229,9 @@ class SGLangServer:
         self._log = self.log_path.open("w")
         self._log.write(" ".join(self.command()) + "\n")
         self._log.flush()
-        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=self.env(),
-                                     start_new_session=True)
+        from sglang_m3 import prewarm
+
+        self.proc = prewarm.start(self.command(), env=self.env(), log=self._log)
         try:
             self._wait_healthy()
         except BaseException:

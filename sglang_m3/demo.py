@@ -29,6 +29,7 @@ from pathlib import Path
 from m3_kernels.formats import PAGE_SIZE, TOPK_BLOCKS, IndexKFormat
 
 from .config import register_config
+from . import prewarm
 from .plugin import cpu_launch_env, free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,7 +45,7 @@ def has_weights(model: Path) -> bool:
 
 
 def launch(model: Path, index_k_format: str, port: int, log_file, max_total_tokens: int = 16384,
-           overrides: dict | None = None, context_length: int | None = None) -> subprocess.Popen:
+           overrides: dict | None = None, context_length: int | None = None):
     """Start ``sglang.launch_server`` for ``model`` on the CPU in its own process group (dummy weights
     when the folder has none)."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--device", "cpu",
@@ -58,8 +59,7 @@ def launch(model: Path, index_k_format: str, port: int, log_file, max_total_toke
     if overrides:
         cmd += ["--json-model-override-args", json.dumps(overrides)]
     print("$", " ".join(cmd), flush=True)
-    return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=cpu_launch_env(),
-                            start_new_session=True)
+    return prewarm.start(cmd, env=cpu_launch_env(), log=log_file)
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:

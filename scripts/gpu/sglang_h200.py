@@ -38,6 +38,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from sglang_m3 import prewarm
 from sglang_m3.plugin import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -108,8 +109,7 @@ class Server:
         self.cmd = cmd
         self._log = open(self.log_path, "w")
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                     start_new_session=True)
+        self.proc = prewarm.start(cmd, env=env, cwd=REPO, log=self._log)
 
     def wait_ready(self, timeout_s: float) -> float:
         deadline = time.monotonic() + timeout_s

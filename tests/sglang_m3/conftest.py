@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_m3 import prewarm
 from sglang_m3.plugin import cpu_launch_env, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,9 +54,8 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(server_command(self.port, *self._extra, max_total_tokens=self._max_total_tokens),
-                                     stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env=cpu_launch_env(),
-                                     start_new_session=True)
+        self.proc = prewarm.start(server_command(self.port, *self._extra, max_total_tokens=self._max_total_tokens),
+                                  env=cpu_launch_env(), cwd=REPO, log=self._log)
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> "Server":
         deadline = time.monotonic() + timeout_s

@@ -8,7 +8,6 @@ import importlib.util
 import json
 import math
 import random
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from m3_kernels.formats import PAGE_SIZE as BLOCK
 from m3_kernels.ops.score.naive import score_prefill_ref
 from m3_kernels.ops.select.naive import select_blocks_ref, visible_blocks
+from sglang_m3 import prewarm
 from sglang_m3.plugin import cpu_launch_env
 from training.export import INDEX_FILE, export_checkpoint, load_checkpoint
 from training.model import (
@@ -452,8 +452,7 @@ class CheckpointServer(_servers.Server):
         i = cmd.index("--load-format")
         del cmd[i : i + 2]
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env=cpu_launch_env(), start_new_session=True)
+        self.proc = prewarm.start(cmd, env=cpu_launch_env(), cwd=REPO, log=self._log)
 
 
 # Tolerances of SGLang (bf16 activations, bf16 RoPE table on the CPU) against the torch model

@@ -1,0 +1,100 @@
+"""The prewarmed launcher (sglang_m3.prewarm) on a probe module: what a forked run gets (arguments,
+environment, working directory, log, its own session, exit status) and when the client falls back."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from sglang_m3 import prewarm
+
+PROBE = textwrap.dedent("""
+    import json, os, sys, time
+    if __name__ == "__main__":  # as sglang.launch_server: importing it runs nothing
+        if sys.argv[1:2] == ["sleep"]:
+            time.sleep(600)
+        print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "probe": os.environ.get("M3_PROBE"),
+                          "own_session": os.getsid(0) == os.getpid()}))
+        sys.exit(int(sys.argv[1]))
+""")
+
+
+@pytest.fixture
+def launcher(tmp_path, monkeypatch):
+    (tmp_path / "m3_prewarm_probe.py").write_text(PROBE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
+    sock = str(tmp_path / "launcher.sock")
+    with open(tmp_path / "launcher.log", "w") as log:
+        proc = prewarm.launch(sock, log, env=env, module="m3_prewarm_probe")
+    monkeypatch.setenv(prewarm.PREWARM_ENV, sock)
+    yield proc
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def _run(tmp_path, *args, env=None, name="run"):
+    log_path = tmp_path / f"{name}.log"
+    with open(log_path, "w") as log:
+        handle = prewarm.start([sys.executable, "-m", "m3_prewarm_probe", *args], env=env, cwd=tmp_path, log=log)
+    return handle, log_path
+
+
+def test_a_forked_run_gets_its_arguments_environment_cwd_log_and_session(launcher, tmp_path):
+    import json
+
+    env = dict(os.environ, M3_PROBE="seen")
+    handle, log_path = _run(tmp_path, "3", "x", env=env)
+    assert isinstance(handle, prewarm.Forked)
+    assert handle.wait(timeout=60) == 3 and handle.poll() == 3
+    out = json.loads(log_path.read_text().strip().splitlines()[-1])
+    assert out == {"argv": ["3", "x"], "cwd": str(tmp_path), "probe": "seen", "own_session": True}
+
+
+def test_a_killed_run_reports_the_signal_and_its_group_can_be_signalled(launcher, tmp_path):
+    handle, _ = _run(tmp_path, "sleep")
+    assert isinstance(handle, prewarm.Forked)
+    time.sleep(0.5)
+    assert handle.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        handle.wait(timeout=0.2)
+    os.killpg(handle.pid, signal.SIGTERM)
+    assert handle.wait(timeout=30) == -signal.SIGTERM
+
+
+def test_requests_that_do_not_fit_fall_back_to_a_subprocess(launcher, tmp_path):
+    env = dict(os.environ, OMP_WAIT_POLICY="ACTIVE" if os.environ.get("OMP_WAIT_POLICY") != "ACTIVE" else "PASSIVE")
+    handle, _ = _run(tmp_path, "5", env=env, name="omp")  # OpenMP read its settings when the launcher started
+    assert isinstance(handle, subprocess.Popen) and handle.wait(timeout=60) == 5
+    with open(tmp_path / "other.log", "w") as log:  # another module
+        handle = prewarm.start([sys.executable, "-c", "raise SystemExit(4)"], log=log)
+    assert isinstance(handle, subprocess.Popen) and handle.wait(timeout=60) == 4
+
+
+def test_without_a_launcher_start_is_popen(tmp_path, monkeypatch):
+    monkeypatch.delenv(prewarm.PREWARM_ENV, raising=False)
+    with open(tmp_path / "a.log", "w") as log:
+        handle = prewarm.start([sys.executable, "-c", "raise SystemExit(2)"], log=log)
+    assert isinstance(handle, subprocess.Popen) and handle.wait(timeout=60) == 2
+    monkeypatch.setenv(prewarm.PREWARM_ENV, str(tmp_path / "nobody.sock"))  # named but not running
+    with open(tmp_path / "b.log", "w") as log:
+        handle = prewarm.start([sys.executable, "-c", "raise SystemExit(6)"], log=log)
+    assert isinstance(handle, subprocess.Popen) and handle.wait(timeout=60) == 6
+
+
+def test_a_launcher_that_failed_to_import_is_not_waited_for(tmp_path, monkeypatch):
+    sock = str(tmp_path / "broken.sock")
+    with open(tmp_path / "launcher.log", "w") as log:
+        proc = prewarm.launch(sock, log, module="m3_no_such_module")
+    monkeypatch.setenv(prewarm.PREWARM_ENV, sock)
+    time.sleep(2)  # it has died by now, unreaped: a zombie whose pid still answers kill(pid, 0)
+    t0 = time.monotonic()
+    with open(tmp_path / "a.log", "w") as log:
+        handle = prewarm.start([sys.executable, "-c", "raise SystemExit(7)"], log=log)
+    assert isinstance(handle, subprocess.Popen) and handle.wait(timeout=60) == 7
+    assert time.monotonic() - t0 < 10
+    assert proc.wait(timeout=30) != 0
