@@ -7,14 +7,18 @@ blocks of 128 tokens, so top-16 selection drops blocks.
 
 import concurrent.futures
 import random
-import subprocess
+from pathlib import Path
 
 import pytest
 
 from m3_kernels.formats import PAGE_SIZE as BLOCK
 from m3_kernels.formats import TOPK_BLOCKS as TOPK
+from sglang_m3 import prewarm
+from sglang_m3.plugin import cpu_launch_env, free_port
 
 pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
 
 VOCAB = 2048  # configs/minimax-m3.1-tiny
 FIRST_SPARSE_LAYER = 1
@@ -203,15 +207,24 @@ def test_formats_pick_the_same_blocks_outside_their_error(server_factory, mxfp4)
         assert worst > 0, f"{fmt} scores equal bf16's exactly: is the format engaged?"
 
 
-def test_unknown_format_fails_at_startup(launch_command):
-    port_args = launch_command(0, "--json-model-override-args", '{"index_k_format": "mxfp3"}')
-    run = subprocess.run(port_args, capture_output=True, text=True, timeout=600)
-    assert run.returncode != 0
-    out = run.stdout + run.stderr
+def _run_launcher(argv, tmp_path) -> tuple[int, str]:
+    """Exit code and output of a launch that is expected to stop by itself (through the prewarmed launcher when
+    the session has one, as the test servers)."""
+    log_path = tmp_path / "launch.log"
+    with open(log_path, "w") as log:
+        proc = prewarm.start(argv, env=cpu_launch_env(), cwd=REPO, log=log)
+        code = proc.wait(timeout=600)
+    return code, log_path.read_text()
+
+
+def test_unknown_format_fails_at_startup(launch_command, tmp_path):
+    code, out = _run_launcher(launch_command(free_port(), "--json-model-override-args",
+                                             '{"index_k_format": "mxfp3"}'), tmp_path)
+    assert code != 0
     assert "mxfp3" in out and "bf16, fp8, mxfp4, mxfp4_rot" in out, out[-3000:]
 
 
-def test_unknown_format_flag_names_the_choices(launch_command):
-    run = subprocess.run(launch_command(0, "--index-k-format", "int4"), capture_output=True, text=True, timeout=600)
-    assert run.returncode == 2
-    assert "bf16" in run.stderr and "mxfp4_rot" in run.stderr and "int4" in run.stderr, run.stderr[-2000:]
+def test_unknown_format_flag_names_the_choices(launch_command, tmp_path):
+    code, out = _run_launcher(launch_command(free_port(), "--index-k-format", "int4"), tmp_path)
+    assert code == 2
+    assert "bf16" in out and "mxfp4_rot" in out and "int4" in out, out[-2000:]
