@@ -15,8 +15,10 @@ handle with ``pid`` (also the process group), ``poll()``, ``wait(timeout)`` and 
 
 A request fits when it is ``[the same python, "-m", <the module>, ...]`` and its environment agrees with
 the one the prewarmed process started with on everything read while the launcher is imported or when a
-library loads (``PYTHONPATH`` and every ``OMP_*``, ``GOMP_*``, ``KMP_*``, ``MALLOC_*`` variable); other
-variables (``SGLANG_*`` settings read at run time, for example) are set in the child.
+library loads (every ``OMP_*``, ``GOMP_*``, ``KMP_*``, ``MALLOC_*`` variable, ``PYTHONHOME``, ``LD_*``;
+``PYTHONPATH`` may add directories, which the child puts on ``sys.path``, unless one holds another copy of a
+module already imported); other variables (``SGLANG_*`` settings read at run time, for example) are set in
+the child.
 """
 
 import argparse
@@ -130,13 +132,43 @@ def launch(path: str, log, env: dict | None = None, module: str = LAUNCHER) -> s
 
 # ---- the prewarmed launcher --------------------------------------------------------------------
 
-def _refusal(request: dict, module: str, initial_env: dict) -> str | None:
+def _dirs(path_list: str | None) -> set[str]:
+    return {os.path.realpath(p) for p in (path_list or "").split(os.pathsep) if p}
+
+
+def _refusal(request: dict, module: str, initial_env: dict, imported_env: dict) -> str | None:
     argv = request.get("argv") or []
     if argv[:3] != [sys.executable, "-m", module]:
         return f"serves only [{sys.executable}, -m, {module}, ...]"
-    if fixed_env(request.get("env", {})) != fixed_env(initial_env):
+    env = request.get("env", {})
+    # Variables the import sets (KMP_*) are set in every child; a client that imported SGLang has them too.
+    skip = {"PYTHONPATH", *imported_env}
+    ours, theirs = fixed_env(initial_env), fixed_env(env)
+    if {k: v for k, v in theirs.items() if k not in skip} != {k: v for k, v in ours.items() if k not in skip}:
         return "its environment differs in variables read at start-up"
+    # PYTHONPATH only sets sys.path at start. The child adds the directories it names (a launcher script's
+    # "$PWD:$PWD/kernels") unless one would hide a module already imported here behind another file.
+    if not _dirs(initial_env.get("PYTHONPATH")) <= _dirs(env.get("PYTHONPATH")):
+        return "its PYTHONPATH drops directories this launcher started with"
+    for d in _new_dirs(env):
+        for name, mod in list(sys.modules.items()):
+            origin = getattr(mod, "__file__", None)
+            if "." in name or not origin:
+                continue
+            for candidate in (os.path.join(d, name, "__init__.py"), os.path.join(d, name + ".py")):
+                if os.path.exists(candidate) and os.path.realpath(candidate) != os.path.realpath(origin):
+                    return f"its PYTHONPATH entry {d} holds another {name} than the one imported here"
     return None
+
+
+def _new_dirs(env: dict) -> list[str]:
+    """``env``'s PYTHONPATH directories that are not on this process's ``sys.path``, in order."""
+    have = {os.path.realpath(p or os.getcwd()) for p in sys.path}
+    out = []
+    for p in (env.get("PYTHONPATH") or "").split(os.pathsep):
+        if p and os.path.realpath(p) not in have and os.path.realpath(p) not in out:
+            out.append(os.path.realpath(p))
+    return out
 
 
 def _child(request: dict, module: str, imported_env: dict, inherited: list) -> None:
@@ -159,6 +191,7 @@ def _child(request: dict, module: str, imported_env: dict, inherited: list) -> N
         os.environ.clear()
         os.environ.update(request["env"])
         os.environ.update(imported_env)
+        sys.path[1:1] = _new_dirs(request["env"])  # where PYTHONPATH puts them: after the -m run's directory
         sys.argv = [sys.argv[0], *request["argv"][3:]]
         sys.modules.pop(module, None)  # run afresh as __main__; what it imports stays imported
         runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -217,10 +250,11 @@ def serve(path: str, module: str = LAUNCHER) -> None:
                     data += chunk
                 try:
                     request = json.loads(data)
-                    why = _refusal(request, module, initial_env)
+                    why = _refusal(request, module, initial_env, imported_env)
                 except ValueError as e:
                     request, why = None, f"bad request: {e}"
                 if why is not None:
+                    print(f"prewarm: refused {(request or {}).get('argv', [])[:3]}: {why}", file=sys.stderr, flush=True)
                     conn.sendall(json.dumps({"refused": why}).encode() + b"\n")
                     continue
                 pid = os.fork()

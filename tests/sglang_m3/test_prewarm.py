@@ -14,11 +14,12 @@ from sglang_m3 import prewarm
 
 PROBE = textwrap.dedent("""
     import json, os, sys, time
-    if __name__ == "__main__":  # as sglang.launch_server: importing it runs nothing
+    os.environ["KMP_M3_PROBE"] = "imported"  # as SGLang's import sets KMP_INIT_AT_FORK
+    if __name__ == "__main__":  # as sglang.launch_server: importing it runs nothing else
         if sys.argv[1:2] == ["sleep"]:
             time.sleep(600)
         print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "probe": os.environ.get("M3_PROBE"),
-                          "own_session": os.getsid(0) == os.getpid()}))
+                          "kmp": os.environ.get("KMP_M3_PROBE"), "own_session": os.getsid(0) == os.getpid()}))
         sys.exit(int(sys.argv[1]))
 """)
 
@@ -52,7 +53,10 @@ def test_a_forked_run_gets_its_arguments_environment_cwd_log_and_session(launche
     assert isinstance(handle, prewarm.Forked)
     assert handle.wait(timeout=60) == 3 and handle.poll() == 3
     out = json.loads(log_path.read_text().strip().splitlines()[-1])
-    assert out == {"argv": ["3", "x"], "cwd": str(tmp_path), "probe": "seen", "own_session": True}
+    assert out == {"argv": ["3", "x"], "cwd": str(tmp_path), "probe": "seen", "kmp": "imported", "own_session": True}
+    # a client that imported the module itself carries what the import set: still the same start-up
+    handle, _ = _run(tmp_path, "0", env=dict(env, KMP_M3_PROBE="imported"), name="imported")
+    assert isinstance(handle, prewarm.Forked) and handle.wait(timeout=60) == 0
 
 
 def test_a_killed_run_reports_the_signal_and_its_group_can_be_signalled(launcher, tmp_path):
@@ -98,3 +102,26 @@ def test_a_launcher_that_failed_to_import_is_not_waited_for(tmp_path, monkeypatc
     assert isinstance(handle, subprocess.Popen) and handle.wait(timeout=60) == 7
     assert time.monotonic() - t0 < 10
     assert proc.wait(timeout=30) != 0
+
+
+def test_pythonpath_may_add_directories_that_hide_nothing_already_imported(launcher, tmp_path):
+    import json
+
+    base = os.environ["PYTHONPATH"]
+    extra = tmp_path / "elsewhere"
+    extra.mkdir()
+    (extra / "m3_probe_helper.py").write_text("VALUE = 1\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(extra), base]))
+    handle, log_path = _run(tmp_path, "0", env=env, name="new")  # a launcher script's "$PWD/kernels:..."
+    assert isinstance(handle, prewarm.Forked) and handle.wait(timeout=60) == 0
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "json.py").write_text("")  # another json than the one the launcher imported
+    handle, _ = _run(tmp_path, "0", env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(shadow), base])),
+                     name="shadow")
+    assert isinstance(handle, subprocess.Popen)
+    handle.wait(timeout=60)
+    handle, _ = _run(tmp_path, "0", env=dict(os.environ, PYTHONPATH=str(extra)), name="dropped")
+    assert isinstance(handle, subprocess.Popen)  # the launcher's own PYTHONPATH entry is dropped
+    handle.wait(timeout=60)
+    json.loads(log_path.read_text().strip().splitlines()[-1])
