@@ -28,8 +28,8 @@ from pathlib import Path
 
 from m3_kernels.formats import PAGE_SIZE, TOPK_BLOCKS, IndexKFormat
 
-from .config import register_config
 from . import prewarm
+from .config import register_config
 from .plugin import cpu_launch_env, free_port
 
 REPO = Path(__file__).resolve().parent.parent
