@@ -45,7 +45,7 @@ def has_weights(model: Path) -> bool:
 
 
 def launch(model: Path, index_k_format: str, port: int, log_file, max_total_tokens: int = 16384,
-           overrides: dict | None = None, context_length: int | None = None):
+           overrides: dict | None = None, context_length: int | None = None) -> "subprocess.Popen | prewarm.Forked":
     """Start ``sglang.launch_server`` for ``model`` on the CPU in its own process group (dummy weights
     when the folder has none)."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--device", "cpu",
@@ -62,7 +62,7 @@ def launch(model: Path, index_k_format: str, port: int, log_file, max_total_toke
     return prewarm.start(cmd, env=cpu_launch_env(), log=log_file)
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+def wait_ready(url: str, proc: "subprocess.Popen | prewarm.Forked", timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -75,7 +75,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None
     raise TimeoutError(f"server not ready after {timeout_s} s")
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: "subprocess.Popen | prewarm.Forked") -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:

@@ -22,6 +22,7 @@ the child.
 """
 
 import argparse
+import atexit
 import json
 import os
 import runpy
@@ -202,8 +203,6 @@ def _child(request: dict, module: str, imported_env: dict, inherited: list) -> N
         traceback.print_exc()
     finally:
         try:
-            import atexit
-
             atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
