@@ -12,6 +12,12 @@ Four tasks (``TASKS``, lm-eval names):
   its answer; the answer is the trained one (``" 1234567."``, ``" ABCDE, FGHIJ, KLMNO."``), and
   ``exact`` scores 1 only when the response begins with it, final period included (leading
   whitespace aside): a value with a digit more, or a chain with a name more or less, scores 0.
+- ``m3_kv_64`` and ``m3_vt_value``: the same with one parameter fixed instead of drawn. ``m3_kv_64`` has
+  ``KV_FIXED_PAIRS`` (64) pairs at every length from 3072 tokens on (one per 48 tokens below), so that the
+  length grows, not the count of distractors (``m3_kv`` draws 4 to ``min(512, length // 48)``, the same
+  range at every length from 24k on);
+  ``m3_vt_value`` always asks the value of chain 0's last variable (``m3_vt`` asks that or the list of
+  the chain's variables, at random). Why these two: ``docs/accuracy.md``, section 5.
 
 Sample ``i`` of a task at context length ``L`` is a pure function of ``(task, L, i, seed)``, the
 tokenizer and, for the needles, ``num_depths``: its own generator is seeded from them, so every
@@ -38,10 +44,14 @@ from collections import OrderedDict
 from . import needle
 
 NEEDLE_KEYS = {"m3_niah_single": 1, "m3_niah_multikey": 4}  # needles per sample (one asked)
-TRAINED = {"m3_kv": "kv", "m3_vt": "vt"}  # lm-eval task -> training.data task
+KV_FIXED_PAIRS = 64  # m3_kv_64: the pair count at every length (m3_kv draws 4 .. min(512, length // 48))
+# lm-eval task -> (training.data task, the parameters fixed instead of drawn: TaskGenerator.sample)
+TRAINED = {"m3_kv": ("kv", {}), "m3_vt": ("vt", {}),
+           "m3_kv_64": ("kv", {"n_pairs": KV_FIXED_PAIRS}), "m3_vt_value": ("vt", {"ask": "last"})}
 TASKS = (*NEEDLE_KEYS, *TRAINED)
 # Tokens a task's answer may take (the lm-eval YAMLs' max_gen_toks): a vt chain of 5 names is up to ~33.
-GEN_TOKENS = {"m3_niah_single": needle.GEN_TOKENS, "m3_niah_multikey": needle.GEN_TOKENS, "m3_kv": 24, "m3_vt": 40}
+GEN_TOKENS = {"m3_niah_single": needle.GEN_TOKENS, "m3_niah_multikey": needle.GEN_TOKENS, "m3_kv": 24, "m3_vt": 40,
+              "m3_kv_64": 24, "m3_vt_value": 24}
 DOCS_VERSION = 2  # saved results record it: 2 = samples seeded per index (1: a generator per length, needles only)
 HAYSTACK_SENTENCES = 1 << 15  # fixed: a sample's window depends on the haystack's size (~650k tokens)
 CACHE_CHARS = 1 << 31
@@ -78,10 +88,20 @@ def sample_rng(task: str, length: int, index: int, seed: int) -> random.Random:
     return random.Random(f"{task}-{seed}-{length}-{index}")
 
 
+def trained_params(task: str, length: int) -> dict:
+    """The ``TaskGenerator.sample`` parameters ``task`` fixes at ``length``: ``TRAINED``'s, with kv's pair
+    count capped at one pair per 48 tokens as ``m3_kv`` draws it (64 pairs need 3072 tokens)."""
+    fixed = dict(TRAINED[task][1])
+    if "n_pairs" in fixed:
+        fixed["n_pairs"] = min(fixed["n_pairs"], max(4, length // 48))
+    return fixed
+
+
 def trained_doc(gen, task: str, length: int, index: int, seed: int) -> dict:
     """Sample ``index`` of ``m3_kv`` / ``m3_vt`` at ``length`` from ``TaskGenerator`` ``gen``."""
     budget = length - gen_tokens(task)
-    s = gen.sample(TRAINED[task], sample_rng(task, length, index, seed), budget)
+    kind, _ = TRAINED[task]
+    s = gen.sample(kind, sample_rng(task, length, index, seed), budget, **trained_params(task, length))
     (answer,) = s.answer_texts
     if not s.text.endswith(answer) or s.answer_start < 1:
         raise AssertionError(f"{task} sample {index}: the sample does not end with its answer {answer!r}")

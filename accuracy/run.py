@@ -47,7 +47,7 @@ from . import report, retrieval
 from .needle import GEN_TOKENS
 
 TASKS_DIR = Path(__file__).parent / "tasks"
-LONG_TASKS = retrieval.TASKS  # m3_niah_single, m3_niah_multikey, m3_kv, m3_vt
+LONG_TASKS = retrieval.TASKS  # m3_niah_single, m3_niah_multikey, m3_kv, m3_vt, m3_kv_64, m3_vt_value
 SHORT_TASKS = ("m3_short_arith",)
 MIN_LENGTH = 1024
 OVERRIDE_FLAG = "--json-model-override-args"

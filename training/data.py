@@ -414,17 +414,26 @@ class TaskGenerator:
 
         return self._fit(build, length)
 
-    def sample(self, task: str, rng: random.Random, length: int, queries: int = 1) -> Sample:
+    def sample(self, task: str, rng: random.Random, length: int, queries: int = 1, n_pairs: int | None = None,
+               ask: str | None = None) -> Sample:
         """One sample of ``task`` (``TASKS``) of at most ``length`` tokens, parameters drawn from ``rng``;
-        ``multikey`` and ``kv`` ask up to ``queries`` of their keys (``single`` and ``vt`` ask one)."""
+        ``multikey`` and ``kv`` ask up to ``queries`` of their keys (``single`` and ``vt`` ask one).
+        ``n_pairs`` fixes kv's pair count and ``ask`` vt's question (``"members"`` or ``"last"``)
+        instead of drawing them; they are refused for the other tasks."""
+        if n_pairs is not None and task != "kv":
+            raise ValueError(f"n_pairs is a kv parameter, got it for task {task!r}")
+        if ask is not None and task != "vt":
+            raise ValueError(f"ask is a vt parameter, got it for task {task!r}")
+        if n_pairs is not None and n_pairs < 1:
+            raise ValueError(f"n_pairs must be >= 1, got {n_pairs}")
         if task == "single":
             return self.needles(rng, length, 1)
         if task == "multikey":
             return self.needles(rng, length, rng.randint(*MULTIKEY_RANGE), queries=queries)
         if task == "kv":
-            return self.kv(rng, length, queries=queries)
+            return self.kv(rng, length, n_pairs, queries=queries)
         if task == "vt":
-            return self.vt(rng, length)
+            return self.vt(rng, length, ask=ask)
         if task == "copy":
             return self.copy(rng, length)
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")

@@ -1,11 +1,11 @@
 """lm-eval hooks of the sglang-m3 accuracy tasks (referenced by ``!function utils.<name>`` in the YAMLs).
 
-The long-context tasks (``m3_niah_single``, ``m3_niah_multikey``, ``m3_kv``, ``m3_vt``) build their data at
-load time (``accuracy.retrieval.docs``) from the metadata the runner passes (``--metadata`` on the
-lm_eval command line): ``max_seq_lengths`` (list of token lengths), ``num_samples`` (per length: samples
-``0 .. num_samples - 1``) or ``sample_ids`` (the sample indices to generate), ``num_depths`` (needle
-depth grid), ``seed``, and the tokenizer of the served model under ``tokenizer`` (or ``pretrained`` /
-``model``, which lm-eval copies from ``--model_args``).
+The long-context tasks (``m3_niah_single``, ``m3_niah_multikey``, ``m3_kv``, ``m3_vt``, ``m3_kv_64``,
+``m3_vt_value``) build their data at load time (``accuracy.retrieval.docs``) from the metadata the runner
+passes (``--metadata`` on the lm_eval command line): ``max_seq_lengths`` (list of token lengths),
+``num_samples`` (per length: samples ``0 .. num_samples - 1``) or ``sample_ids`` (the sample indices to
+generate), ``num_depths`` (needle depth grid), ``seed``, and the tokenizer of the served model under
+``tokenizer`` (or ``pretrained`` / ``model``, which lm-eval copies from ``--model_args``).
 """
 
 import re
@@ -57,6 +57,16 @@ def kv_retrieval(**kwargs):
 def variable_tracking(**kwargs):
     """Chains of ``VAR X = ...`` assignments, one chain asked (``training.data`` ``vt`` format)."""
     return _long_dataset("m3_vt", kwargs)
+
+
+def kv_retrieval_64(**kwargs):
+    """``kv_retrieval`` with ``retrieval.KV_FIXED_PAIRS`` pairs at every length."""
+    return _long_dataset("m3_kv_64", kwargs)
+
+
+def variable_tracking_value(**kwargs):
+    """``variable_tracking`` asking the value of the chain's last variable, never its member list."""
+    return _long_dataset("m3_vt_value", kwargs)
 
 
 def exact_results(doc, results):

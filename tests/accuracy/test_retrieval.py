@@ -2,6 +2,7 @@
 prompts however they are asked for, answers a reader can find in the prompt (the oracle of conftest),
 prompts sized in the served tokenizer's tokens, and kv / vt in exactly training/data.py's formats."""
 
+import random
 import re
 from pathlib import Path
 
@@ -120,10 +121,11 @@ def test_kv_and_vt_are_training_samples_without_their_answer():
     tok = retrieval.tokenizer(MSA)
     gen = data.TaskGenerator(tok.backend_tokenizer, data.EVAL_HAYSTACK_SEED, retrieval.HAYSTACK_SENTENCES,
                              evaluation=True)
-    for task, kind in retrieval.TRAINED.items():
+    for task, (kind, _) in retrieval.TRAINED.items():
         for i in range(6):
             d = retrieval.docs(task, MSA, [4096], [i])[0]
-            s = gen.sample(kind, retrieval.sample_rng(task, 4096, i, 0), 4096 - retrieval.gen_tokens(task))
+            s = gen.sample(kind, retrieval.sample_rng(task, 4096, i, 0), 4096 - retrieval.gen_tokens(task),
+                           **retrieval.trained_params(task, 4096))
             assert s.task == kind and d["input"] + d["answer"] == s.text  # the training sample's text
             assert tok(d["input"] + d["answer"], add_special_tokens=False)["input_ids"] == s.input_ids
             assert d["tokens"] == s.answer_start
@@ -144,6 +146,30 @@ def test_kv_and_vt_are_training_samples_without_their_answer():
             asks.add("members")
             assert re.fullmatch(r" [A-Z]{5}(, [A-Z]{5})*\.", d["answer"])
     assert asks == {"last", "members"}
+
+
+def test_kv_64_has_64_pairs_at_every_length_and_vt_value_asks_the_value():
+    line = re.compile(r'^"[^"\n]+": \d{7}$', re.M)
+    drawn = set()
+    for length in (1024, 3072, 4096, 16384):
+        for d in retrieval.docs("m3_kv_64", MSA, [length], range(3)):
+            assert len(line.findall(d["input"])) == min(retrieval.KV_FIXED_PAIRS, length // 48), length
+        drawn |= {len(line.findall(d["input"])) for d in retrieval.docs("m3_kv", MSA, [length], range(3))}
+    assert len(drawn) > 1 and retrieval.KV_FIXED_PAIRS not in drawn  # m3_kv draws its count: the line regex sees it
+    docs = retrieval.docs("m3_vt_value", MSA, [4096], range(8))
+    assert all(re.fullmatch(r" \d{5}\.", d["answer"]) for d in docs)
+    assert all(d["input"].endswith(data.VT_ASK_LAST[1].format(name=d["input"].split("VAR ")[-1].split(" ")[0]))
+               for d in docs)
+    assert [d["input"] for d in docs] != [d["input"] for d in retrieval.docs("m3_vt", MSA, [4096], range(8))]
+
+
+@pytest.mark.parametrize(("task", "params", "rule"), [
+    ("single", {"n_pairs": 8}, "n_pairs is a kv parameter"), ("kv", {"ask": "last"}, "ask is a vt parameter"),
+    ("kv", {"n_pairs": 0}, "n_pairs must be >= 1"), ("vt", {"ask": "first"}, "ask must be 'members' or 'last'")])
+def test_fixed_parameters_are_checked(task, params, rule):
+    gen = retrieval._generator(MSA)
+    with pytest.raises(ValueError, match=rule):
+        gen.sample(task, random.Random(0), 2048, **params)
 
 
 def test_evaluation_haystack_is_the_needles_and_never_training_s():
