@@ -504,15 +504,18 @@ def _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, 
     With a budget, each format not yet complete gets an equal share of what is left when its turn
     comes (a format that finishes early leaves its time to the next); a share below
     ``--min-format-s`` is not served this time; a round is started only if its predicted time (from
-    the last rounds' seconds per context token) fits the share. ``--max-formats N`` serves only the N
-    formats furthest from their targets (fraction of samples done; ties in ``--formats`` order), so
-    that every format progresses at the same relative pace over many short runs."""
+    the last rounds' seconds per context token, kept in ``<out>/rates.json`` across runs) fits the
+    share, or, for a server's first round, the whole budget (its start-up is paid by then).
+    ``--max-formats N`` serves only the N formats furthest from their targets (fraction of samples
+    done; ties in ``--formats`` order), so that every format progresses at the same relative pace over
+    many short runs."""
     lengths = sorted(args.lengths)
     deadline = None if args.budget_s is None else time.time() + args.budget_s
     logs = {fmt: SampleLog(args.out, fmt, identity(fmt)) for fmt in formats}
     plans = {fmt: plan_rounds(args.tasks, lengths, targets[fmt], args.chunk,
                               {t: logs[fmt].done(t) for t in args.tasks}) for fmt in formats}
-    rate: dict[str, float] = {}  # seconds per context token, per format and "any"
+    rates_path = args.out / "rates.json"  # seconds per context token, per format and "any", kept across runs
+    rate: dict[str, float] = json.loads(rates_path.read_text()) if rates_path.is_file() else {}
     errors: dict[str, str] = {}
     todo = [f for f in formats if plans[f]]
     if args.max_formats is not None and len(todo) > args.max_formats:
@@ -547,11 +550,13 @@ def _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, 
             model_id, context = served_model(base_url)
             if context is not None and max(lengths) > int(context):
                 raise ValueError(f"--lengths {max(lengths)} exceeds the served context (max_model_len {context})")
-            served = 0
+            served = rounds = 0
             for pieces in plans[fmt]:
                 est = round_tokens(pieces) * rate.get(fmt, rate.get("any", 0.0))
-                if share_end is not None and time.time() + est > share_end:
-                    print(f"[resume] {fmt}: next round predicted at {est:.0f} s, past its share: stopping", flush=True)
+                # The server's start is paid: its first round may use the whole budget, later ones its share.
+                limit, what = (share_end, "its share") if rounds else (deadline, "the budget")
+                if limit is not None and time.time() + est > limit:
+                    print(f"[resume] {fmt}: next round predicted at {est:.0f} s, past {what}: stopping", flush=True)
                     break
                 t0 = time.time()
                 for ts, ls, ids in pieces:
@@ -560,7 +565,9 @@ def _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, 
                         logs[fmt].append(task, task_rows)
                         served += len(task_rows)
                 spent = time.time() - t0
+                rounds += 1
                 rate[fmt] = rate["any"] = spent / max(1, round_tokens(pieces))
+                rates_path.write_text(json.dumps(rate))
                 print(f"[resume] {fmt}: round of {sum(len(i) * len(t) * len(l) for t, l, i in pieces)} prompts "
                       f"in {spent:.1f} s ({served} this time)", flush=True)
             return served

@@ -10,8 +10,9 @@
 #
 # MODEL: an exported checkpoint folder (config.json, safetensors, tokenizer); default configs/msa-medium.
 # Run from anywhere with a 600 s limit; it takes BUDGET_S (540) seconds wall. Per call:
-#   1. m3-accuracy --resume --budget-s: the MAX_FORMATS (2) formats furthest from their targets (fraction
-#      done; ties in FORMATS order, so call 1 serves fp8 and mxfp4), one SGLang server each (CUDA graphs on,
+#   1. m3-accuracy --resume --budget-s: the MAX_FORMATS (1) formats furthest from their targets (fraction
+#      done; ties in FORMATS order, so call 1 serves fp8 and call 2 mxfp4: a server start takes 2-3 minutes
+#      on an H200, so one a call), one SGLang server each (CUDA graphs on,
 #      the launch arguments below), each getting an equal share of the time left; a round (CHUNK samples
 #      of every task x length) starts only if it is predicted to fit. fp8 and mxfp4 (LARGE_FORMATS) aim at
 #      N_LARGE samples per (task, length), the others at N_SMALL.
@@ -35,10 +36,10 @@
 # (e.g. .acc-state/, listed in .git/info/exclude and named in the call's carry) and set RESUME to it.
 #
 # Env: BUDGET_S (540), AGREE_S (150), RESERVE_S (30: report and packing), FORMATS ("fp8 mxfp4 mxfp4_rot bf16
-# dense"), MAX_FORMATS (2), LARGE_FORMATS ("fp8 mxfp4"), N_LARGE (1000), N_SMALL (100), TASKS ("m3_niah_single
+# dense"), MAX_FORMATS (1), LARGE_FORMATS ("fp8 mxfp4"), N_LARGE (1000), N_SMALL (100), TASKS ("m3_niah_single
 # m3_niah_multikey m3_kv_64 m3_vt_value": kv at 64 pairs and vt asking a value, the variants the medium model
 # can fail or pass at every length, docs/accuracy.md section 5; m3_kv and m3_vt are the drawn ones),
-# LENGTHS ("8192 32768 65536 131072"), CHUNK (8), CONCURRENCY (8), AGREE_FORMATS ("bf16 fp8 mxfp4
+# LENGTHS ("8192 32768 65536 131072"), CHUNK (4), CONCURRENCY (8), AGREE_FORMATS ("bf16 fp8 mxfp4
 # mxfp4_rot"), AGREE_SAMPLES (4), AGREE_LENGTHS (LENGTHS), LAUNCH_ARGS (replaces the server arguments below),
 # RUN_DIR, OUT, RESUME, FRESH=1 (drop $RUN_DIR's state first), PYTHON (python3), DEVICE (cuda; cpu: no
 # bundle, the CPU server arguments, for the smoke test tests/scripts/test_accuracy_h200.py).
@@ -55,15 +56,15 @@ BUDGET_S="${BUDGET_S:-540}"
 AGREE_S="${AGREE_S:-150}"
 RESERVE_S="${RESERVE_S:-30}"
 FORMATS="${FORMATS:-fp8 mxfp4 mxfp4_rot bf16 dense}"
-MAX_FORMATS="${MAX_FORMATS:-2}"
+MAX_FORMATS="${MAX_FORMATS:-1}"
 LARGE_FORMATS="${LARGE_FORMATS:-fp8 mxfp4}"
 N_LARGE="${N_LARGE:-1000}"
 N_SMALL="${N_SMALL:-100}"
 TASKS="${TASKS:-m3_niah_single m3_niah_multikey m3_kv_64 m3_vt_value}"
 LENGTHS="${LENGTHS:-8192 32768 65536 131072}"
-CHUNK="${CHUNK:-8}"
+CHUNK="${CHUNK:-4}"
 CONCURRENCY="${CONCURRENCY:-8}"
-AGREE_FORMATS="${AGREE_FORMATS:-bf16 fp8 mxfp4 mxfp4_rot}"
+AGREE_FORMATS="${AGREE_FORMATS-bf16 fp8 mxfp4 mxfp4_rot}"  # set empty: no agreement
 AGREE_SAMPLES="${AGREE_SAMPLES:-4}"
 AGREE_LENGTHS="${AGREE_LENGTHS:-$LENGTHS}"
 PYTHON="${PYTHON:-python3}"
@@ -90,9 +91,10 @@ if [ "$DEVICE" = cpu ]; then
 else
     source scripts/gpu/bundle_env.sh || exit 1
     PYTHON=python3
-    # CUDA graphs on for decode (the plugin keeps prefill eager); batch sizes up to the concurrency.
+    # CUDA graphs on for decode (the plugin keeps prefill eager); batch sizes up to the concurrency (each
+    # captured size costs start-up: 36-98 s for 1, 2, 4, 8 on an H200, docs/accuracy.md section 5).
     default_launch="--attention-backend triton --sampling-backend pytorch --grammar-backend none
-                    --disable-piecewise-cuda-graph --cuda-graph-max-bs $(( CONCURRENCY > 16 ? CONCURRENCY : 16 ))
+                    --disable-piecewise-cuda-graph --cuda-graph-max-bs $CONCURRENCY
                     --context-length $context --mem-fraction-static 0.85 --random-seed 0"
 fi
 # shellcheck disable=SC2206
@@ -181,7 +183,8 @@ if [ "$acc_rc" -ne 0 ] || [ ! -f "$RUN_DIR/acc/report.md" ]; then
     "${ACC[@]}" --budget-s 0 -- "${LAUNCH[@]}" > "$RUN_DIR/acc/report.out" 2>&1 \
         || { echo "report failed:"; tail -n 20 "$RUN_DIR/acc/report.out"; }
 fi
-tar -C "$RUN_DIR" -czf "$OUT/state.tgz" acc/samples $( [ -d "$RUN_DIR/agreement/formats" ] && echo agreement/formats )
+tar -C "$RUN_DIR" -czf "$OUT/state.tgz" acc/samples $( [ -f "$RUN_DIR/acc/rates.json" ] && echo acc/rates.json ) \
+    $( [ -d "$RUN_DIR/agreement/formats" ] && echo agreement/formats )
 if [ "$(stat -c %s "$OUT/state.tgz")" -gt $(( 15 * 1048576 )) ]; then
     split -b 15m "$OUT/state.tgz" "$OUT/state.tgz.part-" && rm "$OUT/state.tgz"
 fi

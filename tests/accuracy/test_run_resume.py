@@ -84,6 +84,23 @@ def test_budget_stops_cleanly_and_still_reports(tmp_path, fake_completions):
         assert summary["pairs"] == {}
 
 
+def test_saved_rates_predict_the_first_round_of_the_next_run(tmp_path, fake_completions):
+    out = tmp_path / "acc"
+    with fake_completions(delay_s=0.25) as b:
+        run.compare_formats(_argv(out, {"mxfp4": b.url}, "--samples", "2", "--chunk", "1"))
+        rates = json.loads((out / "rates.json").read_text())
+        assert rates["mxfp4"] > 0 and rates["any"] == rates["mxfp4"]  # seconds per context token
+        served = len(b.prompts)
+        # The saved rate predicts a round of 8 prompts at 0.25 s, 2 at a time (1 s at least): past 0.3 s.
+        run.compare_formats(_argv(out, {"mxfp4": b.url}, "--samples", "3", "--chunk", "1",
+                                  "--budget-s", "0.3", "--min-format-s", "0"))
+        assert len(b.prompts) == served
+        (out / "rates.json").unlink()  # no rate known: a server's first round may use the whole budget
+        run.compare_formats(_argv(out, {"mxfp4": b.url}, "--samples", "3", "--chunk", "1",
+                                  "--budget-s", "0.3", "--min-format-s", "0"))
+        assert len(b.prompts) == served + 8
+
+
 def test_plan_rounds_groups_cells_missing_the_same_samples():
     done = {"m3_kv": {"1024/0", "1024/1", "2048/0"}, "m3_vt": set()}
     rounds = run.plan_rounds(["m3_kv", "m3_vt"], [1024, 2048], n=3, chunk=2, done=done)

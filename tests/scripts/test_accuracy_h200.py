@@ -21,7 +21,7 @@ LENGTH = 18 * 128  # 18 blocks: past top-16, so the formats' selections can diff
 
 def _call(tmp_path, out: str, run_dir: str, **env):
     full = {**os.environ, "OUT": str(tmp_path / out), "RUN_DIR": str(tmp_path / run_dir), "DEVICE": "cpu",
-            "PYTHON": sys.executable, "FORMATS": "fp8 mxfp4", "N_LARGE": "2", "N_SMALL": "1",
+            "PYTHON": sys.executable, "FORMATS": "fp8 mxfp4", "MAX_FORMATS": "2", "N_LARGE": "2", "N_SMALL": "1",
             "LENGTHS": str(LENGTH), "CHUNK": "2", "CONCURRENCY": "2", "AGREE_FORMATS": "bf16 mxfp4",
             "AGREE_SAMPLES": "1", "BUDGET_S": "1500", "AGREE_S": "500", **env}
     proc = subprocess.run(["bash", str(SCRIPT), str(ROOT / "configs" / "msa-small")], cwd=ROOT, env=full,
