@@ -506,6 +506,9 @@ def main(argv=None) -> dict:
         raise ValueError(f"launch arguments {owned} are set by the tool; drop them")
     from transformers import AutoTokenizer
 
+    from .retrieval import register_m3_config
+
+    register_m3_config()  # the model folder's config type, before its tokenizer is loaded
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, trust_remote_code=True)
     raw = needle.generate(tokenizer, args.lengths, args.samples, args.depths, args.keys, args.seed)
     docs = [prepare(tokenizer, doc, i) for i, doc in enumerate(raw)]

@@ -16,7 +16,8 @@ dated 2026-12-01 and earlier in docs/accuracy.md drew their samples from one gen
 turn: the same distribution, other prompts.
 
 Doc fields: ``input`` (prompt), ``target`` (the digits), ``length``, ``depth``, ``tokens`` (prompt
-tokens measured), ``key``, ``n_keys``, ``sample``.
+tokens measured), ``key``, ``n_keys``, ``sample``; with several questions per context
+(``make_context``), ``context`` and ``question`` too.
 """
 
 import bisect
@@ -87,6 +88,19 @@ def _key(rng: random.Random, used: set) -> str:
 
 def make_sample(tokenizer, pool: _Pool, length: int, depth: float, n_keys: int, rng: random.Random, index: int) -> dict:
     """One sample of at most ``length - GEN_TOKENS`` prompt tokens (see module doc)."""
+    return make_context(tokenizer, pool, length, depth, n_keys, rng, index, 1)[0]
+
+
+def make_context(tokenizer, pool: _Pool, length: int, depth: float, n_keys: int, rng: random.Random, index: int,
+                 questions: int) -> list[dict]:
+    """``questions`` samples on one context, each of at most ``length - GEN_TOKENS`` prompt tokens: the
+    same chronicle and needles, sample ``j`` asking for needle ``j`` (needle 0 sits at ``depth``, the
+    others at random sentence boundaries, their ``depth`` measured the same way). They share the
+    prompt up to the question, so a server's prefix cache prefills the context once. ``index`` is the
+    context's: sample ``j`` gets ``sample = index * questions + j``, ``context = index``, ``question = j``
+    (with ``questions = 1``: sample ``index`` alone, as ``make_sample``, without the two fields)."""
+    if not 1 <= questions <= n_keys:
+        raise ValueError(f"questions must be in [1, n_keys = {n_keys}] (one needle asked each), got {questions}")
     used: set = set()
     needles = [(_key(rng, used), f"{rng.randrange(10**6, 10**7)}") for _ in range(n_keys)]
     key, value = needles[0]
@@ -115,12 +129,19 @@ def make_sample(tokenizer, pool: _Pool, length: int, depth: float, n_keys: int, 
         body = list(hay)
         for spot, i in inserts:
             body.insert(min(spot, len(body)), NEEDLE.format(key=needles[i][0], value=needles[i][1]))
-        prompt = PROMPT.format(context=" ".join(body), key=key)
-        tokens = _count(tokenizer, prompt)
-        if tokens <= length - GEN_TOKENS:
-            return {"input": prompt, "target": value, "length": length, "depth": depth, "tokens": tokens,
-                    "key": key, "n_keys": n_keys, "sample": index}
-        budget -= tokens - (length - GEN_TOKENS) + 8
+        context = " ".join(body)
+        prompts = [PROMPT.format(context=context, key=needles[j][0]) for j in range(questions)]
+        counts = [_count(tokenizer, p) for p in prompts]
+        if max(counts) <= length - GEN_TOKENS:
+            if questions == 1:
+                return [{"input": prompts[0], "target": value, "length": length, "depth": depth, "tokens": counts[0],
+                         "key": key, "n_keys": n_keys, "sample": index}]
+            at = [depth] + [round(100.0 * offsets[min(spot, len(offsets) - 1)] / max(1, offsets[-1]), 2)
+                            for spot in spots[1:questions]]
+            return [{"input": prompts[j], "target": needles[j][1], "length": length, "depth": at[j],
+                     "tokens": counts[j], "key": needles[j][0], "n_keys": n_keys, "sample": index * questions + j,
+                     "context": index, "question": j} for j in range(questions)]
+        budget -= max(counts) - (length - GEN_TOKENS) + 8
     raise RuntimeError(f"could not fit a sample into {length} tokens")
 
 
@@ -144,9 +165,12 @@ def sample_rng(seed: int, length: int, n_keys: int, index: int) -> random.Random
 
 
 def generate(tokenizer, lengths, num_samples: int, num_depths: int, n_keys: int, seed: int,
-             sample_ids=None) -> list[dict]:
+             sample_ids=None, questions: int = 1) -> list[dict]:
     """Samples ``0 .. num_samples - 1`` (or the indices ``sample_ids``) per length, shortest length
-    first; sample ``i`` has its needle at depth ``depth_grid(num_depths)[i % num_depths]``."""
+    first; sample ``i`` has its needle at depth ``depth_grid(num_depths)[i % num_depths]``. With
+    ``questions = q > 1``, sample ``i`` is question ``i % q`` on context ``i // q`` (``make_context``),
+    the context's first needle at ``depth_grid(num_depths)[(i // q) % num_depths]``, its generator
+    seeded by ``(seed, length, n_keys, i // q, q)``: other prompts than ``questions = 1``."""
     ids = list(range(num_samples)) if sample_ids is None else [int(i) for i in sample_ids]
     if sample_ids is None and num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
@@ -158,9 +182,17 @@ def generate(tokenizer, lengths, num_samples: int, num_depths: int, n_keys: int,
     grid = depth_grid(num_depths)
     docs = []
     for length in sorted(int(n) for n in lengths):
-        for i in ids:
-            docs.append(make_sample(tokenizer, pool, length, grid[i % len(grid)], n_keys,
-                                    sample_rng(seed, length, n_keys, i), i))
+        if questions == 1:
+            for i in ids:
+                docs.append(make_sample(tokenizer, pool, length, grid[i % len(grid)], n_keys,
+                                        sample_rng(seed, length, n_keys, i), i))
+            continue
+        made = {}
+        for c in dict.fromkeys(i // questions for i in ids):
+            rng = random.Random(f"needle-{seed}-{length}-{n_keys}-{c}-q{questions}")
+            for doc in make_context(tokenizer, pool, length, grid[c % len(grid)], n_keys, rng, c, questions):
+                made[doc["sample"]] = doc
+        docs += [made[i] for i in ids]
     return docs
 
 

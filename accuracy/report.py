@@ -16,7 +16,8 @@ from pathlib import Path
 from .stats import compare_counts, compare_paired, is_binary
 
 ALL = "all"
-INTERVAL_LABELS = {"tango": "Tango score", "bootstrap": "paired bootstrap"}
+INTERVAL_LABELS = {"tango": "Tango score", "tango_rao_scott": "Tango score, Rao-Scott clustered",
+                   "bootstrap": "paired bootstrap"}
 
 
 def _pair(base: list[dict], other: list[dict], task: str, fmt: str):
@@ -37,6 +38,14 @@ def _pair(base: list[dict], other: list[dict], task: str, fmt: str):
         a.append(s["score"])
         b.append(t["score"])
     return a, b
+
+
+def cluster(row: dict) -> str:
+    """The cluster of a sample row: its context (``<length>/c<context>``) when it is one of several
+    questions on one context, else the row alone (its ``doc_id``)."""
+    if row.get("context") is not None:
+        return f"{row['length']}/c{row['context']}"
+    return f"doc {row['doc_id']}"
 
 
 def build(per_format: dict, formats: list[str], n_boot: int = 10000, seed: int = 0,
@@ -71,7 +80,8 @@ def build(per_format: dict, formats: list[str], n_boot: int = 10000, seed: int =
                 group["acc"][fmt] = sum(r["score"] for r in fmt_rows) / len(fmt_rows) if fmt_rows else None
                 if fmt != base:
                     a, b = _pair(base_rows, fmt_rows, task, fmt)
-                    result = compare_paired(a, b, n_boot, seed, confidence, interval=interval[fmt])
+                    result = compare_paired(a, b, n_boot, seed, confidence, interval=interval[fmt],
+                                            clusters=[cluster(r) for r in base_rows])
                     group["paired"][fmt] = dataclasses.asdict(result)
             groups.append(group)
         tasks[task] = groups
@@ -114,6 +124,11 @@ _INTERVAL_NOTES = {
     "tango": "Tango score: Tango's (1998) asymptotic score interval for paired 0/1 scores; near its nominal coverage "
              "down to n = 5 and of non-zero width with no discordant pair (then ±z²/(n + z²)). Newcombe's "
              "method 10 interval is in results.json beside it.",
+    "tango_rao_scott": "Tango score, Rao-Scott clustered: several questions share a context, so their pairs are "
+                       "correlated; Tango's interval on the counts divided by the design effect (between-context "
+                       "over independent-pairs variance, 1 to the questions per context; the latter when fewer "
+                       "than 10 pairs are discordant), McNemar p clustered (Durkalski 2003). results.json holds "
+                       "the contexts and the design effect of each cell.",
     "bootstrap": "paired bootstrap: percentile interval over resampled pairs, for scores other than 0/1; it has zero "
                  "width when every pair has the same difference.",
 }
@@ -194,6 +209,8 @@ def restate_binary(summary: dict, confidence: float = 0.95) -> dict:
     for task, groups in out["tasks"].items():
         for g in groups:
             for fmt, p in g["paired"].items():
+                if p.get("ci_method") == "tango_rao_scott":  # clustered: its counts alone do not restate it
+                    continue
                 n, n10, n01 = p["n"], p["n10"], p["n01"]
                 right_a, right_b = n * p["acc_a"], n * p["acc_b"]
                 n11 = round(right_a) - n10

@@ -49,6 +49,8 @@ KV_FIXED_PAIRS = 64  # m3_kv_64: the pair count at every length (m3_kv draws 4 .
 TRAINED = {"m3_kv": ("kv", {}), "m3_vt": ("vt", {}),
            "m3_kv_64": ("kv", {"n_pairs": KV_FIXED_PAIRS}), "m3_vt_value": ("vt", {"ask": "last"})}
 TASKS = (*NEEDLE_KEYS, *TRAINED)
+# Questions one context can take (``docs(questions=...)``): one needle or kv key asked each; the others one.
+QUESTIONS_MAX = {"m3_niah_multikey": NEEDLE_KEYS["m3_niah_multikey"], "m3_kv": 4, "m3_kv_64": 16}
 # Tokens a task's answer may take (the lm-eval YAMLs' max_gen_toks): a vt chain of 5 names is up to ~33.
 GEN_TOKENS = {"m3_niah_single": needle.GEN_TOKENS, "m3_niah_multikey": needle.GEN_TOKENS, "m3_kv": 24, "m3_vt": 40,
               "m3_kv_64": 24, "m3_vt_value": 24}
@@ -64,11 +66,23 @@ def gen_tokens(task: str) -> int:
     return GEN_TOKENS[task]
 
 
+def register_m3_config() -> None:
+    """Let transformers know the plugin's config class before a tokenizer is loaded from one of our model
+    folders (else it warns that it instantiates a model of type ''); nothing without the package (the
+    accuracy tools also work against deployments of other models)."""
+    try:
+        from sglang_m3.config import register_config
+    except ImportError:
+        return
+    register_config()
+
+
 @functools.cache
 def tokenizer(name: str):
     """The served model's tokenizer (transformers ``AutoTokenizer``), one per name per process."""
     from transformers import AutoTokenizer
 
+    register_m3_config()
     return AutoTokenizer.from_pretrained(name, trust_remote_code=True)
 
 
@@ -112,6 +126,42 @@ def trained_doc(gen, task: str, length: int, index: int, seed: int) -> dict:
             "task": task}
 
 
+def max_questions(task: str) -> int:
+    """How many questions one context of ``task`` can take (``QUESTIONS_MAX``; 1 for the others)."""
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    return QUESTIONS_MAX.get(task, 1)
+
+
+def trained_context_docs(gen, task: str, length: int, context: int, seed: int, questions: int) -> list[dict]:
+    """``questions`` docs of ``m3_kv`` / ``m3_kv_64`` on one context: the kv sample of ``queries =
+    questions`` (no key asked twice) cut after its context, doc ``j`` asking key ``j``. Their prompts
+    share everything up to the question (a server's prefix cache prefills it once) and are shorter than
+    ``length - gen_tokens`` by the other questions and answers (about 25 tokens each). ``depth``: where
+    the asked value sits in the context, by characters."""
+    budget = length - gen_tokens(task)
+    kind, _ = TRAINED[task]
+    rng = random.Random(f"{task}-{seed}-{length}-{context}-q{questions}")
+    s = gen.sample(kind, rng, budget, queries=questions, repeat=False, **trained_params(task, length))
+    asked = list(zip(s.question_texts, s.answer_texts))
+    if len(asked) != questions:
+        raise ValueError(f"{task} at length {length}: a context takes {len(asked)} questions, not {questions}")
+    tail = "".join(q + a for q, a in asked)
+    if not s.text.endswith(tail):
+        raise AssertionError(f"{task} context {context}: the sample does not end with its questions and answers")
+    text = s.text[: len(s.text) - len(tail)]
+    docs = []
+    for j, (question, answer) in enumerate(asked):
+        value = answer.strip().removesuffix(".")
+        at = text.rfind(value)
+        if at < 0:
+            raise AssertionError(f"{task} context {context}: answer {value!r} is not in the context")
+        docs.append({"input": text + question, "target": value, "answer": answer, "length": length,
+                     "depth": round(100.0 * at / len(text), 2), "tokens": s.query_start + gen._count([question]),
+                     "sample": context * questions + j, "task": task, "context": context, "question": j})
+    return docs
+
+
 _CACHE: "OrderedDict[tuple, dict]" = OrderedDict()
 _cached_chars = 0
 
@@ -131,22 +181,38 @@ def clear_cache() -> None:
     _cached_chars = 0
 
 
-def docs(task: str, tokenizer_name: str, lengths, sample_ids, seed: int = 0, num_depths: int = 10) -> list[dict]:
-    """The docs of ``task`` for every length (ascending) and sample index in ``sample_ids`` (in order)."""
+def docs(task: str, tokenizer_name: str, lengths, sample_ids, seed: int = 0, num_depths: int = 10,
+         questions: int = 1) -> list[dict]:
+    """The docs of ``task`` for every length (ascending) and sample index in ``sample_ids`` (in order).
+
+    ``questions = q > 1`` (at most ``max_questions(task)``): sample ``i`` is question ``i % q`` on context
+    ``i // q``, and the docs carry ``context`` and ``question``; the prompts are other ones than with
+    ``q = 1``. The paired statistics then treat a context's samples as one cluster."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     ids = [int(i) for i in sample_ids]
     if not ids or any(i < 0 for i in ids) or len(set(ids)) != len(ids):
         raise ValueError(f"sample_ids must be distinct indices >= 0, got {ids[:10]}")
+    if not 1 <= int(questions) <= max_questions(task):
+        raise ValueError(f"questions must be in [1, {max_questions(task)}] for {task} (one context takes at most "
+                         f"that many), got {questions}")
+    q = int(questions)
     out = []
     for length in sorted({int(n) for n in lengths}):
-        keys = {i: (task, tokenizer_name, length, i, seed, num_depths if task in NEEDLE_KEYS else None) for i in ids}
+        keys = {i: (task, tokenizer_name, length, i, seed, num_depths if task in NEEDLE_KEYS else None, q)
+                for i in ids}
         missing = [i for i in ids if keys[i] not in _CACHE]
         if missing and task in NEEDLE_KEYS:
             made = needle.generate(tokenizer(tokenizer_name), [length], len(missing), num_depths, NEEDLE_KEYS[task],
-                                   seed, sample_ids=missing)
+                                   seed, sample_ids=missing, questions=q)
             for doc in made:
                 _remember(keys[doc["sample"]], {**doc, "task": task})
+        elif missing and q > 1:
+            gen = _generator(tokenizer_name)
+            for c in dict.fromkeys(i // q for i in missing):
+                for doc in trained_context_docs(gen, task, length, c, seed, q):
+                    if doc["sample"] in keys:
+                        _remember(keys[doc["sample"]], doc)
         elif missing:
             gen = _generator(tokenizer_name)
             for i in missing:

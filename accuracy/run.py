@@ -325,7 +325,7 @@ def run_lm_eval(base_url: str, model_id: str, tokenizer: str, tasks: list[str], 
         "timeout": args.request_timeout,
     }
     metadata = {"max_seq_lengths": lengths, "num_samples": args.samples, "num_depths": args.depths,
-                "seed": args.seed, "tokenizer": tokenizer}
+                "seed": args.seed, "tokenizer": tokenizer, "questions": args.questions}
     if sample_ids is not None:
         metadata["sample_ids"] = [int(i) for i in sample_ids]
     # Our tasks only: indexing lm-eval's own few thousand task files costs ~20 s.
@@ -352,6 +352,7 @@ def run_lm_eval(base_url: str, model_id: str, tokenizer: str, tasks: list[str], 
                     "response": s["resps"][0][0] if s["resps"] and s["resps"][0] else "",
                     "score": float(s["acc"]),
                     "_order": (s["doc"].get("length") or 0, s["doc"].get("sample", s["doc_id"])),
+                    **({"context": s["doc"]["context"]} if s["doc"].get("context") is not None else {}),
                 }
                 for s in out["samples"][task]
             ),
@@ -394,7 +395,7 @@ def read_samples(out: Path, fmt: str, settings: dict) -> tuple[dict, list[int]] 
 
 
 RESUME_IDENTITY = ("model", "tokenizer", "depths", "seed", "max_gen_toks", "api", "dense_topk_blocks",
-                   "docs_version")
+                   "docs_version", "questions")
 
 
 class SampleLog:
@@ -638,6 +639,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context lengths in tokens (default: powers of two from 1024 to the served context)")
     p.add_argument("--samples", type=int, default=20, help="needle samples per length")
     p.add_argument("--depths", type=int, default=10, help="needle depths spread evenly over 0..100%%")
+    p.add_argument("--questions", type=int, default=1,
+                   help="questions per context, for the tasks that take several (m3_niah_multikey up to 4, m3_kv 4, "
+                        "m3_kv_64 16; the others 1): a server's prefix cache prefills each context once, and the "
+                        "paired intervals treat a context's questions as one cluster (Rao-Scott)"),
     p.add_argument("--limit", type=int, default=None, help="lm-eval --limit (samples per task, for smoke runs)")
     p.add_argument("--max-gen-toks", type=int, default=None,
                    help="cap on generated tokens for every task (default: each task's own: 24 needle, 16 arithmetic)")
@@ -675,6 +680,7 @@ def _check_counts(args) -> None:
     """ValueError for counts that would only fail after the servers ran (or, for --bootstrap, after
     every format was evaluated)."""
     for flag, value in (("--samples", args.samples), ("--depths", args.depths), ("--bootstrap", args.bootstrap),
+                        ("--questions", args.questions),
                         ("--concurrency", args.concurrency), ("--limit", args.limit),
                         ("--max-gen-toks", args.max_gen_toks), ("--chunk", args.chunk),
                         ("--max-formats", args.max_formats)):
@@ -711,14 +717,7 @@ def main(argv=None) -> None:
     compare_formats(argv)
 
 
-def _register_m3_config() -> None:
-    """lm-eval loads the served model folder's tokenizer in this process: let transformers know our
-    config class first (else it warns that it instantiates a model of type '')."""
-    try:
-        from sglang_m3.config import register_config
-    except ImportError:  # the runner also works against deployments without this package
-        return
-    register_config()
+_register_m3_config = retrieval.register_m3_config  # lm-eval loads the model folder's tokenizer in this process
 
 
 def compare_formats(argv=None) -> dict:
@@ -757,7 +756,8 @@ def compare_formats(argv=None) -> dict:
         settings = {"model": args.model, "tokenizer": tokenizer, "tasks": args.tasks, "lengths": lengths,
                     "samples": args.samples, "depths": args.depths, "seed": args.seed, "limit": args.limit,
                     "max_gen_toks": args.max_gen_toks, "api": args.api,
-                    "dense_topk_blocks": dense_topk if fmt == DENSE else None, "docs_version": retrieval.DOCS_VERSION}
+                    "dense_topk_blocks": dense_topk if fmt == DENSE else None, "docs_version": retrieval.DOCS_VERSION,
+                    "questions": None if args.questions == 1 else args.questions}  # None: as before the option
         saved = read_samples(args.out, fmt, settings) if args.reuse else None
         if saved is not None:
             per_format[fmt], lengths = saved
@@ -772,8 +772,8 @@ def compare_formats(argv=None) -> dict:
         write_samples(args.out, fmt, per_format[fmt], {**settings, "lengths": lengths})
     summary = report.build(per_format, formats, n_boot=args.bootstrap, seed=args.seed, baseline=baseline)
     summary["run"] = {"model": args.model, "formats": formats, "baseline": baseline, "tasks": args.tasks,
-                      "lengths": lengths, "samples": args.samples, "depths": args.depths, "limit": args.limit,
-                      "api": args.api, "launch_args": launch_args, "dense_topk_blocks": dense_topk}
+                      "lengths": lengths, "samples": args.samples, "depths": args.depths, "questions": args.questions,
+                      "limit": args.limit, "api": args.api, "launch_args": launch_args, "dense_topk_blocks": dense_topk}
     return _write_report(args.out, summary)
 
 
@@ -792,7 +792,8 @@ def _compare_resumable(args, formats, launch_args, urls, dense, tokenizer, targe
     def identity(fmt):
         return {"model": args.model, "tokenizer": tokenizer, "depths": args.depths, "seed": args.seed,
                 "max_gen_toks": args.max_gen_toks, "api": args.api,
-                "dense_topk_blocks": dense_topk if fmt == DENSE else None, "docs_version": retrieval.DOCS_VERSION}
+                "dense_topk_blocks": dense_topk if fmt == DENSE else None, "docs_version": retrieval.DOCS_VERSION,
+                "questions": None if args.questions == 1 else args.questions}  # None: as before the option
 
     t0 = time.time()
     logs, errors = _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, identity)
@@ -802,8 +803,8 @@ def _compare_resumable(args, formats, launch_args, urls, dense, tokenizer, targe
     summary["coverage"] = coverage(logs, args.tasks, lengths, targets)
     summary["errors"] = errors
     summary["run"] = {"model": args.model, "formats": formats, "baseline": baseline, "tasks": args.tasks,
-                      "lengths": lengths, "samples": targets, "depths": args.depths, "api": args.api,
-                      "launch_args": launch_args, "dense_topk_blocks": dense_topk, "chunk": args.chunk,
+                      "lengths": lengths, "samples": targets, "depths": args.depths, "questions": args.questions,
+                      "api": args.api, "launch_args": launch_args, "dense_topk_blocks": dense_topk, "chunk": args.chunk,
                       "budget_s": args.budget_s, "seconds": round(time.time() - t0, 1), "resume": True}
     return _write_report(args.out, summary)
 

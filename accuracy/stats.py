@@ -12,6 +12,11 @@ The interval of ``diff = mean(b) - mean(a)``:
   width with no discordant pair (``+-z^2 / (n + z^2)``: +-43 points at n = 5, +-3.7 at n = 100).
   Newcombe's hybrid score interval (method 10 of Newcombe 1998, Statistics in Medicine
   17:2635-2650) is computed beside it.
+- 0/1 scores in clusters (several questions on one context, whose answers are correlated): Tango's
+  interval on the Rao-Scott effective counts (Rao and Scott 1992, Biometrics 48:577-585): every
+  count divided by the design effect of the difference (``design_effect``: between-cluster over
+  independent-pairs variance, at least 1, at most the largest cluster, and the largest cluster when
+  there are too few discordant pairs to estimate it), with Durkalski's clustered McNemar p.
 - Other scores: the paired percentile bootstrap (which has zero width whenever every pair has the
   same difference, e.g. no discordant pair).
 
@@ -24,10 +29,11 @@ import math
 
 import numpy as np
 from scipy.optimize import brentq
-from scipy.stats import binomtest, norm
+from scipy.stats import binomtest, chi2, norm
 
 _BOOT_CHUNK_ELEMENTS = 1 << 22  # resampled indices held at once
 INTERVALS = ("auto", "tango", "bootstrap")
+DEFF_MIN_DISCORDANT = 10  # fewer discordant pairs: design_effect takes the largest cluster's size
 
 
 def _check_pair(a, b):
@@ -117,6 +123,11 @@ def tango_interval(n10: int, n01: int, n: int, confidence: float = 0.95) -> tupl
     Example: ``tango_interval(0, 0, 5)`` is about ``(-0.434, 0.434)`` (no discordant pair in 5).
     """
     _check_counts(n10=n10, n01=n01, n=n)
+    return _tango(n10, n01, n, confidence)
+
+
+def _tango(n10: float, n01: float, n: float, confidence: float) -> tuple[float, float]:
+    """``tango_interval`` on counts that may be fractional (``tango_rao_scott``'s effective counts)."""
     _check_confidence(confidence)
     if n10 + n01 > n:
         raise ValueError(f"discordant pairs n10 + n01 = {n10 + n01} exceed the n = {n} pairs")
@@ -197,6 +208,66 @@ def paired_bootstrap(a, b, n_boot: int = 10000, confidence: float = 0.95, seed: 
     return float(d.mean()), float(means[math.floor(lo_q * (n_boot - 1))]), float(means[math.ceil(hi_q * (n_boot - 1))])
 
 
+def design_effect(a, b, clusters, min_discordant: int = DEFF_MIN_DISCORDANT) -> float:
+    """Rao-Scott design effect of the paired difference ``mean(b) - mean(a)`` over clustered pairs:
+    the variance of the difference's total estimated between clusters (``C / (C - 1) sum_c (D_c - n_c
+    dbar)^2``, ``D_c`` the cluster's sum of ``b - a``, ``n_c`` its pairs) over the same variance if the
+    pairs were independent (``N / (N - 1) sum (d - dbar)^2``), clamped to ``[1, max n_c]``; ``max n_c``
+    (every pair of a cluster alike: the clusters count as the samples) when fewer than
+    ``min_discordant`` pairs are discordant, where the ratio cannot be estimated."""
+    a, b = _check_pair(a, b)
+    clusters = list(clusters)
+    if len(clusters) != len(a):
+        raise ValueError(f"clusters must name one cluster per pair, got {len(clusters)} for {len(a)} pairs")
+    d = np.asarray(b) - np.asarray(a)
+    keys, index = np.unique(np.asarray([str(c) for c in clusters]), return_inverse=True)
+    sizes = np.bincount(index, minlength=len(keys))
+    largest = float(sizes.max()) if len(sizes) else 1.0
+    if len(keys) < 2 or int(np.count_nonzero(d)) < min_discordant:
+        return max(1.0, largest)
+    n, dbar = len(d), float(d.mean())
+    iid = n / (n - 1) * float(((d - dbar) ** 2).sum())
+    totals = np.bincount(index, weights=d, minlength=len(keys))
+    between = len(keys) / (len(keys) - 1) * float(((totals - sizes * dbar) ** 2).sum())
+    if iid <= 0.0:
+        return max(1.0, largest)
+    return float(min(max(between / iid, 1.0), largest))
+
+
+def mcnemar_clustered(a, b, clusters) -> float:
+    """Two-sided p of Durkalski et al.'s (2003, Statistics in Medicine 22:2417-2428) McNemar test for
+    clustered pairs: ``(sum_c (n01_c - n10_c))^2 / sum_c (n01_c - n10_c)^2`` against chi-square(1); 1
+    when no cluster has a discordance difference."""
+    a, b = _check_pair(a, b)
+    totals: dict = {}
+    for x, y, c in zip(a, b, clusters):
+        totals[str(c)] = totals.get(str(c), 0.0) + (y - x)
+    diffs = np.asarray(list(totals.values()))
+    denominator = float((diffs**2).sum())
+    if denominator == 0.0:
+        return 1.0
+    return float(chi2.sf(float(diffs.sum()) ** 2 / denominator, 1))
+
+
+def compare_clustered(a, b, clusters, confidence: float = 0.95) -> "PairedResult":
+    """Paired statistics of 0/1 scores whose pairs come in clusters (several questions on one context):
+    Tango's interval on the Rao-Scott effective counts (each count divided by ``design_effect``), the
+    clustered McNemar p (``mcnemar_clustered``); ``ci_method`` "tango_rao_scott"."""
+    a, b = _check_pair(a, b)
+    _check_confidence(confidence)
+    if not is_binary(a, b):
+        raise ValueError("compare_clustered needs 0/1 scores")
+    n10, n01 = discordant(a, b)
+    n11 = sum(1 for x, y in zip(a, b) if x == 1.0 and y == 1.0)
+    n = len(a)
+    deff = design_effect(a, b, clusters)
+    lo, hi = _tango(n10 / deff, n01 / deff, n / deff, confidence)
+    return PairedResult(n=n, acc_a=(n11 + n10) / n if n else 0.0, acc_b=(n11 + n01) / n if n else 0.0,
+                        agreement=agreement(a, b), n10=n10, n01=n01, p_mcnemar=mcnemar_clustered(a, b, clusters),
+                        diff=(n01 - n10) / n if n else 0.0, ci_lo=lo, ci_hi=hi, ci_method="tango_rao_scott",
+                        confidence=confidence, clusters=len({str(c) for c in clusters}), design_effect=deff)
+
+
 @dataclasses.dataclass
 class PairedResult:
     n: int
@@ -213,6 +284,8 @@ class PairedResult:
     confidence: float = 0.95
     newcombe_lo: float | None = None  # Newcombe's method 10 beside Tango's (0/1 scores only)
     newcombe_hi: float | None = None
+    clusters: int | None = None  # tango_rao_scott: the clusters (contexts) the pairs come in
+    design_effect: float | None = None  # tango_rao_scott: the counts' divisor (design_effect)
 
 
 def compare_counts(n11: int, n10: int, n01: int, n00: int, confidence: float = 0.95) -> PairedResult:
@@ -229,11 +302,13 @@ def compare_counts(n11: int, n10: int, n01: int, n00: int, confidence: float = 0
 
 
 def compare_paired(a, b, n_boot: int = 10000, seed: int = 0, confidence: float = 0.95,
-                   interval: str = "auto") -> PairedResult:
+                   interval: str = "auto", clusters=None) -> PairedResult:
     """All paired statistics of candidate ``b`` against baseline ``a``.
 
     ``interval``: "tango" (scores must be 0/1; ``compare_counts``), "bootstrap" (``paired_bootstrap``
     with ``n_boot`` and ``seed``), or "auto": tango when every score is 0 or 1, else bootstrap.
+    ``clusters`` (one label per pair, or None): with 0/1 scores and some cluster of two or more pairs,
+    "tango" becomes ``compare_clustered``.
     """
     if interval not in INTERVALS:
         raise ValueError(f"interval must be one of {INTERVALS}, got {interval!r}")
@@ -243,6 +318,12 @@ def compare_paired(a, b, n_boot: int = 10000, seed: int = 0, confidence: float =
     if interval == "tango" and not binary:
         raise ValueError("interval='tango' needs 0/1 scores; use 'bootstrap' (or 'auto') for partial scores")
     n10, n01 = discordant(a, b)
+    if binary and interval != "bootstrap" and clusters is not None:
+        labels = [str(c) for c in clusters]
+        if len(labels) != len(a):
+            raise ValueError(f"clusters must name one cluster per pair, got {len(labels)} for {len(a)} pairs")
+        if len(set(labels)) < len(labels):
+            return compare_clustered(a, b, labels, confidence)
     if binary and interval != "bootstrap":
         n11 = sum(1 for x, y in zip(a, b) if x == 1.0 and y == 1.0)
         return compare_counts(n11, n10, n01, len(a) - n11 - n10 - n01, confidence)

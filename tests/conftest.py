@@ -62,7 +62,21 @@ def gen():
     return torch.Generator().manual_seed(seed)
 
 
+# Files whose tests take minutes on a 2-core box (the CI and README runs of 2026-12-02), longest first: the
+# suite's workers take whole files in collection order (loadfile), so these start first instead of leaving one
+# worker on them while the other waits at the end.
+LONG_FILES = ("scripts/test_accuracy_h200.py", "training/test_trained_checkpoint.py", "sglang_m3/test_tp.py",
+              "training/test_model.py", "sglang_m3/test_server.py", "accuracy/test_run_e2e.py",
+              "accuracy/test_agreement_e2e.py")
+
+
+def _long_first(item) -> int:
+    path = item.path.as_posix()
+    return next((rank for rank, name in enumerate(LONG_FILES) if path.endswith("/tests/" + name)), len(LONG_FILES))
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_long_first)  # stable: the files' own order and their tests' order are kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/run_gpu_tests.sh on one)")

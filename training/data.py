@@ -164,6 +164,7 @@ class Sample:
     answers: list[tuple[int, int]] = field(default_factory=list)
     query_start: int = -1  # first token after the context (the first question's); -1: unknown
     answer_texts: list[str] = field(default_factory=list)  # the answers' text, in order (" 1234567.")
+    question_texts: list[str] = field(default_factory=list)  # the text before each answer (its question)
 
     def __post_init__(self):
         if not self.answers:
@@ -249,7 +250,8 @@ class TaskGenerator:
             answers.append((len(ids), len(ids) + len(encoded[2 + 2 * k].ids)))
             ids.extend(encoded[2 + 2 * k].ids)
         text = head + "".join(texts) + "".join(t + a for t, a in qa)
-        return Sample(ids, answers[0][0], evidence, task, text, answers, query_start, [a for _, a in qa])
+        return Sample(ids, answers[0][0], evidence, task, text, answers, query_start, [a for _, a in qa],
+                      [t for t, _ in qa])
 
     def _place(self, rng: random.Random, length: int, fixed_tokens: int, depth: float,
                facts: list[list[Piece]]) -> list[Piece]:
@@ -322,8 +324,9 @@ class TaskGenerator:
             length)
 
     def kv(self, rng: random.Random, length: int, n_pairs: int | None = None, depth: float | None = None,
-           queries: int = 1) -> Sample:
-        """``"key": value`` lines in the prose; the first ``min(queries, n_pairs)`` keys are asked in turn (``_asked``)."""
+           queries: int = 1, repeat: bool = True) -> Sample:
+        """``"key": value`` lines in the prose; the first ``min(queries, n_pairs)`` keys are asked in turn
+        (``_asked``; ``repeat=False``: no key asked twice)."""
         depth = rng.uniform(0.0, 100.0) if depth is None else depth
         if n_pairs is None:
             n_pairs = rng.randint(4, max(4, min(MAX_KV_PAIRS, length // 48)))
@@ -335,7 +338,7 @@ class TaskGenerator:
         context = self._count([head]) + self._count(
             ["\n" + KV_LINE_KEY.format(key=k) + " " + v + "\n" for k, v in zip(keys, values)]) - n_pairs
         qa = self._questions([(self._frame(KV_PROMPT, key=keys[i])[1], f" {values[i]}.")
-                              for i in _asked(rng, n_pairs, queries, length)], context, length)
+                              for i in _asked(rng, n_pairs, queries, length, repeat)], context, length)
         fixed = context + self._count([t for pair in qa for t in pair])
         return self._fit(lambda slack: self._assemble(
             head, self._place(random.Random(rng.random()), length, fixed + slack, depth, facts), qa, "kv"),
@@ -415,11 +418,12 @@ class TaskGenerator:
         return self._fit(build, length)
 
     def sample(self, task: str, rng: random.Random, length: int, queries: int = 1, n_pairs: int | None = None,
-               ask: str | None = None) -> Sample:
+               ask: str | None = None, repeat: bool = True) -> Sample:
         """One sample of ``task`` (``TASKS``) of at most ``length`` tokens, parameters drawn from ``rng``;
         ``multikey`` and ``kv`` ask up to ``queries`` of their keys (``single`` and ``vt`` ask one).
         ``n_pairs`` fixes kv's pair count and ``ask`` vt's question (``"members"`` or ``"last"``)
-        instead of drawing them; they are refused for the other tasks."""
+        instead of drawing them; they are refused for the other tasks. ``repeat=False``: kv asks no key
+        twice (the evaluation's several questions per context)."""
         if n_pairs is not None and task != "kv":
             raise ValueError(f"n_pairs is a kv parameter, got it for task {task!r}")
         if ask is not None and task != "vt":
@@ -431,7 +435,7 @@ class TaskGenerator:
         if task == "multikey":
             return self.needles(rng, length, rng.randint(*MULTIKEY_RANGE), queries=queries)
         if task == "kv":
-            return self.kv(rng, length, n_pairs, queries=queries)
+            return self.kv(rng, length, n_pairs, queries=queries, repeat=repeat)
         if task == "vt":
             return self.vt(rng, length, ask=ask)
         if task == "copy":
@@ -439,7 +443,7 @@ class TaskGenerator:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
 
 
-def _asked(rng: random.Random, n_keys: int, queries: int, length: int) -> list[int]:
+def _asked(rng: random.Random, n_keys: int, queries: int, length: int, repeat: bool = True) -> list[int]:
     """Indices of the keys asked, in order: keys ``0 .. k - 1`` with ``k = min(queries, n_keys,
     max(1, length // QUERY_TOKENS))`` (questions fill at most about a third of the sample), then (only
     when ``k > 1``) ``k // 2`` of them, drawn at random, asked again. A repeated question's answer can be
@@ -448,7 +452,7 @@ def _asked(rng: random.Random, n_keys: int, queries: int, length: int) -> list[i
     if queries < 1:
         raise ValueError(f"queries must be >= 1, got {queries}")
     first = list(range(min(queries, n_keys, max(1, length // QUERY_TOKENS))))
-    return first + (rng.sample(first, len(first) // 2) if len(first) > 1 else [])
+    return first + (rng.sample(first, len(first) // 2) if repeat and len(first) > 1 else [])
 
 
 def _order_chains(pieces: list[Piece], statements: list[tuple[int, int, str]]) -> list[Piece]:

@@ -4,7 +4,8 @@ The long-context tasks (``m3_niah_single``, ``m3_niah_multikey``, ``m3_kv``, ``m
 ``m3_vt_value``) build their data at load time (``accuracy.retrieval.docs``) from the metadata the runner
 passes (``--metadata`` on the lm_eval command line): ``max_seq_lengths`` (list of token lengths),
 ``num_samples`` (per length: samples ``0 .. num_samples - 1``) or ``sample_ids`` (the sample indices to
-generate), ``num_depths`` (needle depth grid), ``seed``, and the tokenizer of the served model under
+generate), ``num_depths`` (needle depth grid), ``seed``, ``questions`` (questions per context, for the
+tasks that take several: ``retrieval.max_questions``), and the tokenizer of the served model under
 ``tokenizer`` (or ``pretrained`` / ``model``, which lm-eval copies from ``--model_args``).
 """
 
@@ -16,7 +17,8 @@ import datasets
 
 from accuracy import needle, retrieval
 
-DEFAULTS = {"max_seq_lengths": [4096], "num_samples": 20, "num_depths": 10, "seed": 0, "sample_ids": None}
+DEFAULTS = {"max_seq_lengths": [4096], "num_samples": 20, "num_depths": 10, "seed": 0, "sample_ids": None,
+            "questions": 1}
 MULTIKEY_KEYS = retrieval.NEEDLE_KEYS["m3_niah_multikey"]  # needles in a multi-key sample: one asked for
 
 
@@ -34,8 +36,9 @@ def _long_dataset(task: str, kwargs) -> dict:
     if isinstance(lengths, (int, str)):
         lengths = [lengths]
     ids = range(int(opts["num_samples"])) if opts["sample_ids"] is None else opts["sample_ids"]
+    questions = min(int(opts["questions"]), retrieval.max_questions(task))  # up to that many where the task can
     docs = retrieval.docs(task, _tokenizer_name(kwargs), [int(n) for n in lengths], ids, int(opts["seed"]),
-                          int(opts["num_depths"]))
+                          int(opts["num_depths"]), questions)
     return {"test": datasets.Dataset.from_list(docs)}
 
 

@@ -39,7 +39,9 @@
 # dense"), MAX_FORMATS (1), LARGE_FORMATS ("fp8 mxfp4"), N_LARGE (1000), N_SMALL (100), TASKS ("m3_niah_single
 # m3_niah_multikey m3_kv_64 m3_vt_value": kv at 64 pairs and vt asking a value, the variants the medium model
 # can fail or pass at every length, docs/accuracy.md section 5; m3_kv and m3_vt are the drawn ones),
-# LENGTHS ("8192 32768 65536 131072"), CHUNK (4), CONCURRENCY (8), AGREE_FORMATS ("bf16 fp8 mxfp4
+# LENGTHS ("8192 32768 65536 131072"), CHUNK (4), QUESTIONS (1: questions per context where a task takes several,
+# multi-key up to 4, m3_kv_64 up to 16; a multiple of it as CHUNK keeps a context's questions in one round so the
+# radix cache prefills it once), CONCURRENCY (8), AGREE_FORMATS ("bf16 fp8 mxfp4
 # mxfp4_rot"), AGREE_SAMPLES (4), AGREE_LENGTHS (LENGTHS), LAUNCH_ARGS (replaces the server arguments below),
 # RUN_DIR, OUT, RESUME, FRESH=1 (drop $RUN_DIR's state first), PYTHON (python3), DEVICE (cuda; cpu: no
 # bundle, the CPU server arguments, for the smoke test tests/scripts/test_accuracy_h200.py).
@@ -63,6 +65,7 @@ N_SMALL="${N_SMALL:-100}"
 TASKS="${TASKS:-m3_niah_single m3_niah_multikey m3_kv_64 m3_vt_value}"
 LENGTHS="${LENGTHS:-8192 32768 65536 131072}"
 CHUNK="${CHUNK:-4}"
+QUESTIONS="${QUESTIONS:-1}"
 CONCURRENCY="${CONCURRENCY:-8}"
 AGREE_FORMATS="${AGREE_FORMATS-bf16 fp8 mxfp4 mxfp4_rot}"  # set empty: no agreement
 AGREE_SAMPLES="${AGREE_SAMPLES:-4}"
@@ -141,6 +144,7 @@ done
 # shellcheck disable=SC2086
 ACC=("$PYTHON" -m accuracy.run --model "$MODEL" --formats $FORMATS --baseline fp8 --tasks $TASKS
      --lengths $LENGTHS --samples "$N_SMALL" --format-samples "${format_samples[@]}" --chunk "$CHUNK"
+     --questions "$QUESTIONS"
      --concurrency "$CONCURRENCY" --max-formats "$MAX_FORMATS" --resume --out "$RUN_DIR/acc")
 acc_s=$(( $(left) - $(agreement_done && echo 0 || echo "$AGREE_S") ))
 acc_rc=0

@@ -95,3 +95,25 @@ def test_a_grown_pool_gives_the_fresh_pool_s_sample(tokenizer):
     for n_keys in (1, 4):
         fresh = needle.make_sample(tokenizer, needle._Pool(tokenizer), 3000, 40.0, n_keys, random.Random("a"), 0)
         assert needle.make_sample(tokenizer, grown, 3000, 40.0, n_keys, random.Random("a"), 0) == fresh
+
+
+def test_questions_share_one_context(tokenizer):
+    docs = needle.generate(tokenizer, [1024, 2048], 0, 4, 4, seed=3, sample_ids=[5, 4, 7, 1], questions=4)
+    assert [d["sample"] for d in docs] == [5, 4, 7, 1] * 2 and [d["question"] for d in docs[:4]] == [1, 0, 3, 1]
+    by = {}
+    for d in docs:
+        assert d["context"] == d["sample"] // 4 and d["question"] == d["sample"] % 4
+        assert d["tokens"] == len(tokenizer(d["input"], add_special_tokens=False)["input_ids"])
+        assert d["tokens"] <= d["length"] - needle.GEN_TOKENS and d["target"] in d["input"]
+        assert f'"{d["key"]}" is' in d["input"].rsplit("Question:", 1)[1]  # each asks its own needle
+        by.setdefault((d["length"], d["context"]), []).append(d)
+    for group in by.values():
+        contexts = {d["input"].rsplit("\n\nQuestion:", 1)[0] for d in group}
+        assert len(contexts) == 1 and len({d["target"] for d in group}) == len(group)
+    # Asked alone, a sample is the same; with one question a context is the plain sample.
+    assert needle.generate(tokenizer, [1024], 0, 4, 4, seed=3, sample_ids=[7], questions=4)[0] == docs[2]
+    plain = needle.generate(tokenizer, [1024], 2, 4, 4, seed=3)
+    assert all("context" not in d for d in plain)
+    assert plain != needle.generate(tokenizer, [1024], 2, 4, 4, seed=3, questions=2)[:2]
+    with pytest.raises(ValueError, match=r"questions must be in \[1, n_keys = 4\]"):
+        needle.generate(tokenizer, [1024], 1, 4, 4, seed=3, questions=5)

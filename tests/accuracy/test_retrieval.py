@@ -172,6 +172,37 @@ def test_fixed_parameters_are_checked(task, params, rule):
         gen.sample(task, random.Random(0), 2048, **params)
 
 
+@pytest.mark.parametrize(("task", "q"), [("m3_kv_64", 8), ("m3_kv", 4), ("m3_niah_multikey", 4)])
+def test_several_questions_on_one_context(task, q):
+    tok = retrieval.tokenizer(MSA)
+    ids = [0, 1, q + 2, 2 * q - 1]
+    docs = retrieval.docs(task, MSA, [2048, 4096], ids, questions=q)
+    assert [d["sample"] for d in docs] == ids * 2
+    by = {}
+    for d in docs:
+        assert d["context"] == d["sample"] // q and d["question"] == d["sample"] % q
+        tokens = len(tok(d["input"], add_special_tokens=False)["input_ids"])
+        assert tokens <= d["length"] - retrieval.gen_tokens(task) and abs(tokens - d["tokens"]) <= 2
+        assert d["target"] in d["input"] and 0 <= d["depth"] <= 100
+        by.setdefault((d["length"], d["context"]), []).append(d)
+    for group in by.values():  # the prompts differ only in their question: one prefill
+        heads = {d["input"].rsplit("\n\nQuestion:", 1)[0] for d in group}
+        assert len(heads) == 1 and len({d["target"] for d in group}) == len(group)
+    again = retrieval.docs(task, MSA, [4096], [ids[2]], questions=q)  # alone, the same
+    retrieval.clear_cache()
+    assert again == retrieval.docs(task, MSA, [4096], [ids[2]], questions=q) == [docs[6]]
+    if task != "m3_niah_multikey":
+        value = re.compile(r'^"[^"\n]+": (\d{7})$', re.M)
+        for d in docs:  # the asked value is one of the context's kv lines
+            assert d["target"] in value.findall(d["input"])
+
+
+@pytest.mark.parametrize("task", ["m3_niah_single", "m3_vt", "m3_vt_value", "m3_kv"])
+def test_questions_beyond_what_a_task_takes_are_refused(task):
+    with pytest.raises(ValueError, match=rf"questions must be in \[1, {retrieval.max_questions(task)}\] for {task}"):
+        retrieval.docs(task, MSA, [4096], [0], questions=retrieval.max_questions(task) + 1)
+
+
 def test_evaluation_haystack_is_the_needles_and_never_training_s():
     assert data.EVAL_HAYSTACK_SEED == needle._POOL_SEED
     tok = retrieval.tokenizer(MSA).backend_tokenizer
@@ -203,3 +234,13 @@ def test_lm_eval_loads_the_tasks_offline():
         assert task.process_results(docs[0], [right]) == {"acc": 1.0}
         assert task.process_results(docs[0], [" 0" + docs[0]["target"] + "."]) == {"acc": 0.0}
 
+
+
+def test_the_accuracy_tools_load_our_tokenizer_without_the_model_type_warning():
+    import subprocess
+    import sys
+
+    code = f"from accuracy import retrieval; retrieval.tokenizer({MSA!r})"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "to instantiate a model of type" not in res.stdout + res.stderr

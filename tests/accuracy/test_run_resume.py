@@ -101,6 +101,27 @@ def test_saved_rates_predict_the_first_round_of_the_next_run(tmp_path, fake_comp
         assert len(b.prompts) == served + 8
 
 
+def test_questions_per_context_are_pinned_and_clustered(tmp_path, fake_completions, wrong_rule):
+    out = tmp_path / "acc"
+    with fake_completions() as a, fake_completions(wrong=wrong_rule) as b:
+        urls = {"fp8": a.url, "mxfp4": b.url}
+        summary = run.compare_formats(_argv(out, urls, "--samples", "4", "--questions", "4"))
+        rows = _rows(out, "fp8", "m3_kv")
+        assert sorted(r["context"] for r in rows) == [0] * 4 * 2  # 4 questions on context 0, at each length
+        assert all("context" not in r for r in _rows(out, "fp8", "m3_vt"))  # vt takes one question a context
+        assert len(set(a.prompts)) == len(a.prompts) == 4 * 4 * 2  # 4 tasks x 4 samples x 2 lengths, all new
+        pairs = summary["pairs"]["mxfp4"]["tasks"]
+        for task, method in (("m3_kv", "tango_rao_scott"), ("m3_niah_multikey", "tango_rao_scott"),
+                             ("m3_vt", "tango"), ("m3_niah_single", "tango")):
+            group = pairs[task][0]["paired"]["mxfp4"]
+            assert group["ci_method"] == method, task
+            if method == "tango_rao_scott":
+                assert group["clusters"] == 1 and group["design_effect"] == 4.0  # one context: 4 alike
+        assert "Rao-Scott clustered" in (out / "report.md").read_text()
+        with pytest.raises(ValueError, match="questions"):  # the prompts differ: the state is another run's
+            run.compare_formats(_argv(out, urls, "--samples", "4", "--questions", "2"))
+
+
 def test_plan_rounds_groups_cells_missing_the_same_samples():
     done = {"m3_kv": {"1024/0", "1024/1", "2048/0"}, "m3_vt": set()}
     rounds = run.plan_rounds(["m3_kv", "m3_vt"], [1024, 2048], n=3, chunk=2, done=done)

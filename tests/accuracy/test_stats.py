@@ -8,8 +8,11 @@ import pytest
 from scipy.optimize import minimize_scalar
 from scipy.stats import binomtest, multinomial, norm
 
-from accuracy.stats import (agreement, compare_counts, compare_paired, discordant, is_binary, mcnemar_exact,
-                            newcombe_interval, paired_bootstrap, tango_interval, wilson_interval)
+from scipy.stats import chi2
+
+from accuracy.stats import (agreement, compare_clustered, compare_counts, compare_paired, design_effect, discordant,
+                            is_binary, mcnemar_clustered, mcnemar_exact, newcombe_interval, paired_bootstrap,
+                            tango_interval, wilson_interval)
 
 Z95 = float(norm.ppf(0.975))
 
@@ -308,3 +311,102 @@ def test_compare_counts_matches_compare_paired():
 def test_bad_arguments_are_named(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# -- clustered pairs (several questions on one context) -----------------------------------------------------
+
+
+def _design_effect_oracle(a, b, clusters):
+    """The Rao-Scott ratio written out in plain float arithmetic (before clamping)."""
+    d = [float(y) - float(x) for x, y in zip(a, b)]
+    n, dbar = len(d), sum(d) / len(d)
+    labels = sorted(set(clusters))
+    totals = {c: sum(di for di, ci in zip(d, clusters) if ci == c) for c in labels}
+    sizes = {c: sum(1 for ci in clusters if ci == c) for c in labels}
+    between = len(labels) / (len(labels) - 1) * sum((totals[c] - sizes[c] * dbar) ** 2 for c in labels)
+    iid = n / (n - 1) * sum((di - dbar) ** 2 for di in d)
+    return between / iid
+
+
+def test_design_effect_hand_cases():
+    rng = np.random.default_rng()
+    a = rng.integers(0, 2, 20)
+    b = np.where(rng.random(20) < 0.6, 1 - a, a)  # many discordant pairs
+    while np.count_nonzero(b - a) < 10:
+        b = 1 - a
+    twice_a, twice_b = np.repeat(a, 2), np.repeat(b, 2)  # each context's two questions alike
+    clusters = np.repeat(np.arange(20), 2)
+    assert design_effect(twice_a, twice_b, clusters) == 2.0  # (2C - 1) / (C - 1) > 2: clamped to the size
+    # Opposite answers within every context: the totals cancel, the ratio falls below 1 and is clamped up.
+    a2, b2 = np.tile([0.0, 1.0], 20), np.tile([1.0, 0.0], 20)
+    assert design_effect(a2, b2, clusters) == 1.0
+    # Fewer than 10 discordant pairs: the ratio is not estimated; the largest context counts as one sample.
+    a3, b3 = np.zeros(40), np.zeros(40)
+    b3[:9] = 1.0
+    assert design_effect(a3, b3, list(clusters[:-1]) + [99]) == 2.0
+    assert design_effect(a3, b3, range(40)) == 1.0  # no context holds two pairs
+
+
+def test_design_effect_matches_the_oracle_on_fresh_clustered_data():
+    rng = np.random.default_rng()
+    for _ in range(20):
+        sizes = rng.integers(1, 9, 25)
+        clusters = np.repeat(np.arange(25), sizes)
+        tilt = np.repeat(rng.random(25), sizes)  # a context's questions lean the same way
+        a = (rng.random(len(clusters)) < 0.7).astype(float)
+        b = np.where(rng.random(len(clusters)) < tilt * 0.5, 1 - a, a)
+        if np.count_nonzero(b - a) < 10:
+            continue
+        want = min(max(_design_effect_oracle(a, b, list(clusters)), 1.0), float(sizes.max()))
+        assert design_effect(a, b, clusters) == pytest.approx(want, rel=1e-12)
+
+
+def test_clustered_mcnemar_hand_computed():
+    # Context differences (b - a summed): +1, +1, -1, +2, 0: statistic 3^2 / (1 + 1 + 1 + 4).
+    a = [0, 0, 1, 0, 0, 1, 1]
+    b = [1, 1, 0, 1, 1, 1, 1]
+    clusters = ["p", "q", "r", "s", "s", "t", "t"]
+    assert mcnemar_clustered(a, b, clusters) == pytest.approx(float(chi2.sf(9 / 7, 1)), rel=1e-12)
+    assert mcnemar_clustered([1, 0], [1, 0], ["x", "x"]) == 1.0
+
+
+def test_clustered_interval_is_tango_on_the_effective_counts():
+    # No discordant pair in 40 pairs of 10 contexts: the design effect is the context size, so the
+    # interval is that of 10 independent pairs (+-z^2 / (10 + z^2)), not of 40.
+    a = b = [1.0] * 40
+    r = compare_clustered(a, b, [i // 4 for i in range(40)])
+    lo, hi = tango_interval(0, 0, 10)
+    assert (r.ci_lo, r.ci_hi) == pytest.approx((lo, hi), abs=1e-9) and r.ci_method == "tango_rao_scott"
+    assert r.clusters == 10 and r.design_effect == 4.0 and r.n == 40 and r.p_mcnemar == 1.0
+    assert hi == pytest.approx(Z95**2 / (10 + Z95**2), abs=1e-9)
+    # compare_paired takes the clustered path only when some context holds two or more pairs.
+    assert compare_paired(a, b, clusters=[i // 4 for i in range(40)]).ci_method == "tango_rao_scott"
+    plain = compare_paired(a, b, clusters=range(40))
+    assert plain.ci_method == "tango" and plain.ci_hi == pytest.approx(tango_interval(0, 0, 40)[1])
+    with pytest.raises(ValueError, match="clusters must name one cluster per pair"):
+        compare_paired(a, b, clusters=[0] * 39)
+
+
+def test_clustered_coverage_holds_where_the_plain_interval_fails():
+    # 40 contexts of 8 questions; a context is "hard" with probability 0.3 and then each question is
+    # discordant with probability 0.6, all in the context's own direction (+-1 at random, so the true
+    # difference is 0). The plain Tango interval treats the 320 pairs as independent and misses 0 far
+    # more often than 5% of the time; the Rao-Scott one stays near its 95%.
+    rng = np.random.default_rng()
+    reps, cover_plain, cover_rs = 300, 0, 0
+    clusters = np.repeat(np.arange(40), 8)
+    for _ in range(reps):
+        hard = np.repeat(rng.random(40) < 0.3, 8)
+        sign = np.repeat(rng.choice([-1.0, 1.0], 40), 8)
+        flip = hard & (rng.random(320) < 0.6)
+        a = np.ones(320)
+        b = a.copy()
+        b[flip & (sign < 0)] = 0.0  # b loses the question
+        a[flip & (sign > 0)] = 0.0  # a loses it
+        n10, n01 = discordant(a, b)
+        lo, hi = tango_interval(n10, n01, 320)
+        cover_plain += lo <= 0.0 <= hi
+        r = compare_clustered(a, b, clusters)
+        cover_rs += r.ci_lo <= 0.0 <= r.ci_hi
+    assert cover_rs / reps >= 0.90
+    assert cover_plain / reps <= 0.80
