@@ -1,6 +1,6 @@
 """Documents of the long-context lm-eval tasks, each sample seeded by its own index.
 
-Four tasks (``TASKS``, lm-eval names):
+Six tasks (``TASKS``, lm-eval names):
 
 - ``m3_niah_single``, ``m3_niah_multikey``: needles of ``accuracy.needle`` (1 and 4 needles, the
   queried one at a depth of the ``num_depths`` grid), scored by ``accuracy.needle.score`` (the 7 digits
@@ -27,6 +27,11 @@ of the served model's tokenizer: a prompt has at most ``L - gen_tokens(task)`` t
 generation fit ``L``. For ``m3_kv`` / ``m3_vt`` the count is the generator's (the sum of its pieces'
 tokens, equal to the prompt's own tokenization for tokenizers whose pre-tokenizer splits at spaces and
 newlines, as the training tokenizer's does; ``tests/accuracy/test_retrieval.py`` checks it).
+
+Several questions per context (``docs(questions=q)``, the tasks of ``QUESTIONS_MAX``): sample ``i`` is
+question ``i % q`` on context ``i // q``, a pure function of ``(task, L, i // q, q, seed)``; the
+context's prompts differ only after the context, so a prefix cache prefills it once, and the report
+counts the context as one cluster (``accuracy.stats.compare_clustered``).
 
 Doc fields: ``input`` (prompt), ``target`` (the answer without its leading space and final period: the
 digits, or the names joined by ``", "``), ``length``, ``depth`` (percent: needles, their grid depth; kv
