@@ -394,6 +394,11 @@ def read_samples(out: Path, fmt: str, settings: dict) -> tuple[dict, list[int]] 
 # Resumable runs (--resume): per-sample rows appended as they come, skipped when run again
 
 
+def _questions_setting(args):
+    """``--questions`` as the saved settings hold it: None for 1, so runs from before the option still match."""
+    return None if args.questions == 1 else args.questions
+
+
 RESUME_IDENTITY = ("model", "tokenizer", "depths", "seed", "max_gen_toks", "api", "dense_topk_blocks",
                    "docs_version", "questions")
 
@@ -717,12 +722,11 @@ def main(argv=None) -> None:
     compare_formats(argv)
 
 
-_register_m3_config = retrieval.register_m3_config  # lm-eval loads the model folder's tokenizer in this process
 
 
 def compare_formats(argv=None) -> dict:
     """Run the comparison for command-line ``argv``; returns the summary written to results.json."""
-    _register_m3_config()
+    retrieval.register_m3_config()  # lm-eval loads the model folder's tokenizer in this process
     args, formats, launch_args = parse_command_line(build_parser(), argv)
     _check_counts(args)
     baseline = resolve_baseline(args.baseline, formats)
@@ -757,7 +761,7 @@ def compare_formats(argv=None) -> dict:
                     "samples": args.samples, "depths": args.depths, "seed": args.seed, "limit": args.limit,
                     "max_gen_toks": args.max_gen_toks, "api": args.api,
                     "dense_topk_blocks": dense_topk if fmt == DENSE else None, "docs_version": retrieval.DOCS_VERSION,
-                    "questions": None if args.questions == 1 else args.questions}  # None: as before the option
+                    "questions": _questions_setting(args)}
         saved = read_samples(args.out, fmt, settings) if args.reuse else None
         if saved is not None:
             per_format[fmt], lengths = saved
@@ -793,7 +797,7 @@ def _compare_resumable(args, formats, launch_args, urls, dense, tokenizer, targe
         return {"model": args.model, "tokenizer": tokenizer, "depths": args.depths, "seed": args.seed,
                 "max_gen_toks": args.max_gen_toks, "api": args.api,
                 "dense_topk_blocks": dense_topk if fmt == DENSE else None, "docs_version": retrieval.DOCS_VERSION,
-                "questions": None if args.questions == 1 else args.questions}  # None: as before the option
+                "questions": _questions_setting(args)}
 
     t0 = time.time()
     logs, errors = _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, identity)

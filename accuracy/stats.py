@@ -215,38 +215,39 @@ def design_effect(a, b, clusters, min_discordant: int = DEFF_MIN_DISCORDANT) -> 
     pairs were independent (``N / (N - 1) sum (d - dbar)^2``), clamped to ``[1, max n_c]``; ``max n_c``
     (every pair of a cluster alike: the clusters count as the samples) when fewer than
     ``min_discordant`` pairs are discordant, where the ratio cannot be estimated."""
-    a, b = _check_pair(a, b)
-    clusters = list(clusters)
-    if len(clusters) != len(a):
-        raise ValueError(f"clusters must name one cluster per pair, got {len(clusters)} for {len(a)} pairs")
-    d = np.asarray(b) - np.asarray(a)
-    keys, index = np.unique(np.asarray([str(c) for c in clusters]), return_inverse=True)
-    sizes = np.bincount(index, minlength=len(keys))
+    d, totals, sizes = _cluster_totals(a, b, clusters)
     largest = float(sizes.max()) if len(sizes) else 1.0
-    if len(keys) < 2 or int(np.count_nonzero(d)) < min_discordant:
+    if len(sizes) < 2 or int(np.count_nonzero(d)) < min_discordant:
         return max(1.0, largest)
     n, dbar = len(d), float(d.mean())
     iid = n / (n - 1) * float(((d - dbar) ** 2).sum())
-    totals = np.bincount(index, weights=d, minlength=len(keys))
-    between = len(keys) / (len(keys) - 1) * float(((totals - sizes * dbar) ** 2).sum())
+    between = len(sizes) / (len(sizes) - 1) * float(((totals - sizes * dbar) ** 2).sum())
     if iid <= 0.0:
         return max(1.0, largest)
     return float(min(max(between / iid, 1.0), largest))
+
+
+def _cluster_totals(a, b, clusters) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(d, totals, sizes)``: the pairs' ``b - a``, and per cluster (labels compared as strings) its sum
+    of ``d`` and its pair count."""
+    a, b = _check_pair(a, b)
+    labels = [str(c) for c in clusters]
+    if len(labels) != len(a):
+        raise ValueError(f"clusters must name one cluster per pair, got {len(labels)} for {len(a)} pairs")
+    d = np.asarray(b) - np.asarray(a)
+    keys, index = np.unique(np.asarray(labels), return_inverse=True)
+    return d, np.bincount(index, weights=d, minlength=len(keys)), np.bincount(index, minlength=len(keys))
 
 
 def mcnemar_clustered(a, b, clusters) -> float:
     """Two-sided p of Durkalski et al.'s (2003, Statistics in Medicine 22:2417-2428) McNemar test for
     clustered pairs: ``(sum_c (n01_c - n10_c))^2 / sum_c (n01_c - n10_c)^2`` against chi-square(1); 1
     when no cluster has a discordance difference."""
-    a, b = _check_pair(a, b)
-    totals: dict = {}
-    for x, y, c in zip(a, b, clusters):
-        totals[str(c)] = totals.get(str(c), 0.0) + (y - x)
-    diffs = np.asarray(list(totals.values()))
-    denominator = float((diffs**2).sum())
+    _, totals, _ = _cluster_totals(a, b, clusters)
+    denominator = float((totals**2).sum())
     if denominator == 0.0:
         return 1.0
-    return float(chi2.sf(float(diffs.sum()) ** 2 / denominator, 1))
+    return float(chi2.sf(float(totals.sum()) ** 2 / denominator, 1))
 
 
 def compare_clustered(a, b, clusters, confidence: float = 0.95) -> "PairedResult":
@@ -254,18 +255,17 @@ def compare_clustered(a, b, clusters, confidence: float = 0.95) -> "PairedResult
     Tango's interval on the Rao-Scott effective counts (each count divided by ``design_effect``), the
     clustered McNemar p (``mcnemar_clustered``); ``ci_method`` "tango_rao_scott"."""
     a, b = _check_pair(a, b)
-    _check_confidence(confidence)
     if not is_binary(a, b):
         raise ValueError("compare_clustered needs 0/1 scores")
     n10, n01 = discordant(a, b)
     n11 = sum(1 for x, y in zip(a, b) if x == 1.0 and y == 1.0)
     n = len(a)
+    plain = compare_counts(n11, n10, n01, n - n11 - n10 - n01, confidence)  # the counts' fields; its intervals go
     deff = design_effect(a, b, clusters)
     lo, hi = _tango(n10 / deff, n01 / deff, n / deff, confidence)
-    return PairedResult(n=n, acc_a=(n11 + n10) / n if n else 0.0, acc_b=(n11 + n01) / n if n else 0.0,
-                        agreement=agreement(a, b), n10=n10, n01=n01, p_mcnemar=mcnemar_clustered(a, b, clusters),
-                        diff=(n01 - n10) / n if n else 0.0, ci_lo=lo, ci_hi=hi, ci_method="tango_rao_scott",
-                        confidence=confidence, clusters=len({str(c) for c in clusters}), design_effect=deff)
+    return dataclasses.replace(plain, p_mcnemar=mcnemar_clustered(a, b, clusters), ci_lo=lo, ci_hi=hi,
+                               ci_method="tango_rao_scott", newcombe_lo=None, newcombe_hi=None,
+                               clusters=len({str(c) for c in clusters}), design_effect=deff)
 
 
 @dataclasses.dataclass
