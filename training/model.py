@@ -59,7 +59,13 @@ from m3_kernels.ops.select import select_blocks, visible_blocks
 
 ATTENTION_MODES = ("dense", "sparse")
 SPARSE_BACKENDS = ("auto", "flex", "masked")
-_CHUNK_ELEMENTS = 2**27  # fp32 elements of one [B, H, rows, keys] temporary (512 MiB)
+_CHUNK_ELEMENTS = 2**27  # fp32 elements of one [B, H, rows, keys] temporary on a GPU (512 MiB)
+_CPU_CHUNK_ELEMENTS = 2**22  # on the CPU (16 MiB): cache-sized temporaries ran 2.5-3.4x faster on a 2-core box
+
+
+def _chunk_elements(device: torch.device) -> int:
+    """Elements of one chunked temporary on ``device``."""
+    return _CHUNK_ELEMENTS if device.type == "cuda" else _CPU_CHUNK_ELEMENTS
 
 
 # ---- config ------------------------------------------------------------------------------------
@@ -487,7 +493,7 @@ def block_max_scores(iq: torch.Tensor, ik: torch.Tensor, block_size: int, scale:
     B, T, H, _ = iq.shape
     nb = -(-T // block_size)
     out = torch.full((B, H, T, nb), float("-inf"), dtype=torch.float32, device=iq.device)
-    chunk = max(block_size, _CHUNK_ELEMENTS // max(1, B * H * T) // block_size * block_size)
+    chunk = max(block_size, _chunk_elements(iq.device) // max(1, B * H * T) // block_size * block_size)
     pos = torch.arange(T, device=iq.device)
     with torch.autocast(iq.device.type, enabled=False):
         for r0 in range(0, T, chunk):
@@ -516,7 +522,7 @@ def row_block_attention(q, k, rows, block_size: int, scale: float) -> torch.Tens
     nb = -(-T // block_size)
     R = rows.shape[1]
     out = torch.empty(B, hq, R, nb, dtype=torch.float32, device=q.device)
-    chunk = max(1, _CHUNK_ELEMENTS // max(1, B * hq * T))
+    chunk = max(1, _chunk_elements(q.device) // max(1, B * hq * T))
     kf = k.float()
     for r0 in range(0, R, chunk):
         r = rows[:, r0 : r0 + chunk]
@@ -593,7 +599,7 @@ def masked_sparse_attention(q, k, v, sel, scale: float, block_size: int) -> torc
     g = hq // hkv
     out = torch.empty_like(q)
     token_block = torch.arange(T, device=q.device) // block_size
-    chunk = max(block_size, _CHUNK_ELEMENTS // max(1, B * hq * T))
+    chunk = max(block_size, _chunk_elements(q.device) // max(1, B * hq * T))
     for r0 in range(0, T, chunk):
         r1 = min(T, r0 + chunk)
         qc = q[:, :, r0:r1].reshape(B, hkv, g, r1 - r0, D)

@@ -21,7 +21,10 @@ construction and modules:
   calls are ``torch.compile`` functions, which on a CPU compile C++ at the first prefill and again
   at the first decode (tens of seconds on a 2-core box, paid by the first request); off CUDA the
   same formulas run eagerly (the MoE one by replacing the name in ``fused_moe_native``, the module
-  that calls it, when this model is built).
+  that calls it, when this model is built);
+- vocab-parallel embedding (TP > 1): SGLang masks the ids outside a rank's vocab shard with a
+  ``torch.compile`` function, compiled in every rank at the first request (20-45 s on a 2-core box);
+  off CUDA its undecorated original (``__wrapped__``) runs instead.
 
 On ROCm, SGLang's fused norm + RoPE + cache-store kernel writes bf16 index keys into the cache
 itself; with a quantized index cache the pool's writer must do it, so that fusion is switched
@@ -145,6 +148,16 @@ def _fp32_router_logits(moe: MiniMaxM3MoE, hidden_states: torch.Tensor) -> torch
     return torch.nn.functional.linear(hidden_states.float(), moe.gate.weight.float())
 
 
+def _vocab_shard_mask_eager() -> None:
+    """At TP > 1 SGLang's vocab-parallel embedding masks the ids outside a rank's shard with a ``torch.compile``
+    function, compiled in every rank at the first request (20-45 s on a 2-core box); off CUDA its undecorated
+    original runs instead (same ops)."""
+    from sglang.srt.layers import vocab_parallel_embedding
+
+    compiled = vocab_parallel_embedding.get_masked_input_and_mask
+    vocab_parallel_embedding.get_masked_input_and_mask = getattr(compiled, "__wrapped__", compiled)
+
+
 class MiniMaxM3SparseForCausalLM(_UpstreamM3):
     """SGLang's MiniMax-M3 model, servable on a CPU (see the module docstring)."""
 
@@ -159,6 +172,7 @@ class MiniMaxM3SparseForCausalLM(_UpstreamM3):
             from sglang.srt.layers.moe import fused_moe_native
 
             fused_moe_native.swiglu_gpt_oss_sigmoid_alpha = swiglu_interleaved_eager
+            _vocab_shard_mask_eager()
             for module in self.modules():
                 if isinstance(module, MiniMaxM3Attention):
                     for name in PER_HEAD_NORMS:

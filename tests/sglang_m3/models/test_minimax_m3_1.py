@@ -96,3 +96,22 @@ def test_cpu_norm_rope_equals_sglangs_norm_then_rope_bitwise(gen, monkeypatch):
         got = mine(attn, positions, a, b)
         for g, w in zip(got, want):
             assert g.dtype == torch.bfloat16 and g.shape == w.shape and torch.equal(g, w)
+
+
+def test_vocab_shard_mask_runs_eagerly_off_cuda(monkeypatch):
+    """At TP > 1 the embedding's id mask is SGLang's ``torch.compile`` function; the CPU fix swaps in its
+    undecorated original, which gives the same ids and mask (a rank holding ids 1000..1999 of 4000)."""
+    from sglang.srt.layers import vocab_parallel_embedding
+
+    from sglang_m3.models.minimax_m3_1 import _vocab_shard_mask_eager
+
+    compiled = vocab_parallel_embedding.get_masked_input_and_mask
+    assert hasattr(compiled, "_torchdynamo_orig_callable")  # what SGLang ships: a compiled wrapper
+    monkeypatch.setattr(vocab_parallel_embedding, "get_masked_input_and_mask", compiled)
+    _vocab_shard_mask_eager()
+    eager = vocab_parallel_embedding.get_masked_input_and_mask
+    assert not hasattr(eager, "_torchdynamo_orig_callable") and eager is compiled._torchdynamo_orig_callable
+    ids = torch.tensor([0, 999, 1000, 1500, 1999, 2000, 3999])
+    got_ids, got_mask = eager(ids, 1000, 2000, 0, 4000, 4000)
+    assert got_ids.tolist() == [0, 0, 0, 500, 999, 0, 0]
+    assert got_mask.tolist() == [True, True, False, False, False, True, True]
