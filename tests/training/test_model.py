@@ -518,10 +518,13 @@ def test_sglang_serves_the_exported_checkpoint_like_the_torch_model(gen, tmp_pat
                   f"{int(steady.sum())} rows without a near-tie flip: max {diff[steady].max():.4f}")
             # A row whose selection flipped at a near-tie attends to another block; only the mean bounds it.
             assert diff.mean() < LOGPROB_MEAN_TOL and diff[steady].max() < LOGPROB_MAX_TOL
-            # greedy: each served token is the torch argmax, or within a tie of it
+            # greedy: each served token is the torch argmax, or within a tie of it. Two tokens' logprobs can each be
+            # off by the error seen on this prompt's steady rows, so a tie is up to twice that (at least 0.1 nats):
+            # seed 722895278 served a token 0.1245 below torch's argmax with a steady-row error of 0.0825.
+            tie = max(0.1, 2 * float(diff[steady].max()))
             for i, tok in enumerate(new):
                 row = lp[len(prompt) - 1 + i]
-                assert not steady[len(prompt) - 1 + i] or row.max() - row[tok] < 0.1, (i, tok, int(row.argmax()))
+                assert not steady[len(prompt) - 1 + i] or row.max() - row[tok] < tie, (i, tok, int(row.argmax()), tie)
             if length > TOPK * BLOCK:
                 late = slice(TOPK * BLOCK, n)  # rows that see 17+ blocks
                 dense_ours = dense_logits[0, :n].log_softmax(-1)[torch.arange(n), targets]
