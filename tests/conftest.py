@@ -3,10 +3,10 @@ can be replayed with ``M3_TEST_SEED=<seed>``.
 
 The whole suite (``pytest`` with no paths, i.e. the README's command) runs on ``SUITE_WORKERS`` pytest-xdist
 workers when xdist is installed (the ``test`` extra brings it) and no ``-n`` was given: one test file per
-worker at a time (module-scoped servers stay one per file), the longest files first (``LONG_FILES``), then in
-collection order. xdist's own reordering by test count is turned off: it had handed out the one-test files last,
-so a 37-s file ended the run alone (7 min 22-28 s against 6 min 47 s, 2026-12-02). Three workers were no faster.
-``-n 0`` runs it in one process; a run naming paths is not changed.
+worker at a time (module-scoped servers stay one per file), in collection order (handing the server files
+out first made them run side by side, each slower: 10 min 16 s against 7 min 17 s). Most of the suite's time
+is server start-ups, which are largely single-threaded imports, so two workers fit a 2-core box. ``-n 0``
+runs it in one process; a run naming paths is not changed.
 """
 
 import importlib.util
@@ -29,7 +29,6 @@ def pytest_cmdline_main(config):
         return
     config.option.numprocesses = SUITE_WORKERS
     config.option.dist = "loadfile"
-    config.option.loadscopereorder = False  # xdist would hand out files by test count, not in LONG_FILES order
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -63,22 +62,14 @@ def gen():
     return torch.Generator().manual_seed(seed)
 
 
-# Files whose tests take the longest on a 2-core box, longest first (test seconds in a quiet run of the README
-# suite, 2026-12-02): the suite's workers take whole files in this order (loadfile, xdist's reordering by test
-# count off), so the run ends on short files instead of one worker on a long one while the other waits.
-LONG_FILES = ("scripts/test_accuracy_h200.py",  # 136 s
-              "training/test_model.py",  # 75
-              "training/test_trained_checkpoint.py",  # 73
-              "sglang_m3/test_server.py",  # 69
-              "sglang_m3/test_tp.py",  # 50
-              "accuracy/test_agreement_e2e.py",  # 39
-              "kernels/ops/score/backends/test_cuda.py",  # 30
-              "scripts/test_train_msa_medium_h200.py",  # 30
-              "accuracy/test_run_resume.py",  # 29
-              "accuracy/test_run_e2e.py",  # 25
-              "training/test_train.py",  # 21
-              "sglang_m3/test_plugin.py",  # 21
-              "kernels/ops/score/backends/test_flydsl_isolated.py")  # 19
+# Files whose tests take minutes on a 2-core box (the CI and README runs of 2026-12-02), longest first. In the
+# suite, xdist's default reordering of files by test count (--loadscope-reorder) takes precedence, so this order
+# holds only for -n 0 runs. Turning the reordering off to hand these out first was measured on 2026-12-02: 6 min
+# 47 s quiet but 8 min 00 s in a fresh-clone CI run (the long server tests then run side by side, each slower),
+# against 7 min 22-28 s with xdist's order; not kept (docs/perf.md, ninth round).
+LONG_FILES = ("scripts/test_accuracy_h200.py", "training/test_trained_checkpoint.py", "sglang_m3/test_tp.py",
+              "training/test_model.py", "sglang_m3/test_server.py", "accuracy/test_run_e2e.py",
+              "accuracy/test_agreement_e2e.py")
 
 
 def _long_first(item) -> int:
