@@ -394,13 +394,17 @@ def read_samples(out: Path, fmt: str, settings: dict) -> tuple[dict, list[int]] 
 # Resumable runs (--resume): per-sample rows appended as they come, skipped when run again
 
 
-def _questions_setting(args):
-    """``--questions`` as the saved settings hold it: None for 1, so runs from before the option still match."""
-    return None if args.questions == 1 else args.questions
-
-
 RESUME_IDENTITY = ("model", "tokenizer", "depths", "seed", "max_gen_toks", "api", "dense_topk_blocks",
                    "docs_version", "questions")
+
+
+def _format_identity(args, tokenizer: str, fmt: str, dense_topk) -> dict:
+    """The ``RESUME_IDENTITY`` settings of ``fmt``'s samples in this run (``--questions`` 1 saved as None, so runs
+    from before the option still match)."""
+    return {"model": args.model, "tokenizer": tokenizer, "depths": args.depths, "seed": args.seed,
+            "max_gen_toks": args.max_gen_toks, "api": args.api,
+            "dense_topk_blocks": dense_topk if fmt == DENSE else None, "docs_version": retrieval.DOCS_VERSION,
+            "questions": None if args.questions == 1 else args.questions}
 
 
 class SampleLog:
@@ -722,8 +726,6 @@ def main(argv=None) -> None:
     compare_formats(argv)
 
 
-
-
 def compare_formats(argv=None) -> dict:
     """Run the comparison for command-line ``argv``; returns the summary written to results.json."""
     retrieval.register_m3_config()  # lm-eval loads the model folder's tokenizer in this process
@@ -757,11 +759,8 @@ def compare_formats(argv=None) -> dict:
 
     per_format, lengths = {}, args.lengths
     for fmt in tqdm(formats, desc="formats", unit="fmt"):
-        settings = {"model": args.model, "tokenizer": tokenizer, "tasks": args.tasks, "lengths": lengths,
-                    "samples": args.samples, "depths": args.depths, "seed": args.seed, "limit": args.limit,
-                    "max_gen_toks": args.max_gen_toks, "api": args.api,
-                    "dense_topk_blocks": dense_topk if fmt == DENSE else None, "docs_version": retrieval.DOCS_VERSION,
-                    "questions": _questions_setting(args)}
+        settings = {**_format_identity(args, tokenizer, fmt, dense_topk), "tasks": args.tasks, "lengths": lengths,
+                    "samples": args.samples, "limit": args.limit}
         saved = read_samples(args.out, fmt, settings) if args.reuse else None
         if saved is not None:
             per_format[fmt], lengths = saved
@@ -794,10 +793,7 @@ def _compare_resumable(args, formats, launch_args, urls, dense, tokenizer, targe
     """``--resume``: serve what is missing (``_run_resumable``), then report every candidate against the
     baseline on the samples both have (``report.build_pairs``)."""
     def identity(fmt):
-        return {"model": args.model, "tokenizer": tokenizer, "depths": args.depths, "seed": args.seed,
-                "max_gen_toks": args.max_gen_toks, "api": args.api,
-                "dense_topk_blocks": dense_topk if fmt == DENSE else None, "docs_version": retrieval.DOCS_VERSION,
-                "questions": _questions_setting(args)}
+        return _format_identity(args, tokenizer, fmt, dense_topk)
 
     t0 = time.time()
     logs, errors = _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, identity)

@@ -63,10 +63,11 @@ def gen():
 
 
 # Files whose tests take minutes on a 2-core box (the CI and README runs of 2026-12-02), longest first. In the
-# suite, xdist's default reordering of files by test count (--loadscope-reorder) takes precedence, so this order
-# holds only for -n 0 runs. Turning the reordering off to hand these out first was measured on 2026-12-02: 6 min
-# 47 s quiet but 8 min 00 s in a fresh-clone CI run (the long server tests then run side by side, each slower),
-# against 7 min 22-28 s with xdist's order; not kept (docs/perf.md, ninth round).
+# suite, xdist's default reordering of files by test count (--loadscope-reorder, a stable sort) takes precedence:
+# this order only breaks ties among files with equal test counts there, and holds fully with -n 0. Turning the
+# reordering off to hand these out first was measured on 2026-12-02: 6 min 47 s quiet but 8 min 00 s in a
+# fresh-clone CI run (the long server tests then run side by side, each slower), against 7 min 22-28 s with
+# xdist's order; not kept (docs/perf.md, ninth round).
 LONG_FILES = ("scripts/test_accuracy_h200.py", "training/test_trained_checkpoint.py", "sglang_m3/test_tp.py",
               "training/test_model.py", "sglang_m3/test_server.py", "accuracy/test_run_e2e.py",
               "accuracy/test_agreement_e2e.py")
