@@ -58,3 +58,19 @@ def test_kernel_table_sums_gpu_events_by_name_and_ignores_the_rest(tmp_path):
 
 def test_kernel_table_says_when_there_is_no_trace(tmp_path):
     assert "no trace" in profile_prefill.kernel_table(tmp_path, top=5)["error"]
+
+
+def test_arms_outputs_are_compared_with_the_first_arm_of_their_format():
+    results = [
+        {"arm": "fp8 triton", "format": "fp8", "check_outputs": [[1, 2, 3], [4, 5]]},
+        {"arm": "mxfp4 triton", "format": "mxfp4", "check_outputs": [[1, 2, 9], [4, 5]]},
+        {"arm": "fp8 fa3", "format": "fp8", "check_outputs": [[1, 2, 3], [4, 6]]},
+        {"arm": "fp8 short", "format": "fp8", "check_outputs": [[1, 2], [4, 5]]},
+        {"arm": "fp8 failed", "format": "fp8", "error": "RuntimeError()"},
+    ]
+    profile_prefill.same_outputs(results)
+    assert results[0]["check_same"] and results[0]["check_against"] == "fp8 triton"
+    assert results[1]["check_same"] and results[1]["check_against"] == "mxfp4 triton"  # its own format's first
+    assert not results[2]["check_same"] and results[2]["check_first_divergence"] == [None, 1]
+    assert results[3]["check_first_divergence"] == [2, None]  # one output ended early
+    assert "check_same" not in results[4]
