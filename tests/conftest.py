@@ -12,6 +12,7 @@ runs it in one process; a run naming paths is not changed.
 import importlib.util
 import os
 import random
+import time
 
 import pytest
 import torch
@@ -53,6 +54,24 @@ def prewarmed_launcher(request, tmp_path_factory):
     os.environ.pop(prewarm.PREWARM_ENV, None)
     proc.terminate()
     proc.wait(timeout=60)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    """``M3_TEST_TIMELINE=<file>``: one line per test, ``worker start end nodeid`` (wall-clock seconds, from
+    its setup's start to its teardown's end), appended by every worker: where the suite's wall time goes."""
+    path = os.environ.get("M3_TEST_TIMELINE")
+    if path:
+        start = _test_started.pop(nodeid, None)
+        with open(path, "a") as f:
+            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {start} {time.time():.3f} {nodeid}\n")
+
+
+_test_started: dict[str, str] = {}
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if os.environ.get("M3_TEST_TIMELINE"):
+        _test_started[nodeid] = f"{time.time():.3f}"
 
 
 @pytest.fixture
