@@ -56,22 +56,27 @@ def prewarmed_launcher(request, tmp_path_factory):
     proc.wait(timeout=60)
 
 
-def pytest_runtest_logfinish(nodeid, location):
-    """``M3_TEST_TIMELINE=<file>``: one line per test, ``worker start end nodeid`` (wall-clock seconds, from
-    its setup's start to its teardown's end), appended by every worker: where the suite's wall time goes."""
-    path = os.environ.get("M3_TEST_TIMELINE")
-    if path:
-        start = _test_started.pop(nodeid, None)
-        with open(path, "a") as f:
-            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {start} {time.time():.3f} {nodeid}\n")
+_timeline: dict = {"path": None, "started": {}}
 
 
-_test_started: dict[str, str] = {}
+def pytest_configure(config):
+    """``M3_TEST_TIMELINE=<file>``: one line per test, ``worker start end nodeid`` (wall-clock seconds, from its
+    setup's start to its teardown's end), appended by each process that runs tests (the workers, not their
+    controller): where the suite's wall time goes."""
+    runs_tests = hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
+    _timeline["path"] = os.environ.get("M3_TEST_TIMELINE") if runs_tests else None
 
 
 def pytest_runtest_logstart(nodeid, location):
-    if os.environ.get("M3_TEST_TIMELINE"):
-        _test_started[nodeid] = f"{time.time():.3f}"
+    if _timeline["path"]:
+        _timeline["started"][nodeid] = time.time()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    if _timeline["path"]:
+        start = _timeline["started"].pop(nodeid)
+        with open(_timeline["path"], "a") as f:
+            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {start:.3f} {time.time():.3f} {nodeid}\n")
 
 
 @pytest.fixture
