@@ -31,7 +31,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sglang_h200 import Server, log  # noqa: E402
+from sglang_h200 import Server, first_divergence, log, timed_generate  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,12 +57,6 @@ def post(server: Server, path: str, payload: dict, timeout: float = 600):
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return r.read()
-
-
-def timed(server: Server, ids: list[list[int]]) -> float:
-    t = time.perf_counter()
-    server.generate(ids, 1)
-    return time.perf_counter() - t
 
 
 def kernel_table(trace_dir: Path, top: int, cats=("kernel", "gpu_memcpy", "gpu_memset")) -> dict:
@@ -115,10 +109,10 @@ def run_server(model: Path, dummy: bool, fmt: str, chunk: int, attention: str, a
         check = [[fixed.randrange(3, vocab) for _ in range(n)] for n in args.check_lengths]
         res["check_outputs"] = [o["output_ids"] for o in s.generate(check, args.check_tokens)]
         draw = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
-        res["warmup_s"] = timed(s, [draw(min(8192, *args.lengths))])
+        res["warmup_s"] = timed_generate(s, [draw(min(8192, *args.lengths))], 1)
         res["alone_s"] = {}
         for n in args.lengths:
-            dt = timed(s, [draw(n)])
+            dt = timed_generate(s, [draw(n)], 1)
             res["alone_s"][n] = dt
             log(f"{name}: {n} tokens alone {dt:.2f} s ({n / dt / 1e3:.0f}k tok/s)")
         mix = [args.lengths[i % len(args.lengths)] for i in range(args.concurrency)]
@@ -131,7 +125,7 @@ def run_server(model: Path, dummy: bool, fmt: str, chunk: int, attention: str, a
         cpu = args.device == "cpu"
         post(s, "/start_profile", {"output_dir": str(trace_dir), "activities": ["CPU" if cpu else "GPU"],
                                    "with_stack": False, "record_shapes": False})
-        dt = timed(s, [draw(args.profile_length)])
+        dt = timed_generate(s, [draw(args.profile_length)], 1)
         post(s, "/stop_profile", {})
         time.sleep(3)  # the scheduler writes the trace after the stop request returns
         for _ in range(60):
@@ -160,9 +154,7 @@ def same_outputs(results: list[dict]) -> None:
             continue
         base = first.setdefault(r["format"], r)
         r["check_against"] = base["arm"]
-        r["check_first_divergence"] = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
-                                            None if len(a) == len(b) else min(len(a), len(b)))
-                                       for a, b in zip(base["check_outputs"], r["check_outputs"])]
+        r["check_first_divergence"] = [first_divergence(a, b) for a, b in zip(base["check_outputs"], r["check_outputs"])]
         r["check_same"] = all(d is None for d in r["check_first_divergence"])
 
 
