@@ -18,7 +18,10 @@ Decode timing: ``bs`` prompts of ``ctx`` tokens (distinct random ids, prefilled 
 the radix cache; the 64k prompts are prefixes of the 128k ones) are generated with
 ``max_new_tokens = 1`` and ``1 + D`` (``ignore_eos``), alternately, ``--repeats`` times each; time
 per output token = (median t(1+D) - median t(1)) / D, which removes the prefix-hit prefill.
-tokens/s = bs / TPOT. Every throughput row checks that the pool holds all ``bs`` contexts.
+tokens/s = bs / TPOT. Every throughput row checks that the pool holds all ``bs`` contexts. Beside it,
+the scheduler's own decode rate over the same requests (the median of its ``Decode batch`` log
+lines), which leaves out the HTTP round trips and is the steadier of the two (2026-12-02, batch 32:
+the pair estimates spread by ±1.75 ms, the log lines by under 1%).
 """
 
 import argparse
@@ -254,13 +257,35 @@ def timed_generate(server: Server, ids, new_tokens: int) -> float:
     return dt
 
 
+_DECODE_LOG = re.compile(r"Decode batch, #running-req: (\d+),.*cuda graph: (True|False), "
+                         r"gen throughput \(token/s\): ([0-9.]+)")
+
+
+def server_decode_rate(log_text: str, bs: int) -> dict | None:
+    """The scheduler's own decode rate for batch ``bs`` from its ``Decode batch`` log lines (one per
+    ``--decode-log-interval`` steps, 40 by default): each line's tokens/s covers the steps since the
+    previous line, so a line whose interval spans a gap between requests reads low. The median of the
+    lines at ``#running-req: bs`` ignores those; ``None`` if there are fewer than 3 such lines.
+    Returns tok/s, TPOT in ms (one decode step of the batch), the line count and the quartiles'
+    spread in ms (half the interquartile range of per-line TPOTs)."""
+    rates = [float(m[3]) for m in _DECODE_LOG.finditer(log_text) if int(m[1]) == bs and float(m[3]) > 0]
+    if len(rates) < 3:
+        return None
+    q1, _, q3 = statistics.quantiles([bs / r for r in rates], n=4)
+    rate = statistics.median(rates)
+    return {"tok_s": rate, "tpot_ms": bs / rate * 1e3, "lines": len(rates), "tpot_iqr_half_ms": (q3 - q1) / 2 * 1e3}
+
+
 def measure_decode(server: Server, ids, decode_tokens: int, repeats: int) -> dict:
     """Time per output token from ``repeats`` pairs of requests generating 1 and 1 + ``decode_tokens``
     tokens (the prompt is radix-cached, so the difference is decode only). One warm-up pair first
     (the first request of a row pays one-off costs: 0.5-4 s were seen). ``tpot_spread_ms``: the
-    spread of the per-pair estimates (max - min), the noise to compare format differences with."""
+    spread of the per-pair estimates (max - min), the noise to compare format differences with.
+    ``server``: the scheduler's decode rate over the same requests (``server_decode_rate``), which
+    leaves out the HTTP round trips and the gaps between requests that make the pair estimates noisy."""
     timed_generate(server, ids, 1)
     timed_generate(server, ids, 1 + decode_tokens)
+    log_from = server.log_path.stat().st_size
     short, long_ = [], []
     for _ in range(repeats):
         short.append(timed_generate(server, ids, 1))
@@ -268,8 +293,11 @@ def measure_decode(server: Server, ids, decode_tokens: int, repeats: int) -> dic
     dt = statistics.median(long_) - statistics.median(short)
     tpot = dt / decode_tokens
     pairs = [(b - a) / decode_tokens for a, b in zip(short, long_)]
+    with open(server.log_path, "rb") as f:
+        f.seek(log_from)
+        rate = server_decode_rate(f.read().decode(errors="replace"), len(ids))
     return {"tpot_ms": tpot * 1e3, "tok_s": len(ids) / tpot, "tpot_spread_ms": (max(pairs) - min(pairs)) * 1e3,
-            "t_short_s": short, "t_long_s": long_}
+            "t_short_s": short, "t_long_s": long_, "server": rate}
 
 
 # ---- main ------------------------------------------------------------------------------------
@@ -492,7 +520,9 @@ def main():
                     continue
                 m = measure_decode(s, [p[:ctx] for p in long_prompts[:bs]], args.decode_tokens, args.repeats)
                 r["decode"][key] = m
-                log(f"{fmt}: ctx {ctx} bs {bs}: {m['tok_s']:.0f} tok/s, TPOT {m['tpot_ms']:.3f} ms")
+                srv = m["server"]
+                log(f"{fmt}: ctx {ctx} bs {bs}: {m['tok_s']:.0f} tok/s, TPOT {m['tpot_ms']:.3f} ms; scheduler: "
+                    + (f"{srv['tok_s']:.0f} tok/s, TPOT {srv['tpot_ms']:.3f} ms ({srv['lines']} lines)" if srv else "-"))
                 save()
             logtext = s.tail(10**8)
             r["decode_graph_batches"] = len(re.findall(r"Decode batch.*cuda graph: True", logtext))
@@ -573,25 +603,36 @@ def render_table(results, contexts, batches, nd, ns) -> str:
         lines.append(f"| {fmt} | {eq_s} | {r.get('decode_graph_batches', '-')} / {r.get('decode_eager_batches', '-')} "
                      f"| {sel_s} | {_fmt(sel and sel['score_max_rel_err'], '.2e')} |")
     lines += ["", f"## Decode with CUDA graphs: throughput config ({nd} dense + {ns} sparse layers, fp8 main KV)", "",
-              "| context | batch | " + " | ".join(f"{f} tok/s | {f} TPOT ms" for f in fr) + " | "
+              "Two measures per cell. tok/s and TPOT: from request pairs timed over HTTP (± half the spread of "
+              "the per-pair estimates). sched TPOT: the scheduler's own decode rate over the same requests, the "
+              "median of its `Decode batch` log lines (± half the interquartile range); /fp8 uses it where "
+              "both formats have it.", "",
+              "| context | batch | " + " | ".join(f"{f} tok/s | {f} TPOT ms | {f} sched TPOT ms" for f in fr) + " | "
               + " | ".join(f"{f}/fp8" for f in fr if f != "fp8") + " |",
-              "|---|---|" + "---|---|" * len(fr) + "---|" * len([f for f in fr if f != "fp8"])]
+              "|---|---|" + "---|---|---|" * len(fr) + "---|" * len([f for f in fr if f != "fp8"])]
     for ctx in contexts:
         for bs in batches:
             key = f"{ctx}x{bs}"
-            cells, base = [], fr.get("fp8", {}).get("decode", {}).get(key, {}).get("tok_s")
+            cells = []
             for fmt, r in fr.items():
                 d = r.get("decode", {}).get(key, {})
                 if "tok_s" in d:
                     spread = f" ±{d['tpot_spread_ms'] / 2:.3f}" if "tpot_spread_ms" in d else ""
-                    cells.append(f"{d['tok_s']:.0f} | {d['tpot_ms']:.3f}{spread}")
+                    srv = d.get("server")
+                    srv_s = f"{srv['tpot_ms']:.3f} ±{srv['tpot_iqr_half_ms']:.3f}" if srv else "-"
+                    cells.append(f"{d['tok_s']:.0f} | {d['tpot_ms']:.3f}{spread} | {srv_s}")
                 else:
-                    cells.append(f"{d.get('skipped', 'not run')[:40]} | -")
+                    cells.append(f"{d.get('skipped', 'not run')[:40]} | - | -")
+            base_d = fr.get("fp8", {}).get("decode", {}).get(key, {})
             ratios = []
             for fmt, r in fr.items():
                 if fmt == "fp8":
                     continue
-                v = r.get("decode", {}).get(key, {}).get("tok_s")
+                d = r.get("decode", {}).get(key, {})
+                if d.get("server") and base_d.get("server"):
+                    v, base = d["server"]["tok_s"], base_d["server"]["tok_s"]
+                else:
+                    v, base = d.get("tok_s"), base_d.get("tok_s")
                 ratios.append(_fmt(v / base if v and base else None, ".3f"))
             ctx_s = f"{ctx // 1024}k" if ctx >= 1024 and ctx % 1024 == 0 else str(ctx)
             lines.append(f"| {ctx_s} | {bs} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")

@@ -1,0 +1,60 @@
+"""scripts/gpu/sglang_h200.py without a server: the scheduler's decode rate read from its log, and the
+decode table built from it."""
+
+import random
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts" / "gpu"))
+
+import sglang_h200  # noqa: E402
+
+
+def _line(bs: int, rate: float, graph: bool = True) -> str:
+    return (f"[2026-12-02 14:22:11] Decode batch, #running-req: {bs}, #token: 4198400, token usage: 0.73, "
+            f"cuda graph: {graph}, gen throughput (token/s): {rate:.2f}, #queue-req: 0")
+
+
+def test_server_decode_rate_is_the_median_of_the_batchs_lines_and_ignores_gaps_and_other_batches():
+    rng = random.Random()
+    steady = [rng.uniform(3950.0, 3990.0) for _ in range(25)]
+    gaps = [rng.uniform(200.0, 350.0) for _ in range(4)]  # intervals that span the gap between requests
+    other = [_line(8, rng.uniform(1900.0, 2100.0)) for _ in range(10)]
+    lines = [_line(32, r) for r in steady + gaps] + other + ["INFO: POST /generate 200 OK", _line(1, 7.9)]
+    rng.shuffle(lines)
+    got = sglang_h200.server_decode_rate("\n".join(lines), 32)
+    rates = [float(f"{r:.2f}") for r in steady + gaps]
+    assert got["lines"] == 29
+    assert abs(got["tok_s"] - statistics.median(rates)) < 1e-9
+    assert 3950.0 <= got["tok_s"] <= 3990.0  # four gap lines do not move the median out of the steady band
+    assert abs(got["tpot_ms"] - 32 / got["tok_s"] * 1e3) < 1e-12
+    q1, _, q3 = statistics.quantiles([32 / r for r in rates], n=4)
+    assert abs(got["tpot_iqr_half_ms"] - (q3 - q1) / 2 * 1e3) < 1e-12
+    assert sglang_h200.server_decode_rate("\n".join(lines), 8)["lines"] == 10
+
+
+def test_server_decode_rate_needs_three_lines_of_the_batch():
+    text = "\n".join([_line(32, 3960.0), _line(32, 3970.0), _line(8, 2000.0)] * 1)
+    assert sglang_h200.server_decode_rate(text, 32) is None
+    assert sglang_h200.server_decode_rate("", 1) is None
+    assert sglang_h200.server_decode_rate(text + "\n" + _line(32, 3980.0), 32)["tok_s"] == 3970.0
+
+
+def test_decode_table_shows_both_measures_and_the_ratio_from_the_scheduler():
+    def row(tok_s, sched):
+        server = None if sched is None else {"tok_s": sched, "tpot_ms": 32e3 / sched, "lines": 30,
+                                             "tpot_iqr_half_ms": 0.01}
+        return {"tok_s": tok_s, "tpot_ms": 32e3 / tok_s, "tpot_spread_ms": 3.5, "server": server}
+
+    results = {"env": {"date_utc": "2026-12-02 14:15"}, "notes": [], "formats": {
+        "fp8": {"decode": {"131072x32": row(3658.0, 3969.8), "131072x8": row(1951.0, None)}},
+        "mxfp4": {"decode": {"131072x32": row(3727.0, 4583.3), "131072x8": row(2110.0, None)}}}}
+    table = sglang_h200.render_table(results, [131072], [8, 32], 1, 19)
+    b32 = next(ln for ln in table.splitlines() if ln.startswith("| 128k | 32 |"))
+    assert "8.061 ±0.010" in b32 and "6.982 ±0.010" in b32
+    assert b32.rstrip(" |").endswith(f"{4583.3 / 3969.8:.3f}")  # scheduler rates, not the HTTP ones
+    b8 = next(ln for ln in table.splitlines() if ln.startswith("| 128k | 8 |"))
+    assert b8.rstrip(" |").endswith(f"{2110.0 / 1951.0:.3f}")  # no scheduler rate: the HTTP one
+    assert b8.count("| - |") == 2
