@@ -90,3 +90,11 @@ def test_calls_resume_and_leave_at_most_eight_files(tmp_path):
     assert not list((tmp_path / "fresh").rglob("server-*.log"))
     strip = lambda text: text.split("\n", 3)[3]  # noqa: E731  (the header names the call's time)
     assert strip((tmp_path / "out3" / "report.md").read_text()) == strip(report)
+
+
+@pytest.mark.parametrize("formats", ["mxfp4", "mxfp4_rot bf16", "fp8x mxfp4"])
+def test_formats_without_the_fp8_baseline_fail_at_once(tmp_path, formats):
+    rc, log = _call(tmp_path, "out", "run", FORMATS=formats)
+    assert rc == 2, log
+    assert "must include fp8" in log and f'FORMATS="{formats}"' in log
+    assert not (tmp_path / "run" / "acc").exists()  # refused before any server or state
