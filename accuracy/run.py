@@ -215,14 +215,13 @@ class SGLangServer:
                 "--port", str(self.port), *self.launch_args]
 
     def env(self) -> dict:
-        """The environment of the launch: on ``--device cpu`` with the plugin's OpenMP waits set at start."""
+        """The environment of the launch: SGLang's crash diagnostics off, since ``_stop`` signals the process
+        group (``group_stop_env``); on ``--device cpu`` also the plugin's OpenMP waits set at start."""
+        from sglang_m3.plugin import cpu_launch_env, group_stop_env
+
         on_cpu = any(a == "--device" and b == "cpu" for a, b in zip(self.launch_args, self.launch_args[1:]))
         on_cpu = on_cpu or "--device=cpu" in self.launch_args
-        if not on_cpu:
-            return dict(os.environ)
-        from sglang_m3.plugin import cpu_launch_env
-
-        return cpu_launch_env()
+        return cpu_launch_env() if on_cpu else group_stop_env()
 
     def __enter__(self):
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

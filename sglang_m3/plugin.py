@@ -90,11 +90,29 @@ CPU_SPINCOUNT = "3000"  # libgomp spins ~100,000 per ms: about 30 us of spinning
 CPU_START_ENV = "SGLANG_M3_CPU_START"  # "spawn": keep SGLang's spawned children on the CPU too
 
 
+# SGLang takes a scheduler that exits before the server's main process for a crash: the main process sleeps 5 s
+# "to let GPU activity settle", then looks for schedulers to py-spy. A harness that stops its server by signalling
+# the whole process group ends the schedulers first, so every such stop took that path and waited 5 s for nothing
+# (the schedulers are gone by then; measured on SGLang 0.5.16, 2026-12-02).
+CRASH_DIAGNOSTICS_OFF = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
+
+
+def group_stop_env(env: dict | None = None) -> dict:
+    """``env`` (default ``os.environ``) with SGLang's crash diagnostics off (``CRASH_DIAGNOSTICS_OFF``), each
+    unless set: for a server that will be stopped by signalling its process group."""
+    env = dict(os.environ if env is None else env)
+    for name, value in CRASH_DIAGNOSTICS_OFF.items():
+        env.setdefault(name, value)
+    return env
+
+
 def cpu_launch_env(env: dict | None = None) -> dict:
     """``env`` (default ``os.environ``) with the CPU server's OpenMP waits (``OMP_WAIT_POLICY=PASSIVE``,
     ``GOMP_SPINCOUNT=3000``) unless either is set: what a launcher of ``--device cpu`` servers passes,
-    so that OpenMP reads them when the server process starts and its children can be forked."""
-    env = dict(os.environ if env is None else env)
+    so that OpenMP reads them when the server process starts and its children can be forked. Every such
+    launcher here stops its server through the process group, so SGLang's crash diagnostics are off too
+    (``group_stop_env``)."""
+    env = group_stop_env(env)
     if OMP_WAIT_POLICY not in env and GOMP_SPINCOUNT not in env:
         env[OMP_WAIT_POLICY], env[GOMP_SPINCOUNT] = "PASSIVE", CPU_SPINCOUNT
     return env

@@ -140,3 +140,17 @@ def test_lengths_past_the_served_context_are_refused(monkeypatch):
     assert run._evaluate("http://h", "m", None, args)[1] == [1024, 2048, 4096]
     with pytest.raises(ValueError, match="max_model_len 4096"):  # every request would be rejected
         run._evaluate("http://h", "m", [1024, 8192], args)
+
+
+@pytest.mark.parametrize("launch_args,on_cpu", [(["--device", "cpu", "--tp", "2"], True), (["--device=cpu"], True),
+                                                (["--tp", "8", "--attention-backend", "triton"], False)])
+def test_server_env_turns_off_crash_diagnostics_and_adds_the_cpu_waits_on_cpu(launch_args, on_cpu, monkeypatch, tmp_path):
+    """The runner stops a server by signalling its process group; SGLang's crash diagnostics would add 5 s to
+    every stop (``sglang_m3.plugin.group_stop_env``)."""
+    from sglang_m3.plugin import CRASH_DIAGNOSTICS_OFF, OMP_WAIT_POLICY
+
+    for name in (*CRASH_DIAGNOSTICS_OFF, OMP_WAIT_POLICY, "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    env = run.SGLangServer("m", launch_args, tmp_path / "s.log", port=1).env()
+    assert {k: env.get(k) for k in CRASH_DIAGNOSTICS_OFF} == CRASH_DIAGNOSTICS_OFF
+    assert (env.get(OMP_WAIT_POLICY) == "PASSIVE") == on_cpu

@@ -330,3 +330,15 @@ def test_cpu_dense_layer_extend_equals_sglangs_torch_native_extend(gen):
     _dense_extend_cpu(lambda *a, **kw: calls.append((a, kw)), query, got, *args, scaling=0.09, enable_gqa=True,
                       causal=False)
     assert len(calls) == 1 and calls[0][1]["causal"] is False and calls[0][0][0] is query
+
+
+@pytest.mark.parametrize("preset", [{}, {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "1"}])
+def test_launch_envs_turn_off_the_crash_diagnostics_unless_set(preset):
+    from sglang_m3.plugin import CRASH_DIAGNOSTICS_OFF, cpu_launch_env, group_stop_env
+
+    base = {"PATH": "/bin", **preset}
+    for env in (group_stop_env(base), cpu_launch_env(base)):
+        assert {k: env[k] for k in CRASH_DIAGNOSTICS_OFF} == {**CRASH_DIAGNOSTICS_OFF, **preset}
+        assert env["PATH"] == "/bin"
+    assert base == {"PATH": "/bin", **preset}
+    assert set(CRASH_DIAGNOSTICS_OFF) == {"SGLANG_PYSPY_DUMP_BEFORE_CRASH", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH"}

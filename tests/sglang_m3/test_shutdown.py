@@ -171,3 +171,17 @@ def test_sigterm_drains_to_zero_and_exits(server):
         pytest.fail(f"server still running {EXIT_BOUND_S} s after SIGTERM; remaining requests: {_drain_counts(server)}")
     print(f"exited {time.monotonic() - t0:.1f} s after SIGTERM")
     assert _drain_counts(server)[-1:] == [0], server.log_tail()
+
+
+def test_a_group_stop_skips_the_crash_diagnostics(server_factory):
+    """The harnesses stop a server by signalling its process group, which ends the scheduler before the main
+    process; SGLang takes that for a crash and slept 5 s before its diagnostics. The launch environment
+    (``cpu_launch_env``, through ``group_stop_env``) turns them off, so the stop does not wait."""
+    s = server_factory("group-stop", "--log-level", "info").wait_ready()  # info: the sleep's log line shows
+    s.generate([5, 6, 7], 2)
+    t0 = time.monotonic()
+    s.stop()
+    print(f"stopped in {time.monotonic() - t0:.1f} s")
+    log = s.log_path.read_text(errors="replace")
+    assert re.search(r"crashed with exit code|SIGTERM received", log), log[-3000:]  # the stop reached it
+    assert "before crash diagnostics" not in log, log[-3000:]
