@@ -2,6 +2,7 @@
 resumed from its checkpoint gives the same losses as an uninterrupted one; plan checks; export."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -102,8 +103,21 @@ def test_time_plan_schedule():
     assert [train.phase(plan, 0, t) for t in (49.0, 50.0)] == ["short", "long"]
 
 
-def test_time_plan_run_stops_on_trained_seconds(config, tmp_path):
-    """--train-s ends the run on trained seconds, before --steps, and reaches the sparse stage."""
+def test_time_plan_run_stops_on_trained_seconds(config, tmp_path, monkeypatch):
+    """--train-s ends the run on trained seconds, before --steps, and reaches the sparse stage. The run reads a
+    clock that moves 0.05 s per reading: on the real clock one slow step on a busy box (1.7 s, seen in CI) could
+    carry the run from the dense stage past its end."""
+    import types
+
+    now = [1.0e9]
+
+    def tick() -> float:
+        now[0] += 0.05
+        return now[0]
+
+    clock = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
+    clock.time = tick
+    monkeypatch.setattr(train, "time", clock)
     out = train.main(["--config", config, "--out", str(tmp_path), "--steps", "10000", "--dense-steps", "5000",
                       "--short-steps", "100", "--train-s", "3", "--short-lengths", "256", "--long-lengths", "512",
                       "--token-budget", "512", "--warmup-steps", "2", "--no-export", "--no-final-eval",
