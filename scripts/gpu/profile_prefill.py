@@ -94,11 +94,11 @@ def run_server(model: Path, dummy: bool, fmt: str, chunk: int, attention: str, a
     name = arm_name(fmt, chunk, attention)
     res = {"arm": name, "format": fmt, "chunked_prefill": chunk or "default", "attention": attention or "default"}
     context = max(args.lengths + [args.profile_length]) + 256
-    trace_dir = work / f"trace-{fmt}-{chunk}-{attention}"
+    slug = f"{fmt}-{chunk or 'default'}-{attention or 'default'}"  # the arm in file names
+    trace_dir = work / f"trace-{slug}"
     trace_dir.mkdir(parents=True)
     env = {"SGLANG_TORCH_PROFILER_DIR": str(trace_dir)}
-    s = Server(f"{fmt}-{chunk or 'default'}-{attention or 'default'}", model,
-               launch_args(context, chunk, fmt, args.concurrency, args.device, attention), work, env,
+    s = Server(slug, model, launch_args(context, chunk, fmt, args.concurrency, args.device, attention), work, env,
                dummy_weights=dummy)
     try:
         res["ready_s"] = s.wait_ready(600)

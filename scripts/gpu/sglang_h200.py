@@ -257,7 +257,7 @@ def timed_generate(server: Server, ids, new_tokens: int) -> float:
     return dt
 
 
-_DECODE_LOG = re.compile(r"Decode batch, #running-req: (\d+),.*cuda graph: (True|False), "
+_DECODE_LOG = re.compile(r"Decode batch, #running-req: (\d+),.*cuda graph: (?:True|False), "
                          r"gen throughput \(token/s\): ([0-9.]+)")
 
 
@@ -268,7 +268,7 @@ def server_decode_rate(log_text: str, bs: int) -> dict | None:
     lines at ``#running-req: bs`` ignores those; ``None`` if there are fewer than 3 such lines.
     Returns tok/s, TPOT in ms (one decode step of the batch), the line count and the quartiles'
     spread in ms (half the interquartile range of per-line TPOTs)."""
-    rates = [float(m[3]) for m in _DECODE_LOG.finditer(log_text) if int(m[1]) == bs and float(m[3]) > 0]
+    rates = [float(m[2]) for m in _DECODE_LOG.finditer(log_text) if int(m[1]) == bs and float(m[2]) > 0]
     if len(rates) < 3:
         return None
     q1, _, q3 = statistics.quantiles([bs / r for r in rates], n=4)

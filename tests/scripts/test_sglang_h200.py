@@ -12,9 +12,9 @@ sys.path.insert(0, str(REPO / "scripts" / "gpu"))
 import sglang_h200  # noqa: E402
 
 
-def _line(bs: int, rate: float, graph: bool = True) -> str:
+def _line(bs: int, rate: float) -> str:
     return (f"[2026-12-02 14:22:11] Decode batch, #running-req: {bs}, #token: 4198400, token usage: 0.73, "
-            f"cuda graph: {graph}, gen throughput (token/s): {rate:.2f}, #queue-req: 0")
+            f"cuda graph: True, gen throughput (token/s): {rate:.2f}, #queue-req: 0")
 
 
 def test_server_decode_rate_is_the_median_of_the_batchs_lines_and_ignores_gaps_and_other_batches():
@@ -36,7 +36,7 @@ def test_server_decode_rate_is_the_median_of_the_batchs_lines_and_ignores_gaps_a
 
 
 def test_server_decode_rate_needs_three_lines_of_the_batch():
-    text = "\n".join([_line(32, 3960.0), _line(32, 3970.0), _line(8, 2000.0)] * 1)
+    text = "\n".join([_line(32, 3960.0), _line(32, 3970.0), _line(8, 2000.0)])
     assert sglang_h200.server_decode_rate(text, 32) is None
     assert sglang_h200.server_decode_rate("", 1) is None
     assert sglang_h200.server_decode_rate(text + "\n" + _line(32, 3980.0), 32)["tok_s"] == 3970.0
