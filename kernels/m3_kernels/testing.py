@@ -119,3 +119,35 @@ def assert_scores_close(got, ref, bound):
     tol = 1e-5 * bound[fin] + 1e-30
     worst = (err / tol).max().item() if err.numel() else 0.0
     assert worst <= 1.0, f"error {worst:.3g} x tolerance"
+
+
+def compile_sm90(module: str, kernel: str, signature: dict, constants: dict, num_warps: int = 4) -> dict:
+    """Compile the ``@triton.jit`` function ``module.kernel`` for sm_90 with Triton's own ptxas (no GPU
+    needed) and return ``{"seconds": compile time, "sass_bytes": size of the cubin}``. ``signature`` maps the
+    runtime arguments to Triton types (``"*fp32"``, ``"i32"``), ``constants`` the constexpr ones to values.
+    Runs in a subprocess without ``TRITON_INTERPRET``, so it works from tests that interpret kernels."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys, time\n"
+        "import triton\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from triton.compiler import ASTSource\n"
+        "import importlib\n"
+        "a = json.loads(sys.argv[1])\n"
+        "fn = getattr(importlib.import_module(a['module']), a['kernel'])\n"
+        "sig = {name: a['signature'].get(name, 'constexpr') for name in fn.arg_names}\n"
+        "t0 = time.perf_counter()\n"
+        "k = triton.compile(ASTSource(fn, sig, a['constants']), target=GPUTarget('cuda', 90, 32),\n"
+        "                   options=dict(num_warps=a['num_warps']))\n"
+        "print(json.dumps({'seconds': time.perf_counter() - t0, 'sass_bytes': len(k.asm['cubin'])}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = json.dumps(dict(module=module, kernel=kernel, signature=signature, constants=constants,
+                           num_warps=num_warps))
+    proc = subprocess.run([sys.executable, "-c", code, args], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"compiling {module}.{kernel} for sm_90 failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -3,7 +3,8 @@
 One program per (row, head) holds the row's scores in registers as int64 rank keys, larger is better
 and no two equal: the score's fp32 bits mapped to an order-preserving unsigned integer (-0 as +0, NaN
 below -inf, as in the reference), then the complement of the block id (ties to the lower id). It picks
-the ``topk - init - local`` best candidates one at a time, each pick one max reduction; then it
+the ``topk - init - local`` best candidates one at a time, each pick one max reduction (unrolled up
+to ``MAX_UNROLLED`` picks; a loop beyond, e.g. for the dense control's top-k of every block); then it
 appends the local blocks in order, the row's own block last. Rows that see at most ``topk`` blocks get
 ``0 .. n-1`` and -1 padding. No host synchronisation: ``n_visible`` is read on the device (clamped to
 ``[0, nb]``), so the call can be captured in a CUDA graph. With ``M3_PDL=1`` on sm_90+ it is launched
@@ -18,6 +19,7 @@ from ..pdl import triton_launch_kwargs, use_pdl
 
 _ID_BITS = 31  # low bits of a rank key: MAX_ID - block id
 _MAX_ID = (1 << _ID_BITS) - 1
+MAX_UNROLLED = 64  # picks unrolled at compile time (M3 makes 15); more run as a loop
 
 
 @triton.jit
@@ -30,10 +32,19 @@ def _rank_keys(b_s, o_b, ID_BITS: tl.constexpr, MAX_ID: tl.constexpr):
 
 
 @triton.jit
+def _pick(key, res, o_k, slot, MAX_ID: tl.constexpr):
+    """The best remaining block: its id into ``res[slot]``, its key out of the running."""
+    best = tl.max(key, axis=0)
+    key = tl.where(key == best, -1, key)
+    res = tl.where(o_k == slot, (MAX_ID - (best & MAX_ID)).to(tl.int32), res)
+    return key, res
+
+
+@triton.jit
 def _select_kernel(
     s_ptr, nvis_ptr, out_ptr, nb, stride_s_h, stride_s_r, stride_o_h, stride_o_r,
     TOPK: tl.constexpr, LOCAL: tl.constexpr, INIT: tl.constexpr, BLOCK: tl.constexpr, TOPK_P2: tl.constexpr,
-    USE_PDL: tl.constexpr, ID_BITS: tl.constexpr, MAX_ID: tl.constexpr,
+    USE_PDL: tl.constexpr, ID_BITS: tl.constexpr, MAX_ID: tl.constexpr, MAX_UNROLLED: tl.constexpr,
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -50,10 +61,12 @@ def _select_kernel(
         cand = (o_b >= INIT) & (o_b < n - LOCAL)
         key = tl.where(cand, _rank_keys(b_s, o_b, ID_BITS, MAX_ID), -1)
         res = tl.where(o_k < INIT, o_k, n - LOCAL + (o_k - INIT - RANKED))
-        for k in tl.static_range(RANKED):
-            best = tl.max(key, axis=0)
-            key = tl.where(key == best, -1, key)
-            res = tl.where(o_k == INIT + k, (MAX_ID - (best & MAX_ID)).to(tl.int32), res)
+        if RANKED <= MAX_UNROLLED:
+            for k in tl.static_range(RANKED):
+                key, res = _pick(key, res, o_k, INIT + k, MAX_ID)
+        else:  # e.g. the dense control's top-k of every block: unrolled, it would not compile in useful time
+            for k in range(RANKED):
+                key, res = _pick(key, res, o_k, INIT + k, MAX_ID)
     tl.store(out_ptr + i_h.to(tl.int64) * stride_o_h + i_r.to(tl.int64) * stride_o_r + o_k, res, mask=o_k < TOPK)
 
 
@@ -86,7 +99,7 @@ def select_blocks_triton(scores, n_visible, topk, local_blocks, init_blocks, out
     _select_kernel[(rows, H)](
         scores, nvis.contiguous(), out, nb, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
         TOPK=topk, LOCAL=local_blocks, INIT=init_blocks, BLOCK=block, TOPK_P2=triton.next_power_of_2(topk),
-        ID_BITS=_ID_BITS, MAX_ID=_MAX_ID, num_warps=num_warps or _num_warps(block, rows * H),
+        ID_BITS=_ID_BITS, MAX_ID=_MAX_ID, MAX_UNROLLED=MAX_UNROLLED, num_warps=num_warps or _num_warps(block, rows * H),
         **triton_launch_kwargs(use_pdl(scores.device) if pdl is None else pdl),
     )
     return out

@@ -18,7 +18,7 @@ import triton  # noqa: E402
 
 from m3_kernels.ops.select import check_select_args, select_blocks  # noqa: E402
 from m3_kernels.ops.select.naive import select_blocks_ref  # noqa: E402
-from m3_kernels.testing import capture_graph, triton_module  # noqa: E402
+from m3_kernels.testing import capture_graph, compile_sm90, triton_module  # noqa: E402
 
 
 def _select():
@@ -62,6 +62,32 @@ def test_select_continuous_and_bf16(gen):
         torch.randint(-140, 100, (2, 8, 129), generator=gen).double())
     check(gen, "cpu", 2, 129, scores=s.float())
     check(gen, "cpu", 2, 129, scores=random_scores(gen, 2, 8, 129).bfloat16())
+
+
+def test_select_more_picks_than_unrolled(gen):
+    """A top-k past ``MAX_UNROLLED`` picks (the dense control's, at the scale of a test) runs the picks as a
+    loop; the ids must not change."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter cases run on CPU-only machines (CI)")
+    limit = triton_module("m3_kernels.ops.select.triton", "_select_kernel").MAX_UNROLLED
+    check(gen, "cpu", 2, 2 * limit + 30, topk=limit + 10, local=2, init=1)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("topk,nb", [(16, 1024), (1025, 2048)])
+def test_select_compiles_for_sm90_at_every_topk(topk, nb):
+    """The kernel compiles to sm_90 SASS (no GPU needed: Triton's own ptxas) at M3's top-16 and at the
+    dense control's top-k at 131k tokens (1025 of 1026 blocks). Its picks unrolled, the latter had not
+    finished compiling after 7 minutes of an H200 server's CUDA-graph capture."""
+    sig = dict(s_ptr="*fp32", nvis_ptr="*i32", out_ptr="*i32", nb="i32", stride_s_h="i32", stride_s_r="i32",
+               stride_o_h="i32", stride_o_r="i32")
+    mod = "m3_kernels.ops.select.triton"
+    sel = triton_module(mod, "_select_kernel")
+    const = dict(TOPK=topk, LOCAL=1, INIT=0, BLOCK=nb, TOPK_P2=triton.next_power_of_2(topk), USE_PDL=False,
+                 ID_BITS=sel._ID_BITS, MAX_ID=sel._MAX_ID, MAX_UNROLLED=sel.MAX_UNROLLED)
+    facts = compile_sm90(mod, "_select_kernel", sig, const, num_warps=4)
+    assert facts["sass_bytes"] > 0
+    print(f"topk {topk}, {nb} blocks: compiled for sm_90 in {facts['seconds']:.1f} s")
 
 
 @pytest.mark.gpu
