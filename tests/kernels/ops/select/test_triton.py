@@ -100,6 +100,14 @@ def test_select_matrix(gen, H, nb, topk, local, init):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("topk,nb", [(65, 300), (1025, 1026), (1025, 3000)])
+def test_select_past_the_unrolled_picks(gen, topk, nb):
+    """The picks' loop on the GPU (``MAX_UNROLLED`` < topk), up to the dense control's top-k at 131k tokens."""
+    check(gen, "cuda", 2, nb, topk, 1, 0)
+    check(gen, "cuda", 1, nb, topk, 2, 1)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_warps", [1, 2, 4, 8])
 @pytest.mark.parametrize("nb", [200, 1024, 3000])
 def test_select_every_warp_count(gen, num_warps, nb):
