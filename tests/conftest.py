@@ -17,6 +17,8 @@ import time
 import pytest
 import torch
 
+from m3_kernels.testing import worker_threads
+
 SUITE_WORKERS = 2
 
 
@@ -62,9 +64,13 @@ _timeline: dict = {"path": None, "started": {}}
 def pytest_configure(config):
     """``M3_TEST_TIMELINE=<file>``: one line per test, ``worker start end nodeid`` (wall-clock seconds, from its
     setup's start to its teardown's end), appended by each process that runs tests (the workers, not their
-    controller): where the suite's wall time goes."""
+    controller): where the suite's wall time goes. In an xdist worker, torch runs on the worker's share of the
+    cores (``worker_threads``): 5 min 09 s against 6 min 05 s for the suite on a 2-core box (docs/perf.md)."""
     runs_tests = hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
     _timeline["path"] = os.environ.get("M3_TEST_TIMELINE") if runs_tests else None
+    if hasattr(config, "workerinput") and "OMP_NUM_THREADS" not in os.environ:
+        # the workers share the cores (m3_kernels.testing.worker_threads)
+        torch.set_num_threads(worker_threads(os.cpu_count() or 1, int(config.workerinput["workercount"])))
 
 
 def pytest_runtest_logstart(nodeid, location):

@@ -151,3 +151,11 @@ def compile_sm90(module: str, kernel: str, signature: dict, constants: dict, num
     if proc.returncode != 0:
         raise RuntimeError(f"compiling {module}.{kernel} for sm_90 failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def worker_threads(cpus: int, workers: int) -> int:
+    """torch threads for the tests a pytest-xdist worker runs in its own process: the workers share the
+    cores instead of each spinning up one thread per core (on a 2-core box two workers of two threads each
+    oversubscribe it whenever both compute). Servers and other subprocesses keep their own settings;
+    ``OMP_NUM_THREADS`` set by the user wins."""
+    return max(1, cpus // max(1, workers))
