@@ -530,7 +530,11 @@ def test_sglang_serves_the_exported_checkpoint_like_the_torch_model(gen, tmp_pat
                 dense_ours = dense_logits[0, :n].log_softmax(-1)[torch.arange(n), targets]
                 dense_late = (dense_ours - served).abs()[late].mean()
                 print(f"  rows past 16 blocks: sparse {diff[late].mean():.4f}, dense model {dense_late:.4f}")
-                assert diff[late].mean() < LOGPROB_MEAN_TOL < dense_late, "the comparison cannot tell sparse from dense"
+                # The served rows must sit much closer to the sparse model than to the dense one. Measured on random
+                # weights: sparse 0.010-0.013, dense 0.028-0.049 (so the tolerance alone, 0.03, did not always
+                # separate them: a dense 0.0282 failed a run that served sparse correctly).
+                assert diff[late].mean() < LOGPROB_MEAN_TOL and 2 * diff[late].mean() < dense_late, \
+                    "the comparison cannot tell sparse from dense"
     finally:
         server.stop()
 
