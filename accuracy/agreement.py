@@ -518,8 +518,8 @@ def main(argv=None) -> dict:
                          "raise it")
     sparse_cfg = model_sparse_config(args.model)
     max_tokens = dense_max_tokens(args.lengths, args.gen_tokens)
-    dense = {"sparse_config": sparse_cfg, "max_tokens": max_tokens}
-    topk = {f: (dense_sparse_config(sparse_cfg, max_tokens) if f == DENSE else sparse_cfg)["sparse_topk_blocks"]
+    dense = {"sparse_config": sparse_cfg, "max_tokens": max_tokens, "via": "topk"}  # the recorder needs selections
+    topk = {f: (dense_sparse_config(**dense) if f == DENSE else sparse_cfg)["sparse_topk_blocks"]
             for f in formats}
     args.out.mkdir(parents=True, exist_ok=True)
 

@@ -22,10 +22,14 @@ Examples::
     # dense control (every visible block attended) beside the three index caches
     m3-accuracy --model ckpt --formats dense bf16 fp8 mxfp4 --lengths 4096 8192 16384 32768 --out results/ckpt
 
-Besides the index-K formats, ``--formats`` takes ``dense``: the same server code path with the bf16
-index cache and ``sparse_topk_blocks`` raised to the blocks of the longest request
-(``dense_topk_blocks``), so every row sees at most ``topk`` blocks and the selector returns all of
-them: exact causal attention. It needs ``--lengths``.
+Besides the index-K formats, ``--formats`` takes ``dense``, the control: exact causal attention in every
+layer, served one of two ways (``--dense-via``). ``layers`` (the default) marks every layer dense
+(``sparse_attention_freq`` all 0), so SGLang's own attention backend serves them all and there is no index
+cache or selection; ``topk`` keeps the sparse path (bf16 index cache, scorer, selector, SGLang's sparse
+kernels) with ``sparse_topk_blocks`` raised to the blocks of the longest request (``dense_topk_blocks``), so
+the selector returns every visible block. The two are the same arithmetic up to the kernels' rounding;
+``topk`` is what the agreement study records selections from, and it needs ``--lengths`` (on an H200 its
+prefill reads each row's blocks through the sparse kernels: ~30 s for a 128k-token prompt, against ~2 s).
 
 Everything after ``--`` goes to ``python -m sglang.launch_server`` as is.
 """
@@ -54,6 +58,7 @@ OVERRIDE_FLAG = "--json-model-override-args"
 RUNNER_OWNED_FLAGS = ("--model-path", "--model", "--host", "--port")
 DENSE = "dense"  # control variant: every visible block attended (see format_launch_args)
 DENSE_INDEX_FORMAT = "bf16"
+DENSE_VIA = ("layers", "topk")  # how the dense control is served (dense_sparse_config)
 DEFAULT_BASELINE = "fp8"
 
 
@@ -122,8 +127,22 @@ def model_sparse_config(model: str) -> dict:
     raise ValueError(f"{model}: config.json has no sparse_attention_config (not a MiniMax-M3 sparse model?)")
 
 
-def dense_sparse_config(sparse_config: dict, max_tokens: int) -> dict:
-    """``sparse_config`` with ``sparse_topk_blocks`` raised to ``dense_topk_blocks(max_tokens)``."""
+def dense_sparse_config(sparse_config: dict, max_tokens: int | None = None, via: str = "layers") -> dict:
+    """The dense control's ``sparse_attention_config``, from the model's ``sparse_config``.
+
+    ``via="layers"``: ``sparse_attention_freq`` set to 0 for every layer (each one served by SGLang's dense
+    attention; the index projections are not loaded). ``via="topk"``: ``sparse_topk_blocks`` raised to
+    ``dense_topk_blocks(max_tokens)`` (never below the model's own), the sparse layers kept.
+    """
+    if via not in DENSE_VIA:
+        raise ValueError(f"via must be one of {DENSE_VIA}, got {via!r}")
+    if via == "layers":
+        freq = sparse_config.get("sparse_attention_freq")
+        if not isinstance(freq, list):
+            raise ValueError(f"sparse_attention_freq must be a per-layer list to mark every layer dense, got {freq!r}")
+        return {**sparse_config, "sparse_attention_freq": [0] * len(freq)}
+    if max_tokens is None:
+        raise ValueError("the dense control via topk needs max_tokens, the longest request")
     topk = max(dense_topk_blocks(max_tokens), int(sparse_config["sparse_topk_blocks"]))
     return {**sparse_config, "sparse_topk_blocks": topk}
 
@@ -149,25 +168,26 @@ def _split_overrides(launch_args: list[str]) -> tuple[list[str], dict]:
 
 
 def format_launch_args(fmt: str, launch_args: list[str], sparse_config: dict | None = None,
-                       max_tokens: int | None = None) -> list[str]:
+                       max_tokens: int | None = None, via: str = "layers") -> list[str]:
     """``launch_args`` with the index-K format set to ``fmt`` (a format or ``"dense"``).
 
     The sglang_m3 plugin reads ``index_k_format`` from the model config, and SGLang applies
     ``--json-model-override-args`` to it; an override dict already in ``launch_args`` is merged
     (our keys win), so other overrides pass through.
 
-    ``"dense"`` sets the bf16 format and overrides ``sparse_attention_config`` (SGLang replaces the
-    whole dict, so the model's ``sparse_config`` is needed) with ``sparse_topk_blocks =
-    dense_topk_blocks(max_tokens)``: a row sees at most that many blocks, and the selector returns
-    every visible block for such rows (``m3_kernels.ops.select``), so attention is exactly causal.
+    ``"dense"`` sets the bf16 format and overrides ``sparse_attention_config`` with
+    ``dense_sparse_config(sparse_config, max_tokens, via)`` (SGLang replaces the whole dict, so the model's
+    ``sparse_config`` is needed): every layer dense (``via="layers"``), or ``sparse_topk_blocks =
+    dense_topk_blocks(max_tokens)`` (``via="topk"``: a row sees at most that many blocks, and the selector
+    returns every visible block for such rows, ``m3_kernels.ops.select``). Either way attention is exactly causal.
     """
     fmt = parse_variant(fmt)
     args, overrides = _split_overrides(launch_args)
     if fmt == DENSE:
-        if sparse_config is None or max_tokens is None:
-            raise ValueError("the dense control needs the model's sparse_config and the longest request's max_tokens")
+        if sparse_config is None:
+            raise ValueError("the dense control needs the model's sparse_config")
         overrides["sparse_attention_config"] = dense_sparse_config(
-            {**sparse_config, **overrides.get("sparse_attention_config", {})}, max_tokens)
+            {**sparse_config, **overrides.get("sparse_attention_config", {})}, max_tokens, via)
         fmt = DENSE_INDEX_FORMAT
     overrides["index_k_format"] = fmt
     return args + [OVERRIDE_FLAG, json.dumps(overrides)]
@@ -394,7 +414,7 @@ def read_samples(out: Path, fmt: str, settings: dict) -> tuple[dict, list[int]] 
 
 
 RESUME_IDENTITY = ("model", "tokenizer", "depths", "seed", "max_gen_toks", "api", "dense_topk_blocks",
-                   "docs_version", "questions")
+                   "dense_via", "docs_version", "questions")
 
 
 def _format_identity(args, tokenizer: str, fmt: str, dense_topk) -> dict:
@@ -402,8 +422,9 @@ def _format_identity(args, tokenizer: str, fmt: str, dense_topk) -> dict:
     from before the option still match)."""
     return {"model": args.model, "tokenizer": tokenizer, "depths": args.depths, "seed": args.seed,
             "max_gen_toks": args.max_gen_toks, "api": args.api,
-            "dense_topk_blocks": dense_topk if fmt == DENSE else None, "docs_version": retrieval.DOCS_VERSION,
-            "questions": None if args.questions == 1 else args.questions}
+            "dense_topk_blocks": dense_topk if fmt == DENSE else None,
+            "dense_via": args.dense_via if fmt == DENSE and args.dense_via != "topk" else None,
+            "docs_version": retrieval.DOCS_VERSION, "questions": None if args.questions == 1 else args.questions}
 
 
 class SampleLog:
@@ -636,7 +657,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="tokenizer path or id (default: --model)")
     p.add_argument("--formats", nargs="+", default=["fp8", "mxfp4"],
                    help="index-K formats (bf16 fp8 mxfp4 mxfp4_rot) and/or dense, the dense-attention control "
-                        "(bf16 index cache, top-k = every block of the longest request; needs --lengths)")
+                        "(see --dense-via)")
+    p.add_argument("--dense-via", choices=DENSE_VIA, default="layers",
+                   help="how dense is served: layers = every layer dense (SGLang's attention backend, no selection); "
+                        "topk = the sparse path with top-k = every block of the longest request (needs --lengths; "
+                        "slow prefill at long context)")
     p.add_argument("--baseline", default=None,
                    help="format the paired statistics compare against (default: fp8 if run, else the first format)")
     p.add_argument("--base-url", nargs="+", default=None,
@@ -743,14 +768,16 @@ def compare_formats(argv=None) -> dict:
                          "drop them, or start the servers yourself and pass --base-url")
     dense = {}
     if DENSE in formats and DENSE not in urls:
-        if not args.lengths:
-            raise ValueError("--formats dense needs --lengths (its top-k covers the longest evaluated context)")
-        dense = {"sparse_config": model_sparse_config(args.model),
-                 "max_tokens": dense_max_tokens(args.lengths, args.max_gen_toks)}
+        if args.dense_via == "topk" and not args.lengths:
+            raise ValueError("--formats dense with --dense-via topk needs --lengths (its top-k covers the longest "
+                             "evaluated context)")
+        dense = {"sparse_config": model_sparse_config(args.model), "via": args.dense_via}
+        if args.dense_via == "topk":
+            dense["max_tokens"] = dense_max_tokens(args.lengths, args.max_gen_toks)
     tokenizer = args.tokenizer or args.model
     targets = parse_format_samples(args.format_samples, formats, args.samples)
     args.out.mkdir(parents=True, exist_ok=True)
-    dense_topk = dense_sparse_config(**dense)["sparse_topk_blocks"] if dense else None
+    dense_topk = dense_sparse_config(**dense)["sparse_topk_blocks"] if dense and dense["via"] == "topk" else None
     if args.resume:
         return _compare_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, baseline, dense_topk)
 
@@ -775,7 +802,8 @@ def compare_formats(argv=None) -> dict:
     summary = report.build(per_format, formats, n_boot=args.bootstrap, seed=args.seed, baseline=baseline)
     summary["run"] = {"model": args.model, "formats": formats, "baseline": baseline, "tasks": args.tasks,
                       "lengths": lengths, "samples": args.samples, "depths": args.depths, "questions": args.questions,
-                      "limit": args.limit, "api": args.api, "launch_args": launch_args, "dense_topk_blocks": dense_topk}
+                      "limit": args.limit, "api": args.api, "launch_args": launch_args, "dense_topk_blocks": dense_topk,
+                      "dense_via": dense.get("via")}
     return _write_report(args.out, summary)
 
 
@@ -803,7 +831,8 @@ def _compare_resumable(args, formats, launch_args, urls, dense, tokenizer, targe
     summary["errors"] = errors
     summary["run"] = {"model": args.model, "formats": formats, "baseline": baseline, "tasks": args.tasks,
                       "lengths": lengths, "samples": targets, "depths": args.depths, "questions": args.questions,
-                      "api": args.api, "launch_args": launch_args, "dense_topk_blocks": dense_topk, "chunk": args.chunk,
+                      "api": args.api, "launch_args": launch_args, "dense_topk_blocks": dense_topk,
+                      "dense_via": dense.get("via"), "chunk": args.chunk,
                       "budget_s": args.budget_s, "seconds": round(time.time() - t0, 1), "resume": True}
     return _write_report(args.out, summary)
 

@@ -54,7 +54,7 @@ class SelectionRecorder:
     @classmethod
     def from_config(cls, hf_config, sparse_layer_ids):
         path = getattr(hf_config, "index_k_debug_record", None)
-        if not path:
+        if not path or not sparse_layer_ids:  # every layer dense (the dense control): no selection to record
             return None
         from sglang.srt.configs.model_config import get_minimax_sparse_attention_config
         from sglang.srt.runtime_context import get_parallel

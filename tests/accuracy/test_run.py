@@ -69,16 +69,33 @@ def test_dense_control_raises_topk_to_every_block():
     assert run.dense_max_tokens([4096], max_gen_toks=100) == 4096 + 100 - 24 + 128
     user = json.dumps({"rope_theta": 1.0, "sparse_attention_config": {"sparse_local_block": 2}})
     args = run.format_launch_args("dense", ["--tp", "2", run.OVERRIDE_FLAG, user], sparse_config=TINY_SPARSE,
-                                  max_tokens=32768 + 128)
+                                  max_tokens=32768 + 128, via="topk")
     overrides = json.loads(args[-1])
     assert overrides["index_k_format"] == "bf16" and overrides["rope_theta"] == 1.0
     # SGLang replaces the whole dict: every model key is carried, the user's keys merged, top-k raised.
     assert overrides["sparse_attention_config"] == {**TINY_SPARSE, "sparse_local_block": 2, "sparse_topk_blocks": 257}
     # Never below the model's own top-k.
-    small = run.format_launch_args("dense", [], sparse_config=TINY_SPARSE, max_tokens=300)
+    small = run.format_launch_args("dense", [], sparse_config=TINY_SPARSE, max_tokens=300, via="topk")
     assert json.loads(small[-1])["sparse_attention_config"]["sparse_topk_blocks"] == 16
     with pytest.raises(ValueError, match="sparse_config"):
         run.format_launch_args("dense", [])
+    with pytest.raises(ValueError, match="max_tokens"):
+        run.format_launch_args("dense", [], sparse_config=TINY_SPARSE, via="topk")
+
+
+def test_dense_control_via_layers_marks_every_layer_dense():
+    model = {**TINY_SPARSE, "sparse_attention_freq": [0, 1, 1, 1], "sparse_disable_index_value": [0, 1, 1, 1]}
+    user = json.dumps({"rope_theta": 1.0, "sparse_attention_config": {"sparse_local_block": 2}})
+    args = run.format_launch_args("dense", ["--tp", "2", run.OVERRIDE_FLAG, user], sparse_config=model)
+    assert args[:2] == ["--tp", "2"]
+    overrides = json.loads(args[-1])
+    assert overrides["index_k_format"] == "bf16" and overrides["rope_theta"] == 1.0
+    # Only the per-layer switch changes: the top-k stays the model's (no layer reads it), no max_tokens needed.
+    assert overrides["sparse_attention_config"] == {**model, "sparse_local_block": 2, "sparse_attention_freq": [0] * 4}
+    with pytest.raises(ValueError, match="per-layer list"):
+        run.format_launch_args("dense", [], sparse_config={**model, "sparse_attention_freq": 2})
+    with pytest.raises(ValueError, match="via must be one of"):
+        run.format_launch_args("dense", [], sparse_config=model, via="full")
 
 
 def test_model_sparse_config_reads_the_tiny_config():
@@ -98,9 +115,9 @@ def test_baseline_defaults_to_fp8():
         run.parse_variant("fp4")
 
 
-def test_dense_needs_lengths(tmp_path):
+def test_dense_via_topk_needs_lengths(tmp_path):
     with pytest.raises(ValueError, match="--lengths"):
-        run.compare_formats(["--model", "m", "--formats", "dense", "fp8", "--out", str(tmp_path)])
+        run.compare_formats(["--model", "m", "--formats", "dense", "fp8", "--dense-via", "topk", "--out", str(tmp_path)])
 
 
 def test_reuse_builds_the_report_from_saved_formats(tmp_path):

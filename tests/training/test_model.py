@@ -441,13 +441,15 @@ _servers = _server_module()
 class CheckpointServer(_servers.Server):
     """``tests/sglang_m3``'s server, on a checkpoint directory with its real weights (no dummy load)."""
 
-    def __init__(self, model_dir: Path, log_path: Path, record: Path, max_total_tokens: int = 8192):
+    def __init__(self, model_dir: Path, log_path: Path, record: Path, max_total_tokens: int = 8192,
+                 launch_args: list[str] | None = None):
+        """``launch_args`` (default: the selection recorder's override) go to the server as they are."""
         self.port = _servers.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path, self.record = log_path, record
-        cmd = _servers.server_command(self.port, "--json-model-override-args",
-                                      json.dumps({"index_k_debug_record": str(record)}),
-                                      max_total_tokens=max_total_tokens)
+        if launch_args is None:
+            launch_args = ["--json-model-override-args", json.dumps({"index_k_debug_record": str(record)})]
+        cmd = _servers.server_command(self.port, *launch_args, max_total_tokens=max_total_tokens)
         cmd[cmd.index(str(_servers.TINY_MODEL))] = str(model_dir)
         i = cmd.index("--load-format")
         del cmd[i : i + 2]
@@ -535,6 +537,58 @@ def test_sglang_serves_the_exported_checkpoint_like_the_torch_model(gen, tmp_pat
                 # separate them: a dense 0.0282 failed a run that served sparse correctly).
                 assert diff[late].mean() < LOGPROB_MEAN_TOL and 2 * diff[late].mean() < dense_late, \
                     "the comparison cannot tell sparse from dense"
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("via", ["layers", "topk"])
+def test_sglang_serves_the_dense_control_like_the_dense_torch_model(gen, tmp_path, via):
+    """accuracy.run's dense control, served either way (every layer dense; or the sparse path with a top-k of every
+    block): its logprobs sit within bf16 tolerance of the torch model's dense attention, and past 16 blocks clearly
+    apart from its sparse attention (so the comparison can tell which one was served)."""
+    from accuracy.run import OVERRIDE_FLAG, format_launch_args, model_sparse_config
+
+    d = config_dict()
+    ckpt = export_checkpoint(random_model(gen, d), d, TINY, tmp_path / "ckpt")
+    length = 24 * BLOCK - 4  # late rows see up to 24 blocks; top-16 drops up to 8 of them
+    record = tmp_path / "selection.jsonl"
+    launch = format_launch_args("dense", [OVERRIDE_FLAG, json.dumps({"index_k_debug_record": str(record)})],
+                                sparse_config=model_sparse_config(str(ckpt)), max_tokens=length + NEW_TOKENS + BLOCK,
+                                via=via)
+    server = CheckpointServer(ckpt, tmp_path / "server.log", record, launch_args=launch)
+    try:
+        model = load_checkpoint(ckpt)
+        server.wait_ready()
+        rng = random.Random(int(torch.randint(2**31, (1,), generator=gen)))
+        prompt = [rng.randrange(3, model.config.vocab_size) for _ in range(length)]
+        before = len(server.records())
+        body = server.generate(prompt, max_new_tokens=NEW_TOKENS, return_logprob=True, logprob_start_len=0)
+        records = server.records()[before:]
+        meta = body["meta_info"]
+        seq = torch.tensor([prompt + [t[1] for t in meta["output_token_logprobs"]]])
+        served = torch.tensor([t[0] for t in meta["input_token_logprobs"][1:]] +
+                              [t[0] for t in meta["output_token_logprobs"]])
+        n = len(served)
+        targets = seq[0, 1 : n + 1]
+        with torch.no_grad():
+            dense = model(seq, "dense")[0][0, :n].log_softmax(-1)[torch.arange(n), targets]
+            sparse = model(seq, "sparse", index_k_format="bf16")[0][0, :n].log_softmax(-1)[torch.arange(n), targets]
+        off_dense, off_sparse = (dense - served).abs(), (sparse - served).abs()
+        late = slice(TOPK * BLOCK, n)
+        print(f"dense via {via}: |d logprob| to the dense model mean {off_dense.mean():.4f} max {off_dense.max():.4f}; "
+              f"rows past 16 blocks: dense {off_dense[late].mean():.4f}, sparse {off_sparse[late].mean():.4f}")
+        assert off_dense.mean() < LOGPROB_MEAN_TOL and off_dense.max() < LOGPROB_MAX_TOL
+        assert 2 * off_dense[late].mean() < off_sparse[late].mean(), "the comparison cannot tell dense from sparse"
+        if via == "layers":
+            assert records == [], "every layer is dense: no selection may be recorded"
+        else:  # every row's selection is each visible block, in order, -1 padded
+            assert records
+            for rec in records:
+                for r, pos in enumerate(rec["positions"]):
+                    for head in rec["selected"]:
+                        picked = [b for b in head[r] if b >= 0]
+                        assert picked == list(range(pos // BLOCK + 1)), (rec["layer"], pos)
     finally:
         server.stop()
 
