@@ -29,7 +29,8 @@
 #   state.tgz           acc/samples (the per-sample JSONL) and agreement/formats: the resume state
 #   results.json        m3-accuracy's summary (pairs, coverage, run settings)
 #   agreement.json      the agreement study's summary (when at least bf16 and one more format are done)
-#   logs.tgz            the servers' logs (last 2 MiB of each)
+#   logs.tgz            the servers' logs (last 2 MiB of each); on a GPU, triton-kernels.txt: each Triton kernel
+#                       compiled on the machine, its variants and cubin bytes (TRITON_CACHE_DIR, in $RUN_DIR)
 #   accuracy_vs_length.png
 #   report.md           written last
 # To continue on a fresh machine, put the returned state.tgz in a folder that travels with the checkout
@@ -99,6 +100,9 @@ if [ "$DEVICE" = cpu ]; then
                     --context-length $context --skip-server-warmup"
 else
     source scripts/gpu/bundle_env.sh || exit 1
+    # Triton's kernel cache in the run directory, so the call can list what its servers compiled (a sparse-format
+    # server's CUDA-graph capture took 77-84 s on a fresh H200, a server with every layer dense 2.4 s).
+    export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$(cd "$RUN_DIR" && pwd)/triton-cache}"
     PYTHON=python3
     # CUDA graphs on for decode (the plugin keeps prefill eager); batch sizes up to the concurrency (each
     # captured size costs start-up: 36-98 s for 1, 2, 4, 8 on an H200, docs/accuracy.md section 5).
@@ -203,6 +207,12 @@ mkdir -p "$logs/logs"
 for f in "$RUN_DIR"/acc/server-*.log "$RUN_DIR"/agreement/server-*.log "$RUN_DIR"/agreement/*.out; do
     [ -f "$f" ] && tail -c 2097152 "$f" > "$logs/logs/$(basename "$(dirname "$f")")-$(basename "$f")"
 done
+if [ -d "${TRITON_CACHE_DIR:-}" ]; then  # kernel name, compiled variants, cubin bytes
+    find "$TRITON_CACHE_DIR" -name '*.cubin' -printf '%f %s\n' | awk '{sub(/\.cubin$/, "", $1); n[$1]++; b[$1] += $2}
+        END {for (k in n) print k, n[k], b[k]}' | sort > "$logs/logs/triton-kernels.txt"
+    echo "Triton kernels compiled on this machine: $(wc -l < "$logs/logs/triton-kernels.txt") kernels," \
+         "$(awk '{s += $2} END {print s + 0}' "$logs/logs/triton-kernels.txt") variants (logs.tgz: triton-kernels.txt)"
+fi
 tar -C "$logs" -czf "$OUT/logs.tgz" logs && rm -rf "$logs"
 [ -f "$RUN_DIR/acc/results.json" ] && cp "$RUN_DIR/acc/results.json" "$OUT/results.json"
 [ -f "$RUN_DIR/acc/accuracy_vs_length.png" ] && cp "$RUN_DIR/acc/accuracy_vs_length.png" "$OUT/"
