@@ -418,8 +418,8 @@ RESUME_IDENTITY = ("model", "tokenizer", "depths", "seed", "max_gen_toks", "api"
 
 
 def _format_identity(args, tokenizer: str, fmt: str, dense_topk) -> dict:
-    """The ``RESUME_IDENTITY`` settings of ``fmt``'s samples in this run (``--questions`` 1 saved as None, so runs
-    from before the option still match)."""
+    """The ``RESUME_IDENTITY`` settings of ``fmt``'s samples in this run (``--questions`` 1 and ``--dense-via topk``
+    saved as None, so runs from before those options still match)."""
     return {"model": args.model, "tokenizer": tokenizer, "depths": args.depths, "seed": args.seed,
             "max_gen_toks": args.max_gen_toks, "api": args.api,
             "dense_topk_blocks": dense_topk if fmt == DENSE else None,
