@@ -30,7 +30,8 @@
 #   results.json        m3-accuracy's summary (pairs, coverage, run settings)
 #   agreement.json      the agreement study's summary (when at least bf16 and one more format are done)
 #   logs.tgz            the servers' logs (last 2 MiB of each); on a GPU, triton-kernels.txt: each Triton kernel
-#                       compiled on the machine, its variants and cubin bytes (TRITON_CACHE_DIR, in $RUN_DIR)
+#                       compiled on the machine, its variants and cubin bytes (TRITON_CACHE_DIR, in $RUN_DIR);
+#                       jit-modules.txt: the modules nvcc built (TVM_FFI_CACHE_DIR, in $RUN_DIR), bytes, time
 #   accuracy_vs_length.png
 #   report.md           written last
 # To continue on a fresh machine, put the returned state.tgz in a folder that travels with the checkout
@@ -103,6 +104,8 @@ else
     # Triton's kernel cache in the run directory, so the call can list what its servers compiled (a sparse-format
     # server's CUDA-graph capture took 77-84 s on a fresh H200, a server with every layer dense 2.4 s).
     export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$(cd "$RUN_DIR" && pwd)/triton-cache}"
+    # and the nvcc-built (TVM-FFI) modules' cache, listed the same way (jit-modules.txt)
+    export TVM_FFI_CACHE_DIR="${TVM_FFI_CACHE_DIR:-$(cd "$RUN_DIR" && pwd)/jit-cache}"
     PYTHON=python3
     # CUDA graphs on for decode (the plugin keeps prefill eager); batch sizes up to the concurrency (each
     # captured size costs start-up: 36-98 s for 1, 2, 4, 8 on an H200, docs/accuracy.md section 5).
@@ -212,6 +215,10 @@ if [ -d "${TRITON_CACHE_DIR:-}" ]; then  # kernel name, compiled variants, cubin
         END {for (k in n) print k, n[k], b[k]}' | sort > "$logs/logs/triton-kernels.txt"
     echo "Triton kernels compiled on this machine: $(wc -l < "$logs/logs/triton-kernels.txt") kernels," \
          "$(awk '{s += $2} END {print s + 0}' "$logs/logs/triton-kernels.txt") variants (logs.tgz: triton-kernels.txt)"
+fi
+if [ -d "${TVM_FFI_CACHE_DIR:-}" ]; then  # module file, bytes, build time (UTC)
+    find "$TVM_FFI_CACHE_DIR" -name '*.so' -printf '%P %s %TFT%TT\n' | sort -k3 > "$logs/logs/jit-modules.txt"
+    echo "nvcc-built modules on this machine: $(wc -l < "$logs/logs/jit-modules.txt") (logs.tgz: jit-modules.txt)"
 fi
 tar -C "$logs" -czf "$OUT/logs.tgz" logs && rm -rf "$logs"
 [ -f "$RUN_DIR/acc/results.json" ] && cp "$RUN_DIR/acc/results.json" "$OUT/results.json"
