@@ -40,6 +40,22 @@ def _pair(base: list[dict], other: list[dict], task: str, fmt: str):
     return a, b
 
 
+def discordant_pairs(base_rows: list[dict], cand_rows: list[dict], task: str) -> list[dict]:
+    """The pairs scored 0/1 one way and 1/0 the other (partial scores: any pair whose scores differ), in the
+    baseline's order: ``{task, length, depth, doc_id, right ("base" or "cand"), target, base_response,
+    cand_response}``. Where the two formats disagree, with the needle's depth: where a format loses answers."""
+    by_id = {r["doc_id"]: r for r in cand_rows}
+    out = []
+    for b in base_rows:
+        c = by_id.get(b["doc_id"])
+        if c is None or c["score"] == b["score"]:
+            continue
+        out.append({"task": task, "length": b["length"], "depth": b.get("depth"), "doc_id": b["doc_id"],
+                    "right": "base" if b["score"] > c["score"] else "cand", "target": b["target"],
+                    "base_response": b.get("response"), "cand_response": c.get("response")})
+    return out
+
+
 def cluster(row: dict) -> str:
     """The cluster of a sample row: its context (``<length>/c<context>``) when it is one of several
     questions on one context, else the row alone (its ``doc_id``)."""
@@ -55,7 +71,8 @@ def build(per_format: dict, formats: list[str], n_boot: int = 10000, seed: int =
     ``baseline`` (default ``formats[0]``) must be one of ``formats``.
 
     A group is one context length (or ``"all"``): ``{"length", "n", "acc": {fmt: acc},
-    "paired": {fmt: PairedResult fields}}`` with ``paired`` for every format but the baseline. The
+    "paired": {fmt: PairedResult fields}}`` with ``paired`` for every format but the baseline;
+    ``"discordant": {fmt: discordant_pairs(...)}`` lists every pair the two formats score differently. The
     interval of a (task, format) is Tango's score interval when both formats scored every sample of
     the task 0 or 1, else the paired bootstrap (``n_boot`` resamples, ``seed``), the same for all of
     the task's groups; ``ci_method`` says which.
@@ -63,9 +80,11 @@ def build(per_format: dict, formats: list[str], n_boot: int = 10000, seed: int =
     base = formats[0] if baseline is None else baseline
     if base not in formats:
         raise ValueError(f"baseline {base!r} must be one of formats {formats}")
-    tasks = {}
+    tasks, discordant = {}, {fmt: [] for fmt in formats if fmt != base}
     for task in per_format[base]:
         rows = per_format[base][task]
+        for fmt in discordant:
+            discordant[fmt] += discordant_pairs(rows, per_format[fmt].get(task, []), task)
         lengths = sorted({r["length"] for r in rows if r["length"] is not None})
         groups = []
         interval = {fmt: "tango" if is_binary([r["score"] for r in rows],
@@ -85,7 +104,7 @@ def build(per_format: dict, formats: list[str], n_boot: int = 10000, seed: int =
                     group["paired"][fmt] = dataclasses.asdict(result)
             groups.append(group)
         tasks[task] = groups
-    return {"baseline": base, "formats": formats, "tasks": tasks}
+    return {"baseline": base, "formats": formats, "tasks": tasks, "discordant": discordant}
 
 
 def build_pairs(per_format: dict, formats: list[str], n_boot: int = 10000, seed: int = 0,
@@ -188,12 +207,52 @@ def markdown_table(summary: dict) -> str:
                           f"{50 * (p['ci_hi'] - p['ci_lo']):.1f}"]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+    for f in others:
+        lines += _markdown_discordant(summary.get("discordant", {}).get(f), base, f)
     notes = [f"Baseline: {base}. agree: both right or both wrong. only base/only cand: samples right in one format "
              "only (McNemar's discordant pairs; exact two-sided p). Difference: candidate minus baseline accuracy "
              "in points with its interval; ±: half the interval's width, the resolution of this run: differences "
              "much smaller than it are not told apart from none, whatever the point estimate."]
     notes += [_INTERVAL_NOTES[k] for k in sorted(used)]
     return "\n".join(lines) + "\n" + "\n\n".join(notes) + "\n"
+
+
+MAX_LISTED = 40  # discordant pairs listed one by one; past that, the counts per task, length and depth
+
+
+def _markdown_discordant(pairs: list[dict] | None, base: str, cand: str) -> list[str]:
+    """Where ``cand`` and ``base`` disagree: each discordant pair (task, length, needle depth, who was right,
+    the two answers), or past ``MAX_LISTED`` their counts per task and length and per depth decile."""
+    if pairs is None:  # results written before the list existed
+        return []
+    head = f"### Discordant pairs, {cand} vs {base}: {len(pairs)}"
+    if not pairs:
+        return [head + " (no prompt answered differently)", ""]
+
+    def short(text):
+        text = (text or "").strip().replace("\n", " ").replace("|", "/")
+        return text if len(text) <= 32 else text[:31] + "…"
+
+    if len(pairs) <= MAX_LISTED:
+        lines = [head, "", "| task | length | depth % | right | target | " + f"{base} answer | {cand} answer |",
+                 "|---|---|---|---|---|---|---|"]
+        for d in pairs:
+            depth = "-" if d["depth"] is None else f"{d['depth']:.0f}"
+            right = base if d["right"] == "base" else cand
+            lines.append(f"| {d['task']} | {d['length']} | {depth} | {right} | {d['target']} | "
+                         f"{short(d['base_response'])} | {short(d['cand_response'])} |")
+        return lines + [""]
+    cells, deciles = {}, {}
+    for d in pairs:
+        k = 0 if d["right"] == "base" else 1
+        cells.setdefault((d["task"], d["length"]), [0, 0])[k] += 1
+        if d["depth"] is not None:
+            deciles.setdefault(min(9, int(d["depth"] // 10)), [0, 0])[k] += 1
+    lines = [head + f" (right in {base} / right in {cand})", "", "| task | length | pairs |", "|---|---|---|"]
+    lines += [f"| {t} | {L} | {a}/{b} |" for (t, L), (a, b) in sorted(cells.items())]
+    lines += ["", "| needle depth % | pairs |", "|---|---|"]
+    lines += [f"| {10 * i}-{10 * i + 10} | {a}/{b} |" for i, (a, b) in sorted(deciles.items())]
+    return lines + [""]
 
 
 def restate_binary(summary: dict, confidence: float = 0.95) -> dict:

@@ -131,3 +131,31 @@ def test_unmatched_samples_are_refused(drop_from):
         report.build({"fp8": {"t": base}, "mxfp4": {"t": cand}}, ["fp8", "mxfp4"], n_boot=10)
     with pytest.raises(ValueError, match="same data"):  # a task the candidate never ran
         report.build({"fp8": {"t": full}, "mxfp4": {}}, ["fp8", "mxfp4"], n_boot=10)
+
+
+def test_discordant_pairs_say_where_the_formats_disagree(monkeypatch):
+    base = _rows({1024: [1, 1, 0, 0], 2048: [1, 0]})
+    cand = _rows({1024: [1, 0, 1, 0], 2048: [1, 1]})
+    for i, r in enumerate(base):
+        r["depth"] = cand[i]["depth"] = 10.0 * i
+        r["response"], cand[i]["response"] = f" {r['target']}.", " 9999999."
+    summary = report.build({"fp8": {"m3_kv_64": base}, "mxfp4": {"m3_kv_64": cand}}, ["fp8", "mxfp4"])
+    pairs = summary["discordant"]["mxfp4"]
+    assert [(d["doc_id"], d["length"], d["depth"], d["right"]) for d in pairs] == [
+        (1, 1024, 10.0, "base"), (2, 1024, 20.0, "cand"), (5, 2048, 50.0, "cand")]
+    p = summary["tasks"]["m3_kv_64"][-1]["paired"]["mxfp4"]
+    assert (p["n10"], p["n01"]) == (1, 2)  # the list holds exactly McNemar's discordant pairs
+    text = report.markdown(summary)
+    assert "### Discordant pairs, mxfp4 vs fp8: 3" in text
+    assert "| m3_kv_64 | 1024 | 10 | fp8 | t1 | t1. | 9999999. |" in text
+    assert "| m3_kv_64 | 2048 | 50 | mxfp4 | t5 | t5. | 9999999. |" in text
+    # Past MAX_LISTED: counts per task and length, and per depth decile (right in fp8 / right in mxfp4).
+    monkeypatch.setattr(report, "MAX_LISTED", 2)
+    text = report.markdown(summary)
+    assert "| m3_kv_64 | 1024 | 1/1 |" in text and "| m3_kv_64 | 2048 | 0/1 |" in text
+    assert "| 10-20 | 1/0 |" in text and "| 20-30 | 0/1 |" in text and "| 50-60 | 0/1 |" in text
+    # Formats that agree everywhere say so; results written before the list have no such section.
+    same = report.build({"fp8": {"m3_kv_64": base}, "mxfp4": {"m3_kv_64": copy.deepcopy(base)}}, ["fp8", "mxfp4"])
+    assert "### Discordant pairs, mxfp4 vs fp8: 0 (no prompt answered differently)" in report.markdown(same)
+    del same["discordant"]
+    assert "### Discordant pairs" not in report.markdown(same)
