@@ -46,8 +46,8 @@ import numpy as np
 from m3_kernels.formats import LOCAL_BLOCKS, PAGE_SIZE
 
 from . import needle
-from .run import (DENSE, OVERRIDE_FLAG, RUNNER_OWNED_FLAGS, SGLangServer, dense_max_tokens, dense_sparse_config,
-                  format_launch_args, model_sparse_config, parse_command_line)
+from .run import (OVERRIDE_FLAG, RUNNER_OWNED_FLAGS, SGLangServer, dense_max_tokens, dense_sparse_config,
+                  format_launch_args, is_dense, model_sparse_config, parse_command_line)
 
 EAGER_FLAGS = ("--disable-cuda-graph", "--disable-overlap-schedule")
 ALL_LAYERS = "all"
@@ -282,12 +282,12 @@ class Measures:
                 chance = s.shape[0] * sum(chance_recall(int(v), blocks, topk, self.local_blocks, self.init_blocks)
                                           for v in sel["n_visible"][kind][layer])
                 self.recall.add(length, layer, kind, fmt, n=n, all=hit_all, any=hit_any, chance=chance)
-        if fmt == DENSE:
+        if is_dense(fmt):
             for kind in AGREEMENT_ROWS:
                 for layer, s in sel[kind].items():
                     full = [frozenset(range(int(v))) for v in sel["n_visible"][kind][layer]] * s.shape[0]
                     got = _as_sets(s)
-                    self.dense.add(length, layer, kind, DENSE, n=len(got), full=sum(x == y for x, y in zip(got, full)))
+                    self.dense.add(length, layer, kind, fmt, n=len(got), full=sum(x == y for x, y in zip(got, full)))
 
     def add_pair(self, doc: dict, a: str, b: str, sel_a: dict, sel_b: dict, out_a: list[int], out_b: list[int]) -> None:
         in_step = answer_rows_in_step(out_a, out_b)
@@ -313,7 +313,7 @@ def measure(docs: list[dict], selections: dict, outputs: dict, formats: list[str
     """``Measures`` over ``selections[fmt][doc_id]`` and ``outputs[fmt][doc_id]`` (every format, every
     pair of non-dense formats); ``topk[fmt]`` is each server's top-k."""
     m = Measures(local_blocks, init_blocks)
-    sparse = [f for f in formats if f != DENSE]
+    sparse = [f for f in formats if not is_dense(f)]
     for doc in docs:
         d = doc["doc_id"]
         for fmt in formats:
@@ -345,7 +345,7 @@ def run_format(fmt: str, model: str, docs: list[dict], launch_args: list[str], a
     extra = [a for a in EAGER_FLAGS if a not in launch_args]
     recorder = {"index_k_debug_record": str(record), "index_k_debug_rows": args.prompt_rows}
     launch = format_launch_args(fmt, [*launch_args, *extra, OVERRIDE_FLAG, json.dumps(recorder)],
-                                **(dense if fmt == DENSE else {}))
+                                **(dense if is_dense(fmt) else {}))
     reader = RecordReader(record)
     recorded = 0
     with SGLangServer(model, launch, args.out / f"server-{fmt}.log", timeout_s=args.launch_timeout) as server:
@@ -519,7 +519,7 @@ def main(argv=None) -> dict:
     sparse_cfg = model_sparse_config(args.model)
     max_tokens = dense_max_tokens(args.lengths, args.gen_tokens)
     dense = {"sparse_config": sparse_cfg, "max_tokens": max_tokens, "via": "topk"}  # the recorder needs selections
-    topk = {f: (dense_sparse_config(**dense) if f == DENSE else sparse_cfg)["sparse_topk_blocks"]
+    topk = {f: (dense_sparse_config(**dense) if is_dense(f) else sparse_cfg)["sparse_topk_blocks"]
             for f in formats}
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -545,9 +545,9 @@ def main(argv=None) -> dict:
             save_format(saved_dir, fmt, digest, sel, outputs[fmt], recorded[fmt])
         for doc in docs:
             measures.add_format(doc, fmt, sel[doc["doc_id"]], topk[fmt])
-        if fmt != DENSE:  # the dense selections are not paired: let them go
+        if not is_dense(fmt):  # the dense selections are not paired: let them go
             selections[fmt] = sel
-    sparse = [f for f in formats if f != DENSE]
+    sparse = [f for f in formats if not is_dense(f)]
     for doc in docs:
         for a, b in itertools.combinations(sparse, 2):
             d = doc["doc_id"]

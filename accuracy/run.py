@@ -60,6 +60,7 @@ DENSE = "dense"  # control variant: every visible block attended (see format_lau
 DENSE_INDEX_FORMAT = "bf16"
 DENSE_VIA = ("layers", "topk")  # how the dense control is served (dense_sparse_config)
 DEFAULT_BASELINE = "fp8"
+REPLICA_SEP = "@"  # fp8@2: a replica of fp8 (parse_variant)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,13 +68,29 @@ DEFAULT_BASELINE = "fp8"
 
 
 def parse_variant(name: str, what: str = "format") -> str:
-    """``"dense"`` or the canonical name of an index-K format; ValueError naming ``what`` otherwise."""
+    """``"dense"`` or the canonical name of an index-K format, either optionally tagged ``@<n>`` (n >= 2): a
+    replica, the same server served again as an arm of its own (``fp8@2`` against ``fp8`` counts the answers
+    that serving again alone flips). ValueError naming ``what`` otherwise."""
+    base, sep, tag = str(name).partition(REPLICA_SEP)
+    if sep:
+        if not tag.isdigit() or int(tag) < 2:
+            raise ValueError(f"{what}: {name!r} must end in {REPLICA_SEP}<n> with n >= 2 (a replica of {base!r})")
+        return f"{parse_variant(base, what)}{REPLICA_SEP}{int(tag)}"
     if str(name).lower() == DENSE:
         return DENSE
     try:
         return parse_format(name, what).value
     except ValueError as e:
         raise ValueError(f"{e} (or {DENSE!r}, the dense-attention control)") from None
+
+
+def served_as(variant: str) -> str:
+    """What a (parsed) variant's server runs: the format or ``"dense"``, without a replica tag."""
+    return variant.partition(REPLICA_SEP)[0]
+
+
+def is_dense(variant: str) -> bool:
+    return served_as(variant) == DENSE
 
 
 def parse_command_line(parser: argparse.ArgumentParser, argv=None) -> tuple:
@@ -181,7 +198,7 @@ def format_launch_args(fmt: str, launch_args: list[str], sparse_config: dict | N
     dense_topk_blocks(max_tokens)`` (``via="topk"``: a row sees at most that many blocks, and the selector
     returns every visible block for such rows, ``m3_kernels.ops.select``). Either way attention is exactly causal.
     """
-    fmt = parse_variant(fmt)
+    fmt = served_as(parse_variant(fmt))
     args, overrides = _split_overrides(launch_args)
     if fmt == DENSE:
         if sparse_config is None:
@@ -422,8 +439,8 @@ def _format_identity(args, tokenizer: str, fmt: str, dense_topk) -> dict:
     saved as None, so runs from before those options still match)."""
     return {"model": args.model, "tokenizer": tokenizer, "depths": args.depths, "seed": args.seed,
             "max_gen_toks": args.max_gen_toks, "api": args.api,
-            "dense_topk_blocks": dense_topk if fmt == DENSE else None,
-            "dense_via": args.dense_via if fmt == DENSE and args.dense_via != "topk" else None,
+            "dense_topk_blocks": dense_topk if is_dense(fmt) else None,
+            "dense_via": args.dense_via if is_dense(fmt) and args.dense_via != "topk" else None,
             "docs_version": retrieval.DOCS_VERSION, "questions": None if args.questions == 1 else args.questions}
 
 
@@ -606,7 +623,7 @@ def _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, 
             if fmt in urls:
                 serve(urls[fmt])
             else:
-                launch = format_launch_args(fmt, launch_args, **(dense if fmt == DENSE else {}))
+                launch = format_launch_args(fmt, launch_args, **(dense if is_dense(fmt) else {}))
                 server = SGLangServer(args.model, launch, args.out / f"server-{fmt}.log", timeout_s=args.launch_timeout)
                 with server:
                     serve(server.base_url)
@@ -767,7 +784,7 @@ def compare_formats(argv=None) -> dict:
         raise ValueError(f"launch arguments {owned} are set by the runner (one free local port per server); "
                          "drop them, or start the servers yourself and pass --base-url")
     dense = {}
-    if DENSE in formats and DENSE not in urls:
+    if any(is_dense(f) and f not in urls for f in formats):
         if args.dense_via == "topk" and not args.lengths:
             raise ValueError("--formats dense with --dense-via topk needs --lengths (its top-k covers the longest "
                              "evaluated context)")
@@ -794,7 +811,7 @@ def compare_formats(argv=None) -> dict:
         if fmt in urls:
             per_format[fmt], lengths = _evaluate(urls[fmt], tokenizer, lengths, args)
         else:
-            server = SGLangServer(args.model, format_launch_args(fmt, launch_args, **(dense if fmt == DENSE else {})),
+            server = SGLangServer(args.model, format_launch_args(fmt, launch_args, **(dense if is_dense(fmt) else {})),
                                   args.out / f"server-{fmt}.log", timeout_s=args.launch_timeout)
             with server:
                 per_format[fmt], lengths = _evaluate(server.base_url, tokenizer, lengths, args)

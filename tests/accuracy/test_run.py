@@ -171,3 +171,20 @@ def test_server_env_turns_off_crash_diagnostics_and_adds_the_cpu_waits_on_cpu(la
     env = run.SGLangServer("m", launch_args, tmp_path / "s.log", port=1).env()
     assert {k: env.get(k) for k in CRASH_DIAGNOSTICS_OFF} == CRASH_DIAGNOSTICS_OFF
     assert (env.get(OMP_WAIT_POLICY) == "PASSIVE") == on_cpu
+
+
+def test_replica_variants_serve_their_format_as_an_arm_of_their_own():
+    assert run.parse_variant("fp8@2") == "fp8@2" and run.parse_variant("mxfp4@03") == "mxfp4@3"
+    assert run.parse_variant("dense@2") == "dense@2" and run.is_dense("dense@2") and not run.is_dense("fp8@2")
+    assert run.served_as("fp8@2") == "fp8" and run.served_as("dense") == "dense"
+    for bad in ("fp8@1", "fp8@", "fp8@x", "fp4@2"):
+        with pytest.raises(ValueError, match="--formats"):
+            run.parse_variant(bad, "--formats")
+    # The replica's server is its format's server.
+    assert json.loads(run.format_launch_args("fp8@2", [])[-1]) == json.loads(run.format_launch_args("fp8", [])[-1])
+    model = {**TINY_SPARSE, "sparse_attention_freq": [0, 1]}
+    assert run.format_launch_args("dense@2", [], sparse_config=model) == run.format_launch_args("dense", [],
+                                                                                               sparse_config=model)
+    # fp8 and its replica are distinct formats on the command line (own samples, paired like any other).
+    _, formats, _ = run.parse_command_line(run.build_parser(), ["--model", "m", "--formats", "fp8", "fp8@2"])
+    assert formats == ["fp8", "fp8@2"]
