@@ -38,7 +38,8 @@
 # (e.g. .acc-state/, listed in .git/info/exclude and named in the call's carry) and set RESUME to it.
 #
 # Env: BUDGET_S (540), AGREE_S (150), RESERVE_S (30: report and packing), FORMATS ("fp8 mxfp4 mxfp4_rot bf16
-# dense"), MAX_FORMATS (1), LARGE_FORMATS ("fp8 mxfp4"), N_LARGE (1000), N_SMALL (100), TASKS ("m3_niah_single
+# dense"; a replica such as fp8@2 serves fp8 again as an arm of its own), MAX_FORMATS (1), LARGE_FORMATS
+# ("fp8 mxfp4"), N_LARGE (1000), N_SMALL (100), TASKS ("m3_niah_single
 # m3_niah_multikey m3_kv_64 m3_vt_value": kv at 64 pairs and vt asking a value, the variants the medium model
 # can fail or pass at every length, docs/accuracy.md section 5; m3_kv and m3_vt are the drawn ones),
 # LENGTHS ("8192 32768 65536 131072"), CHUNK (4), QUESTIONS (1: questions per context where a task takes several,
