@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The H200 format comparison's report, rebuilt on any machine from the committed results (serves nothing):
+# docs/perf_data/accuracy_h200_resume/state.tgz holds every sample row the H200 calls returned
+# (scripts/gpu/accuracy_h200.sh, docs/accuracy.md section 5). Writes OUT (default out/accuracy-h200-report):
+# report.md (every format against fp8 on the prompts both have, Tango / Rao-Scott intervals, exact McNemar, the
+# discordant pairs with task, length and needle depth), results.json, accuracy_vs_length.png.
+#
+#   scripts/accuracy_h200_report.sh [OUT]
+#
+# The targets (fp8 and mxfp4 1,000 a cell, the others 100) and settings are the H200 calls' own; a sample
+# row the state lacks is simply not paired.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-out/accuracy-h200-report}"
+STATE=docs/perf_data/accuracy_h200_resume/state.tgz
+PYTHON="${PYTHON:-.venv/bin/python}"
+rm -rf "$OUT"
+mkdir -p "$OUT"
+tar -C "$OUT" -xzf "$STATE" acc/samples
+PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m accuracy.run --model configs/msa-medium \
+    --formats fp8 mxfp4 mxfp4_rot bf16 dense --baseline fp8 \
+    --tasks m3_niah_single m3_niah_multikey m3_kv_64 m3_vt_value --lengths 8192 32768 65536 131072 \
+    --samples 100 --format-samples fp8=1000 mxfp4=1000 --chunk 4 --questions 4 --resume --budget-s 0 \
+    --out "$OUT/acc" -- --attention-backend triton > "$OUT/report.log" 2>&1 \
+    || { tail -n 30 "$OUT/report.log"; exit 1; }
+mv "$OUT/acc/report.md" "$OUT/acc/results.json" "$OUT/acc/accuracy_vs_length.png" "$OUT/"
+rm -rf "$OUT/acc"
+echo "wrote $OUT/report.md, results.json and accuracy_vs_length.png"

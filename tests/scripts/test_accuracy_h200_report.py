@@ -1,0 +1,48 @@
+"""scripts/accuracy_h200_report.sh rebuilds the H200 comparison's report from the committed resume state, and that
+state agrees with the committed per-sample dump (docs/perf_data/accuracy_h200_2026-12-02_q4_samples.jsonl): the
+same pairs and the same discordant pairs for every format against fp8."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLES = ROOT / "docs" / "perf_data" / "accuracy_h200_2026-12-02_q4_samples.jsonl"
+
+
+def _pairs_from_dump() -> dict:
+    """{format: (pairs with fp8, fp8 right only, format right only)} counted straight from the dump."""
+    rows = {}
+    for line in SAMPLES.read_text().splitlines():
+        r = json.loads(line)
+        rows.setdefault(r["format"], {})[(r["task"], r["doc_id"])] = r["score"]
+    out = {}
+    for fmt, scores in rows.items():
+        if fmt == "fp8":
+            continue
+        both = scores.keys() & rows["fp8"].keys()
+        out[fmt] = (len(both), sum(rows["fp8"][k] > scores[k] for k in both), sum(rows["fp8"][k] < scores[k] for k in both))
+    return out
+
+
+def test_report_rebuilds_from_the_committed_state_and_matches_the_dump(tmp_path):
+    out = tmp_path / "report"
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "accuracy_h200_report.sh"), str(out)], cwd=ROOT,
+                          env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((out / "results.json").read_text())
+    want = _pairs_from_dump()
+    assert set(summary["pairs"]) == set(want) and {"mxfp4", "mxfp4_rot", "bf16", "dense"} <= set(want)
+    for fmt, (n, base_only, cand_only) in want.items():
+        pair = summary["pairs"][fmt]
+        overall = [g[-1]["paired"][fmt] for g in pair["tasks"].values()]  # each task's "all" row
+        assert sum(p["n"] for p in overall) == n, fmt
+        assert sum(p["n10"] for p in overall) == base_only and sum(p["n01"] for p in overall) == cand_only, fmt
+        listed = pair["discordant"][fmt]
+        assert len(listed) == base_only + cand_only and sum(d["right"] == "base" for d in listed) == base_only
+    text = (out / "report.md").read_text()
+    assert f"### Discordant pairs, mxfp4 vs fp8: {sum(want['mxfp4'][1:])}" in text
+    assert (out / "accuracy_vs_length.png").stat().st_size > 1000
