@@ -1,5 +1,5 @@
-"""Context-parallel decode scoring across real processes (world 2): each rank scores its shard of
-the index-K cache with ``score_decode(..., cp_rank=r, cp_world=2)``, the shards are combined with
+"""Context-parallel decode scoring across real processes (world 2 and 4): each rank scores its shard of
+the index-K cache with ``score_decode(..., cp_rank=r, cp_world=W)``, the shards are combined with
 ``all_gather``, and top-16 selection runs on the combined scores.
 
 Shard rule (``naive.score_decode_ref``): rank r stores global block ``p * W + r`` at local column
@@ -14,10 +14,11 @@ oracle on the whole cache (``score_decode_ref``, tolerance ``1e-5 * bound`` as i
 and the selection against the oracle's (blocks may swap only within twice the row's score error);
 every rank must select the same blocks.
 
-Runs as two processes of this file (``python test_cp_multigpu.py --rank r ...``):
+Runs as W processes of this file (``python test_cp_multigpu.py --rank r --world W ...``):
 
-- GPU (``-m gpu``, needs 2 CUDA devices): NCCL, the default (Triton) backend, one GPU per rank;
-- CPU (CI): gloo, the torch backend.
+- GPU (``-m gpu``, needs W CUDA devices): NCCL, the default (Triton) backend, one GPU per rank;
+- CPU (CI): gloo, the torch backend (world 4 is the layout of MiniMax-M3's TP4, one rank per index head's
+  GPU; here it checks the shard rule at four ranks).
 """
 
 import argparse
@@ -35,11 +36,11 @@ import torch
 FORMATS = ("mxfp4", "fp8", "bf16")
 SEQ_LENS = [1, 127, 128, 129, 1000, 65536 + 77]  # one token, page edges, a partial last page, 64k
 INDEX_HEADS = 4  # MiniMax-M3's index heads (every CP rank holds all of them)
-WORLD = 2
+WORLDS = (2, 4)
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-# ---- the world-2 worker (this file run as a script) ------------------------------------------
+# ---- one rank's worker (this file run as a script) -------------------------------------------
 
 def _nan_fill(k_cache, k_scale, pages=None, rows=None):
     """Poison pages (all, or ``pages``; all rows or ``rows`` slice) with NaN codes."""
@@ -227,7 +228,7 @@ def check_rank0(case, scores, selected, n_vis, fmt, S, device, backend, same_eve
 def _main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, default=WORLD)
+    ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--device", choices=("cpu", "cuda"), required=True)
     ap.add_argument("--seed", type=int, required=True)
     ap.add_argument("--out")
@@ -236,7 +237,7 @@ def _main():
     run_rank(args.rank, args.world, args.device, args.seed, args.out)
 
 
-# ---- pytest: launch the two ranks ------------------------------------------------------------
+# ---- pytest: launch the ranks ----------------------------------------------------------------
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -244,13 +245,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(device: str, tmp_path, seed: int, timeout_s: float) -> dict:
+def _launch(device: str, tmp_path, seed: int, timeout_s: float, world: int) -> dict:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), **NCCL_ENV)
     out = tmp_path / "report.json"
-    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--world", str(WORLD), "--device", device,
+    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--world", str(world), "--device", device,
                                "--seed", str(seed), "--out", str(out)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for r in range(WORLD)]
+             for r in range(world)]
     logs = []
     try:
         for p in procs:
@@ -276,16 +277,18 @@ def _seed() -> int:
     return seed
 
 
-def test_cp_world2_cpu_gloo(tmp_path):
-    report = _launch("cpu", tmp_path, _seed(), timeout_s=300)
+@pytest.mark.parametrize("world", WORLDS)
+def test_cp_cpu_gloo(tmp_path, world):
+    report = _launch("cpu", tmp_path, _seed(), timeout_s=300, world=world)
     assert [c["case"] for c in report["cases"]] == [f"{f} S=1" for f in FORMATS]
 
 
 @pytest.mark.gpu
-def test_cp_world2_two_gpus_nccl(tmp_path):
-    if torch.cuda.device_count() < WORLD:
-        pytest.skip(f"needs {WORLD} CUDA devices, found {torch.cuda.device_count()}")
-    report = _launch("cuda", tmp_path, _seed(), timeout_s=600)
+@pytest.mark.parametrize("world", WORLDS)
+def test_cp_gpus_nccl(tmp_path, world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA devices, found {torch.cuda.device_count()}")
+    report = _launch("cuda", tmp_path, _seed(), timeout_s=600, world=world)
     assert len(report["cases"]) == 2 * len(FORMATS)
 
 
