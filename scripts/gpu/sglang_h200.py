@@ -42,7 +42,7 @@ import urllib.request
 from pathlib import Path
 
 from sglang_m3 import prewarm
-from sglang_m3.plugin import free_port
+from sglang_m3.plugin import GOMP_SPINCOUNT, OMP_WAIT_POLICY, cpu_launch_env, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 FULL_CONFIG = REPO / "configs" / "minimax-m3.1" / "config.json"
@@ -78,6 +78,18 @@ def make_config(path: Path, n_dense: int, n_sparse: int, fmt: str, vocab: int, h
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     return path
+
+
+def cpu_env(tp: int) -> dict:
+    """SGLang on a CPU: the OpenMP waits at launch (``cpu_launch_env``); with --tp > 1 also no NCCL (a CUDA
+    build of torch finds libnccl and would use it), and one core per rank, ranks sharing cores when there
+    are fewer cores than ranks ("0|1|0|1": TP4 on 2)."""
+    env = {k: v for k, v in cpu_launch_env().items() if k in (OMP_WAIT_POLICY, GOMP_SPINCOUNT)}
+    if tp == 1:
+        return env
+    cores = os.cpu_count() or 1
+    return env | {"SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2",
+                  "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(r % cores) for r in range(tp))}
 
 
 def arm(name: str) -> tuple[str, dict]:
@@ -326,6 +338,9 @@ def main():
     ap.add_argument("--budget-s", type=float, default=500, help="skip steps that would end past this")
     ap.add_argument("--cpu", action="store_true", help="smoke test of this driver on a CPU (tiny sizes, no graphs)")
     ap.add_argument("--skip-capacity", action="store_true")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel size of every server (--tp-size; TP4 gives each rank one of the 4 index "
+                         "heads). The eager probe records one process only: with --tp > 1 use --eager skip")
     ap.add_argument("--graph-bs", default=None,
                     help="decode CUDA-graph batch sizes (default: the --batches values); each one costs capture time")
     ap.add_argument("--eager", choices=("alongside", "separate", "skip"), default="alongside",
@@ -333,6 +348,12 @@ def main():
                          "graph server's pool is allocated, stopped before any timing); separate: all eager "
                          "servers first, side by side; skip: no eager servers (decode timing only)")
     args = ap.parse_args()
+    if args.tp < 1 or (args.tp > 1 and args.eager != "skip"):
+        ap.error(f"--tp {args.tp}: must be >= 1, and > 1 needs --eager skip (the eager check's probe records one "
+                 "process; scripts/gpu/sglang_tp2.py compares TP against TP1 outputs and selections)")
+    for name, heads in (("--q-heads", args.q_heads), ("--cap-q-heads", args.cap_q_heads)):
+        if heads % args.tp:
+            ap.error(f"{name} {heads} must be a multiple of --tp {args.tp}")
 
     t_start = time.monotonic()
     left = lambda: args.budget_s - (time.monotonic() - t_start)  # noqa: E731
@@ -351,6 +372,10 @@ def main():
     base = ["--page-size", str(PAGE), "--log-level", "info", "--skip-server-warmup", "--random-seed", "0",
             "--context-length", str(context_len), "--max-running-requests", str(max(64, 2 * max_bs)),
             "--chunked-prefill-size", str(args.chunked_prefill)]
+    if args.tp > 1:
+        base += ["--tp-size", str(args.tp)]
+    if args.cpu:  # every server's environment (the variables are read when SGLang starts)
+        os.environ.update(cpu_env(args.tp))
     if args.cpu:
         base += ["--device", "cpu", "--attention-backend", "torch_native"]
     else:

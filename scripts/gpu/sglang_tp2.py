@@ -51,18 +51,6 @@ import sglang_h200 as h200  # noqa: E402
 import tp_check  # noqa: E402
 
 from m3_kernels.formats import PAGE_SIZE, TOPK_BLOCKS  # noqa: E402
-from sglang_m3.plugin import GOMP_SPINCOUNT, OMP_WAIT_POLICY, cpu_launch_env  # noqa: E402
-
-def cpu_env(tp: int) -> dict:
-    """SGLang on a CPU: the OpenMP waits at launch (``cpu_launch_env``); with --tp > 1 also no NCCL (a CUDA
-    build of torch finds libnccl and would use it), and one core per rank, ranks sharing cores when there
-    are fewer cores than ranks ("0|1|0|1": TP4 on 2)."""
-    env = {k: v for k, v in cpu_launch_env().items() if k in (OMP_WAIT_POLICY, GOMP_SPINCOUNT)}
-    if tp == 1:
-        return env
-    cores = os.cpu_count() or 1
-    return env | {"SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2",
-                  "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(r % cores) for r in range(tp))}
 
 
 def generate(server, ids, new_tokens: int, timeout: float = 900) -> dict:
@@ -248,7 +236,7 @@ def main():
             rec = work / f"{name}.jsonl"
             extra = ["--json-model-override-args", json.dumps({"index_k_debug_record": str(rec)})]
             extra += ["--tp", str(tp)] if tp > 1 else ["--base-gpu-id", str(i % 2)] if not args.cpu else []
-            env = {"M3_LOAD_REPORT": str(work / f"{name}.load.jsonl")} | (cpu_env(tp) if args.cpu else {})
+            env = {"M3_LOAD_REPORT": str(work / f"{name}.load.jsonl")} | (h200.cpu_env(tp) if args.cpu else {})
             servers[name] = (h200.Server(name, cfg, base + mode + extra, log_dir, env), rec, fmt)
     h200.log(f"started {len(servers)} servers: {list(servers)}")
 

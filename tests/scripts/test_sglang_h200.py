@@ -1,10 +1,15 @@
-"""scripts/gpu/sglang_h200.py without a server: the scheduler's decode rate read from its log, and the
-decode table built from it."""
+"""scripts/gpu/sglang_h200.py: the scheduler's decode rate read from its log and the decode table built from it
+(no server); the --tp argument rules; and (slow) the driver's TP path end to end with two CPU ranks."""
 
+import json
+import os
 import random
 import statistics
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts" / "gpu"))
@@ -58,3 +63,35 @@ def test_decode_table_shows_both_measures_and_the_ratio_from_the_scheduler():
     b8 = next(ln for ln in table.splitlines() if ln.startswith("| 128k | 8 |"))
     assert b8.rstrip(" |").endswith(f"{2110.0 / 1951.0:.3f}")  # no scheduler rate: the HTTP one
     assert b8.count("| - |") == 2
+
+
+def _driver(*argv, timeout=900):
+    path = os.pathsep.join([str(REPO), str(REPO / "kernels"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "gpu" / "sglang_h200.py"), *argv], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_tp_needs_eager_skip_and_divisible_heads(tmp_path):
+    proc = _driver("--cpu", "--tp", "2", "--out", str(tmp_path), timeout=120)
+    assert proc.returncode == 2 and "needs --eager skip" in proc.stderr
+    proc = _driver("--cpu", "--tp", "3", "--eager", "skip", "--out", str(tmp_path), timeout=120)
+    assert proc.returncode == 2 and "--q-heads 16 must be a multiple of --tp 3" in proc.stderr
+
+
+
+@pytest.mark.slow
+def test_decode_timing_at_tp2_on_the_cpu(tmp_path):
+    """The TP path of the decode-throughput driver (what TP4 on four GPUs runs), smoke-tested with two CPU ranks."""
+    out = tmp_path / "out"
+    proc = _driver("--cpu", "--tp", "2", "--eager", "skip", "--skip-capacity", "--out", str(out), "--formats",
+                   "fp8,mxfp4", "--contexts", "1024", "--batches", "1,2", "--decode-tokens", "4", "--repeats", "2",
+                   "--small-sparse", "1", "--hidden", "256", "--q-heads", "8", "--check-lengths", "300,500",
+                   "--check-tokens", "4", "--budget-s", "600")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    for fmt in ("fp8", "mxfp4"):
+        decode = results["formats"][fmt]["decode"]
+        assert {"1024x1", "1024x2"} <= decode.keys() and all(d["tok_s"] > 0 for d in decode.values()), decode
+    logs = (out / "server_logs.txt").read_text()
+    assert "TP1]" in logs and "tp_size=2" in logs  # two ranks served
