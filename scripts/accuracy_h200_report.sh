@@ -2,8 +2,9 @@
 # The H200 format comparison's report, rebuilt on any machine from the committed results (serves nothing):
 # docs/perf_data/accuracy_h200_resume/state.tgz holds every sample row the H200 calls returned
 # (scripts/gpu/accuracy_h200.sh, docs/accuracy.md section 5). Writes OUT (default out/accuracy-h200-report):
-# report.md (every format against fp8 on the prompts both have, Tango / Rao-Scott intervals, exact McNemar, the
-# discordant pairs with task, length and needle depth), results.json, accuracy_vs_length.png.
+# report.md (every format the state holds, replicas included, against fp8 on the prompts both have; Tango /
+# Rao-Scott intervals, exact McNemar, the discordant pairs with task, length and needle depth), results.json,
+# accuracy_vs_length.png.
 #
 #   scripts/accuracy_h200_report.sh [OUT]
 #
@@ -17,8 +18,15 @@ PYTHON="${PYTHON:-.venv/bin/python}"
 rm -rf "$OUT"
 mkdir -p "$OUT"
 tar -C "$OUT" -xzf "$STATE" acc/samples
+# every format the state holds samples of, fp8 (the baseline) first, then in this order, then any other (replicas)
+formats="fp8"
+for f in mxfp4 mxfp4_rot bf16 dense $(ls "$OUT/acc/samples" | sort); do
+    case " $formats " in *" $f "*) continue ;; esac
+    [ -n "$(ls "$OUT/acc/samples/$f"/*.jsonl 2>/dev/null)" ] && formats="$formats $f"
+done
+# shellcheck disable=SC2086
 PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m accuracy.run --model configs/msa-medium \
-    --formats fp8 mxfp4 mxfp4_rot bf16 dense --baseline fp8 \
+    --formats $formats --baseline fp8 \
     --tasks m3_niah_single m3_niah_multikey m3_kv_64 m3_vt_value --lengths 8192 32768 65536 131072 \
     --samples 100 --format-samples fp8=1000 mxfp4=1000 --chunk 4 --questions 4 --resume --budget-s 0 \
     --out "$OUT/acc" -- --attention-backend triton > "$OUT/report.log" 2>&1 \
