@@ -104,9 +104,10 @@ else
     source scripts/gpu/bundle_env.sh || exit 1
     # Triton's kernel cache in the run directory, so the call can list what its servers compiled (a sparse-format
     # server's CUDA-graph capture took 77-84 s on a fresh H200, a server with every layer dense 2.4 s).
-    export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$(cd "$RUN_DIR" && pwd)/triton-cache}"
+    run_dir_abs=$(cd "$RUN_DIR" && pwd)
+    export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$run_dir_abs/triton-cache}"
     # and the nvcc-built (TVM-FFI) modules' cache, listed the same way (jit-modules.txt)
-    export TVM_FFI_CACHE_DIR="${TVM_FFI_CACHE_DIR:-$(cd "$RUN_DIR" && pwd)/jit-cache}"
+    export TVM_FFI_CACHE_DIR="${TVM_FFI_CACHE_DIR:-$run_dir_abs/jit-cache}"
     PYTHON=python3
     # CUDA graphs on for decode (the plugin keeps prefill eager); batch sizes up to the concurrency (each
     # captured size costs start-up: 36-98 s for 1, 2, 4, 8 on an H200, docs/accuracy.md section 5).

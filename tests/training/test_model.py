@@ -485,6 +485,15 @@ def _flip_margin(scores, n_visible, cfg):
 MEDIUM = REPO / "training" / "configs" / "msa-medium.json"
 
 
+def _served_logprobs(body) -> tuple[list[int], torch.Tensor]:
+    """A ``/generate`` answer with ``logprob_start_len=0``: its generated token ids, and the logprob of every
+    token after the first (prompt then generated), as the server computed them."""
+    meta = body["meta_info"]
+    new = [t[1] for t in meta["output_token_logprobs"]]
+    return new, torch.tensor([t[0] for t in meta["input_token_logprobs"][1:]] +
+                             [t[0] for t in meta["output_token_logprobs"]])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("geometry", ["tiny", "msa-medium"])
 def test_sglang_serves_the_exported_checkpoint_like_the_torch_model(gen, tmp_path, geometry):
@@ -505,10 +514,7 @@ def test_sglang_serves_the_exported_checkpoint_like_the_torch_model(gen, tmp_pat
             before = len(server.records())
             body = server.generate(prompt, max_new_tokens=NEW_TOKENS, return_logprob=True, logprob_start_len=0)
             records = server.records()[before:]
-            meta = body["meta_info"]
-            new = [t[1] for t in meta["output_token_logprobs"]]
-            served = torch.tensor([t[0] for t in meta["input_token_logprobs"][1:]] +
-                                  [t[0] for t in meta["output_token_logprobs"]])
+            new, served = _served_logprobs(body)
             seq = torch.tensor([prompt + new])
             with torch.no_grad():
                 logits, aux = model(seq, "sparse", index_k_format="bf16", return_selection=True)
@@ -569,10 +575,8 @@ def test_sglang_serves_the_dense_control_like_the_dense_torch_model(gen, tmp_pat
         before = len(server.records())
         body = server.generate(prompt, max_new_tokens=NEW_TOKENS, return_logprob=True, logprob_start_len=0)
         records = server.records()[before:]
-        meta = body["meta_info"]
-        seq = torch.tensor([prompt + [t[1] for t in meta["output_token_logprobs"]]])
-        served = torch.tensor([t[0] for t in meta["input_token_logprobs"][1:]] +
-                              [t[0] for t in meta["output_token_logprobs"]])
+        new, served = _served_logprobs(body)
+        seq = torch.tensor([prompt + new])
         n = len(served)
         targets = seq[0, 1 : n + 1]
         with torch.no_grad():
