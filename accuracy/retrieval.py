@@ -39,7 +39,8 @@ and vt, where the first fact the answer is read from starts, by tokens), ``token
 ``sample``, ``task``; kv and vt add ``answer`` (the trained answer text).
 
 ``docs`` keeps what it made in memory (up to ``CACHE_CHARS`` characters of prompts), so formats served
-one after the other in one process do not generate the same prompts again.
+one after the other in one process do not generate the same prompts again; ``docs_entries`` and
+``adopt`` move such entries between processes (the runner builds a round's prompts ahead in a child).
 """
 
 import functools
@@ -138,6 +139,11 @@ def max_questions(task: str) -> int:
     return QUESTIONS_MAX.get(task, 1)
 
 
+def questions_for(task: str, asked: int) -> int:
+    """Questions per context ``task`` is built with when ``asked`` are: as many as it can take."""
+    return min(int(asked), max_questions(task))
+
+
 def trained_context_docs(gen, task: str, length: int, context: int, seed: int, questions: int) -> list[dict]:
     """``questions`` docs of ``m3_kv`` / ``m3_kv_64`` on one context: the kv sample of ``queries =
     questions`` (no key asked twice) cut after its context, doc ``j`` asking key ``j``. Their prompts
@@ -180,6 +186,17 @@ def _remember(key: tuple, doc: dict) -> None:
         _cached_chars -= len(old["input"])
 
 
+def _forget(key: tuple) -> None:
+    global _cached_chars
+    _cached_chars -= len(_CACHE.pop(key)["input"])
+
+
+def _doc_key(task: str, tokenizer_name: str, length: int, index: int, seed: int, num_depths: int,
+             questions: int) -> tuple:
+    """A doc's key in the cache: what it is a pure function of (see the module doc)."""
+    return (task, tokenizer_name, length, index, seed, num_depths if task in NEEDLE_KEYS else None, questions)
+
+
 def clear_cache() -> None:
     global _cached_chars
     _CACHE.clear()
@@ -204,8 +221,7 @@ def docs(task: str, tokenizer_name: str, lengths, sample_ids, seed: int = 0, num
     q = int(questions)
     out = []
     for length in sorted({int(n) for n in lengths}):
-        keys = {i: (task, tokenizer_name, length, i, seed, num_depths if task in NEEDLE_KEYS else None, q)
-                for i in ids}
+        keys = {i: _doc_key(task, tokenizer_name, length, i, seed, num_depths, q) for i in ids}
         missing = [i for i in ids if keys[i] not in _CACHE]
         if missing and task in NEEDLE_KEYS:
             made = needle.generate(tokenizer(tokenizer_name), [length], len(missing), num_depths, NEEDLE_KEYS[task],
@@ -226,6 +242,33 @@ def docs(task: str, tokenizer_name: str, lengths, sample_ids, seed: int = 0, num
             _CACHE.move_to_end(keys[i])
             out.append(dict(_CACHE[keys[i]]))
     return out
+
+
+def has_docs(task: str, tokenizer_name: str, lengths, sample_ids, seed: int = 0, num_depths: int = 10,
+             questions: int = 1) -> bool:
+    """Whether ``docs`` with these arguments finds every doc in this process's cache (makes none)."""
+    return all(_doc_key(task, tokenizer_name, int(n), int(i), seed, num_depths, int(questions)) in _CACHE
+               for n in lengths for i in sample_ids)
+
+
+def docs_entries(task: str, tokenizer_name: str, lengths, sample_ids, seed: int = 0, num_depths: int = 10,
+                 questions: int = 1) -> list[tuple]:
+    """``docs``'s cache entries ``[(key, doc)]`` for these arguments, made here and then dropped from this
+    process's cache: for ``adopt`` in another process (``accuracy.run.DocPrefetch``)."""
+    docs(task, tokenizer_name, lengths, sample_ids, seed, num_depths, questions)
+    keys = [_doc_key(task, tokenizer_name, int(n), int(i), seed, num_depths, int(questions))
+            for n in sorted({int(n) for n in lengths}) for i in sample_ids]
+    entries = [(k, _CACHE[k]) for k in keys]
+    for k in keys:
+        _forget(k)
+    return entries
+
+
+def adopt(entries) -> None:
+    """Put ``docs_entries``'s entries, made in any process, into this process's cache (kept ones stay)."""
+    for key, doc in entries:
+        if key not in _CACHE:
+            _remember(tuple(key), doc)
 
 
 def exact(response: str, answer: str) -> float:

@@ -36,6 +36,7 @@ Everything after ``--`` goes to ``python -m sglang.launch_server`` as is.
 
 import argparse
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -43,6 +44,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from m3_kernels.formats import PAGE_SIZE, parse_format
@@ -399,6 +401,61 @@ def run_lm_eval(base_url: str, model_id: str, tokenizer: str, tasks: list[str], 
     return rows
 
 
+class DocPrefetch:
+    """Builds the prompts of a resumable run's next round in a child process while the server answers
+    this round's.
+
+    A round's docs take the runner seconds of tokenizer work (each prompt is tokenized whole to fit its
+    length: about 4 s for 64 prompts of 8k-128k tokens on a 2-core CPU box), during which the server
+    would sit idle. ``submit(pieces)`` starts that work in one spawned worker, ``collect(pieces)`` puts
+    what it made into ``accuracy.retrieval``'s cache, where lm-eval's own build of the round finds it.
+    The docs are the same either way (a sample is a pure function of its index); a prefetch that failed
+    costs nothing but its CPU, since lm-eval then makes the docs itself."""
+
+    def __init__(self, tokenizer: str, seed: int, num_depths: int, questions: int):
+        self.tokenizer, self.seed, self.num_depths, self.questions = tokenizer, seed, num_depths, questions
+        self.pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        self.pending: dict = {}  # request -> Future of retrieval.docs_entries
+        self.error: str | None = None
+
+    def _requests(self, pieces):
+        for tasks, lengths, ids in pieces:
+            for task in tasks:
+                yield (task, self.tokenizer, tuple(sorted(int(n) for n in lengths)), tuple(int(i) for i in ids),
+                       self.seed, self.num_depths, retrieval.questions_for(task, self.questions))
+
+    def submit(self, pieces) -> None:
+        """Start building the docs of ``pieces`` (``plan_rounds``'s round) not cached here yet."""
+        if self.error is not None:
+            return
+        for request in self._requests(pieces):
+            if request not in self.pending and not retrieval.has_docs(*request):
+                try:
+                    self.pending[request] = self.pool.submit(retrieval.docs_entries, *request)
+                except RuntimeError as e:  # a broken pool
+                    self._fail(e)
+                    return
+
+    def collect(self, pieces) -> None:
+        """Wait for the docs of ``pieces`` submitted earlier and cache them here (nothing if none were)."""
+        for request in self._requests(pieces):
+            future = self.pending.pop(request, None)
+            if future is None:
+                continue
+            try:
+                retrieval.adopt(future.result())
+            except Exception as e:  # lm-eval builds the docs itself
+                self._fail(e)
+
+    def _fail(self, e: Exception) -> None:
+        if self.error is None:
+            self.error = f"{type(e).__name__}: {e}"
+            print(f"[resume] building prompts ahead failed ({self.error}); lm-eval builds them in turn", flush=True)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
 def write_samples(out: Path, fmt: str, rows: dict, settings: dict | None = None):
     """``samples/<fmt>/<task>.jsonl``, and ``samples/<fmt>/run.json`` holding ``settings``."""
     folder = out / "samples" / fmt
@@ -555,7 +612,8 @@ def _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, 
     share, or, for a server's first round, the whole budget (its start-up is paid by then).
     ``--max-formats N`` serves only the N formats furthest from their targets (fraction of samples
     done; ties in ``--formats`` order), so that every format progresses at the same relative pace over
-    many short runs."""
+    many short runs. Each round's prompts are built ahead in a child process (``DocPrefetch``; off with
+    ``--no-prefetch``)."""
     lengths = sorted(args.lengths)
     deadline = None if args.budget_s is None else time.time() + args.budget_s
     logs = {fmt: SampleLog(args.out, fmt, identity(fmt)) for fmt in formats}
@@ -575,61 +633,79 @@ def _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, 
                 print(f"[resume] {f}: {100 * done[f]:.0f}% done, further along than the {args.max_formats} served "
                       "this time (--max-formats)", flush=True)
         plans = {f: (plans[f] if f in chosen else []) for f in formats}
-    for k, fmt in enumerate(formats):
-        if not plans[fmt]:
-            if fmt not in todo:
-                print(f"[resume] {fmt}: all {targets[fmt]} samples per task and length done", flush=True)
-            continue
-        share_end = None
-        if deadline is not None:
-            waiting = sum(1 for f in formats[k:] if plans[f])
-            share = (deadline - time.time()) / waiting
-            if share < args.min_format_s:
-                print(f"[resume] {fmt}: {share:.0f} s left for it (< --min-format-s {args.min_format_s:g}): "
-                      "not served this time", flush=True)
+    prefetch = (DocPrefetch(tokenizer, args.seed, args.depths, args.questions)
+                if args.prefetch and any(plans.values()) else None)
+    try:
+        for k, fmt in enumerate(formats):
+            if not plans[fmt]:
+                if fmt not in todo:
+                    print(f"[resume] {fmt}: all {targets[fmt]} samples per task and length done", flush=True)
                 continue
-            share_end = time.time() + share
-        left = sum(len(ids) * len(ts) * len(ls) for rnd in plans[fmt] for ts, ls, ids in rnd)
-        print(f"[resume] {fmt}: {left} prompts to go in {len(plans[fmt])} rounds"
-              + ("" if share_end is None else f", {share_end - time.time():.0f} s for it"), flush=True)
+            share_end = None
+            if deadline is not None:
+                waiting = sum(1 for f in formats[k:] if plans[f])
+                share = (deadline - time.time()) / waiting
+                if share < args.min_format_s:
+                    print(f"[resume] {fmt}: {share:.0f} s left for it (< --min-format-s {args.min_format_s:g}): "
+                          "not served this time", flush=True)
+                    continue
+                share_end = time.time() + share
+            left = sum(len(ids) * len(ts) * len(ls) for rnd in plans[fmt] for ts, ls, ids in rnd)
+            print(f"[resume] {fmt}: {left} prompts to go in {len(plans[fmt])} rounds"
+                  + ("" if share_end is None else f", {share_end - time.time():.0f} s for it"), flush=True)
 
-        def serve(base_url, fmt=fmt, share_end=share_end):
-            model_id, context = served_model(base_url)
-            if context is not None and max(lengths) > int(context):
-                raise ValueError(f"--lengths {max(lengths)} exceeds the served context (max_model_len {context})")
-            served = rounds = 0
-            for pieces in plans[fmt]:
-                est = round_tokens(pieces) * rate.get(fmt, rate.get("any", 0.0))
-                # The server's start is paid: its first round may use the whole budget, later ones its share.
-                limit, what = (share_end, "its share") if rounds else (deadline, "the budget")
-                if limit is not None and time.time() + est > limit:
-                    print(f"[resume] {fmt}: next round predicted at {est:.0f} s, past {what}: stopping", flush=True)
-                    break
-                t0 = time.time()
-                for ts, ls, ids in pieces:
-                    rows = run_lm_eval(base_url, model_id, tokenizer, list(ts), list(ls), args, sample_ids=ids)
-                    for task, task_rows in rows.items():
-                        logs[fmt].append(task, task_rows)
-                        served += len(task_rows)
-                spent = time.time() - t0
-                rounds += 1
-                rate[fmt] = rate["any"] = spent / max(1, round_tokens(pieces))
-                rates_path.write_text(json.dumps(rate))
-                print(f"[resume] {fmt}: round of {sum(len(i) * len(t) * len(l) for t, l, i in pieces)} prompts "
-                      f"in {spent:.1f} s ({served} this time)", flush=True)
-            return served
+            def serve(base_url, fmt=fmt, share_end=share_end):
+                model_id, context = served_model(base_url)
+                if context is not None and max(lengths) > int(context):
+                    raise ValueError(f"--lengths {max(lengths)} exceeds the served context "
+                                     f"(max_model_len {context})")
+                served = rounds = 0
+                for r, pieces in enumerate(plans[fmt]):
+                    est = round_tokens(pieces) * rate.get(fmt, rate.get("any", 0.0))
+                    # The server's start is paid: its first round may use the whole budget, later ones its
+                    # share.
+                    limit, what = (share_end, "its share") if rounds else (deadline, "the budget")
+                    if limit is not None and time.time() + est > limit:
+                        print(f"[resume] {fmt}: next round predicted at {est:.0f} s, past {what}: stopping",
+                              flush=True)
+                        break
+                    t0 = time.time()
+                    if prefetch is not None:  # this round's prompts, built during the last one; the next round's
+                        prefetch.collect(pieces)
+                        if r + 1 < len(plans[fmt]):
+                            prefetch.submit(plans[fmt][r + 1])
+                    for ts, ls, ids in pieces:
+                        rows = run_lm_eval(base_url, model_id, tokenizer, list(ts), list(ls), args,
+                                           sample_ids=ids)
+                        for task, task_rows in rows.items():
+                            logs[fmt].append(task, task_rows)
+                            served += len(task_rows)
+                    spent = time.time() - t0
+                    rounds += 1
+                    rate[fmt] = rate["any"] = spent / max(1, round_tokens(pieces))
+                    rates_path.write_text(json.dumps(rate))
+                    prompts = sum(len(i) * len(t) * len(l) for t, l, i in pieces)
+                    print(f"[resume] {fmt}: round of {prompts} prompts in {spent:.1f} s ({served} this time)",
+                          flush=True)
+                return served
 
-        try:
-            if fmt in urls:
-                serve(urls[fmt])
-            else:
-                launch = format_launch_args(fmt, launch_args, **(dense if is_dense(fmt) else {}))
-                server = SGLangServer(args.model, launch, args.out / f"server-{fmt}.log", timeout_s=args.launch_timeout)
-                with server:
-                    serve(server.base_url)
-        except Exception as e:  # one format's failure (a server that does not start, requests that fail) is
-            errors[fmt] = f"{type(e).__name__}: {e}"  # reported; the other formats still run
-            print(f"[resume] {fmt} failed: {errors[fmt]}", flush=True)
+            if prefetch is not None and fmt not in urls:  # the first round's prompts, built while the server starts
+                prefetch.submit(plans[fmt][0])
+            try:
+                if fmt in urls:
+                    serve(urls[fmt])
+                else:
+                    launch = format_launch_args(fmt, launch_args, **(dense if is_dense(fmt) else {}))
+                    server = SGLangServer(args.model, launch, args.out / f"server-{fmt}.log",
+                                          timeout_s=args.launch_timeout)
+                    with server:
+                        serve(server.base_url)
+            except Exception as e:  # one format's failure (a server that does not start, requests that fail) is
+                errors[fmt] = f"{type(e).__name__}: {e}"  # reported; the other formats still run
+                print(f"[resume] {fmt} failed: {errors[fmt]}", flush=True)
+    finally:
+        if prefetch is not None:
+            prefetch.close()
     return logs, errors
 
 
@@ -720,6 +796,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "done gets an equal share of what is left); the report is written either way")
     g.add_argument("--min-format-s", type=float, default=60.0,
                    help="a format whose share of --budget-s is below this is not served this time")
+    g.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                   help="build each round's prompts in turn instead of in a child process during the round before "
+                        "(and during the server's start)")
     g.add_argument("--max-formats", type=int, default=None,
                    help="serve at most this many formats this time: those furthest from their targets (fraction "
                         "done), so that short runs spread the formats' server starts")

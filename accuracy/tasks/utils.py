@@ -36,7 +36,7 @@ def _long_dataset(task: str, kwargs) -> dict:
     if isinstance(lengths, (int, str)):
         lengths = [lengths]
     ids = range(int(opts["num_samples"])) if opts["sample_ids"] is None else opts["sample_ids"]
-    questions = min(int(opts["questions"]), retrieval.max_questions(task))  # up to that many where the task can
+    questions = retrieval.questions_for(task, opts["questions"])  # up to that many where the task can
     docs = retrieval.docs(task, _tokenizer_name(kwargs), [int(n) for n in lengths], ids, int(opts["seed"]),
                           int(opts["num_depths"]), questions)
     return {"test": datasets.Dataset.from_list(docs)}

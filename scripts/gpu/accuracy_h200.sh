@@ -235,9 +235,12 @@ tar -C "$logs" -czf "$OUT/logs.tgz" logs && rm -rf "$logs"
     echo
     if [ -f "$RUN_DIR/acc/report.md" ]; then cat "$RUN_DIR/acc/report.md"; else echo "(no accuracy report)"; fi
     echo
-    echo "## Selection agreement (accuracy.agreement; formats done: ${saved[*]:-none} of $AGREE_FORMATS)"
-    echo
-    if [ -f "$RUN_DIR/agreement/agreement.md" ]; then cat "$RUN_DIR/agreement/agreement.md"; else echo "(not yet: needs bf16 and one more format)"; fi
+    if [ -n "$AGREE_FORMATS" ]; then
+        echo "## Selection agreement (accuracy.agreement; formats done: ${saved[*]:-none} of $AGREE_FORMATS)"
+        echo
+        if [ -f "$RUN_DIR/agreement/agreement.md" ]; then cat "$RUN_DIR/agreement/agreement.md"
+        else echo "(not yet: needs bf16 and one more format)"; fi
+    fi
 } > "$RUN_DIR/report.md"
 cp "$RUN_DIR/report.md" "$OUT/report.md"
 n=$(find "$OUT" -type f | wc -l)

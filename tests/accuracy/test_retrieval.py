@@ -244,3 +244,45 @@ def test_the_accuracy_tools_load_our_tokenizer_without_the_model_type_warning():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "to instantiate a model of type" not in res.stdout + res.stderr
+
+
+def _no_generation(monkeypatch):
+    """Every way ``docs`` makes a doc raises: what it returns then came from its cache."""
+    def refuse(*a, **k):
+        raise AssertionError("docs generated a doc instead of reading its cache")
+    for mod, name in ((needle, "generate"), (retrieval, "trained_doc"), (retrieval, "trained_context_docs")):
+        monkeypatch.setattr(mod, name, refuse)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_entries_made_elsewhere_are_adopted_as_the_same_docs(task, monkeypatch):
+    q = retrieval.questions_for(task, 4)
+    ids = list(range(2 * q))
+    expected = _fresh(task, MSA, [1024, 2048], ids, seed=3, depths=5) if q == 1 else None
+    if q > 1:
+        retrieval.clear_cache()
+        expected = retrieval.docs(task, MSA, [1024, 2048], ids, 3, 5, q)
+    retrieval.clear_cache()
+    assert not retrieval.has_docs(task, MSA, [1024, 2048], ids, 3, 5, q)
+    entries = retrieval.docs_entries(task, MSA, [2048, 1024], ids, 3, 5, q)
+    assert len(entries) == 2 * len(ids)
+    assert not retrieval.has_docs(task, MSA, [1024], ids[:1], 3, 5, q)  # dropped here: they are for another process
+    assert retrieval._cached_chars == 0
+    retrieval.adopt(entries)
+    assert retrieval.has_docs(task, MSA, [1024, 2048], ids, 3, 5, q)
+    assert not retrieval.has_docs(task, MSA, [1024], ids, 4, 5, q)  # another seed is other docs
+    _no_generation(monkeypatch)
+    assert retrieval.docs(task, MSA, [1024, 2048], ids, 3, 5, q) == expected
+    with pytest.raises(AssertionError, match="generated a doc"):  # the refusal is real: a miss would raise
+        retrieval.docs(task, MSA, [1024], [len(ids)], 3, 5, q)
+    retrieval.clear_cache()
+
+
+def test_adopt_keeps_what_is_cached():
+    retrieval.clear_cache()
+    entries = retrieval.docs_entries("m3_kv", MSA, [1024], [0], 0, 10, 1)
+    retrieval.adopt(entries)
+    chars = retrieval._cached_chars
+    retrieval.adopt([(entries[0][0], {**entries[0][1], "input": "spoiled"})])
+    assert retrieval.docs("m3_kv", MSA, [1024], [0]) == [entries[0][1]] and retrieval._cached_chars == chars
+    retrieval.clear_cache()

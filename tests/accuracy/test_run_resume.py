@@ -213,3 +213,58 @@ def test_plain_runs_take_the_new_tasks_too(tmp_path, fake_completions, wrong_rul
         paired = summary["tasks"][task][-1]["paired"]["mxfp4"]
         assert paired["n10"] == sum(r["score"] == 0.0 for r in rows) and paired["ci_method"] == "tango"
         assert paired["newcombe_lo"] <= paired["diff"] <= paired["newcombe_hi"]
+
+
+def test_prompts_built_ahead_are_the_ones_built_in_turn(tmp_path, fake_completions, wrong_rule, capsys):
+    # Each round's prompts come from the child process (run.DocPrefetch) or from lm-eval's own build: the same
+    # prompts and rows either way.
+    prompts, rows = {}, {}
+    for flag in ([], ["--no-prefetch"]):
+        out = tmp_path / ("plain" if flag else "ahead")
+        with fake_completions(wrong=wrong_rule(3)) as a:
+            run.compare_formats(_argv(out, {"mxfp4": a.url}, "--samples", "3", "--chunk", "1", "--questions", "4",
+                                      *flag))
+        prompts[bool(flag)] = a.prompts
+        rows[bool(flag)] = {t: _rows(out, "mxfp4", t) for t in TASKS}
+    assert len(prompts[True]) == 4 * 2 * 3 and sorted(prompts[True]) == sorted(prompts[False])
+    assert rows[True] == rows[False]
+    assert "building prompts ahead failed" not in capsys.readouterr().out
+
+
+def test_doc_prefetch_builds_in_a_child_and_reports_its_failure(capsys):
+    from accuracy import retrieval
+
+    pieces = [(("m3_niah_single", "m3_kv_64"), (1024,), (0, 1)), (("m3_vt_value",), (1024, 2048), (5,))]
+    retrieval.clear_cache()
+    expected = {t: retrieval.docs(t, MSA, ls, ids, 0, 10, retrieval.questions_for(t, 4))
+                for ts, ls, ids in pieces for t in ts}
+    retrieval.clear_cache()
+    ahead = run.DocPrefetch(MSA, seed=0, num_depths=10, questions=4)
+    try:
+        ahead.submit(pieces)
+        assert len(ahead.pending) == 3
+        ahead.collect(pieces[:1])  # one round's worth: the other stays pending
+        assert len(ahead.pending) == 1
+        ahead.collect(pieces)
+        assert not ahead.pending and ahead.error is None
+        for ts, ls, ids in pieces:
+            for t in ts:
+                q = retrieval.questions_for(t, 4)
+                assert retrieval.has_docs(t, MSA, ls, ids, 0, 10, q)
+                assert retrieval.docs(t, MSA, ls, ids, 0, 10, q) == expected[t]
+        ahead.submit(pieces)  # all cached here: nothing to build
+        assert not ahead.pending
+    finally:
+        ahead.close()
+    retrieval.clear_cache()
+
+    broken = run.DocPrefetch(str(ROOT / "no-such-tokenizer"), seed=0, num_depths=10, questions=1)
+    try:
+        broken.submit(pieces[:1])
+        broken.collect(pieces[:1])  # the child's error is reported, not raised: lm-eval builds the docs itself
+        assert broken.error is not None and "no-such-tokenizer" in broken.error
+        assert "building prompts ahead failed" in capsys.readouterr().out
+        broken.submit(pieces)  # and no more is tried
+        assert not broken.pending
+    finally:
+        broken.close()

@@ -1,8 +1,14 @@
-"""Scoring hooks of the lm-eval tasks: what counts as the arithmetic answer."""
+"""Hooks of the lm-eval tasks: what counts as the arithmetic answer, and the long tasks' data hooks reading
+docs built ahead of them."""
+
+from pathlib import Path
 
 import pytest
 
+from accuracy import needle, retrieval
 from accuracy.tasks import utils
+
+MSA = str(Path(__file__).resolve().parents[3] / "configs" / "msa-small")
 
 
 @pytest.mark.parametrize("response, answer, acc", [
@@ -24,3 +30,31 @@ def test_arith_results(response, answer, acc):
 def test_needle_results_uses_the_whole_number_match():
     assert utils.needle_results({"target": "4793957"}, [" 4793957."]) == {"acc": 1.0}
     assert utils.needle_results({"target": "4793957"}, [" 14793957"]) == {"acc": 0.0}
+
+
+def test_the_lm_eval_hooks_find_docs_built_ahead_by_the_runner(monkeypatch):
+    # The runner's prefetch keys (run.DocPrefetch) must be the ones the lm-eval hooks ask for, else every
+    # prefetched doc is made again.
+    from accuracy import run
+
+    pieces = [(("m3_niah_multikey", "m3_kv_64", "m3_vt_value"), (1024, 2048), (4, 5, 6, 7))]
+    ahead = run.DocPrefetch(MSA, seed=2, num_depths=4, questions=4)
+    try:
+        requests = list(ahead._requests(pieces))
+    finally:
+        ahead.close()
+    retrieval.clear_cache()
+    for request in requests:
+        retrieval.adopt(retrieval.docs_entries(*request))
+
+    def refuse(*a, **k):
+        raise AssertionError("the hook generated a doc instead of reading the cache")
+    for mod, name in ((needle, "generate"), (retrieval, "trained_doc"), (retrieval, "trained_context_docs")):
+        monkeypatch.setattr(mod, name, refuse)
+    meta = {"max_seq_lengths": [1024, 2048], "sample_ids": [4, 5, 6, 7], "num_depths": 4, "seed": 2, "questions": 4,
+            "tokenizer": MSA}
+    for hook in (utils.niah_multikey, utils.kv_retrieval_64, utils.variable_tracking_value):
+        assert len(hook(**meta)["test"]) == 8
+    with pytest.raises(AssertionError, match="generated a doc"):
+        utils.niah_multikey(**{**meta, "seed": 3})
+    retrieval.clear_cache()
