@@ -659,12 +659,12 @@ def _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, 
                 if context is not None and max(lengths) > int(context):
                     raise ValueError(f"--lengths {max(lengths)} exceeds the served context "
                                      f"(max_model_len {context})")
-                served = rounds = 0
+                served = 0
                 for r, pieces in enumerate(plans[fmt]):
                     est = round_tokens(pieces) * rate.get(fmt, rate.get("any", 0.0))
                     # The server's start is paid: its first round may use the whole budget, later ones its
                     # share.
-                    limit, what = (share_end, "its share") if rounds else (deadline, "the budget")
+                    limit, what = (share_end, "its share") if r else (deadline, "the budget")
                     if limit is not None and time.time() + est > limit:
                         print(f"[resume] {fmt}: next round predicted at {est:.0f} s, past {what}: stopping",
                               flush=True)
@@ -681,7 +681,6 @@ def _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, 
                             logs[fmt].append(task, task_rows)
                             served += len(task_rows)
                     spent = time.time() - t0
-                    rounds += 1
                     rate[fmt] = rate["any"] = spent / max(1, round_tokens(pieces))
                     rates_path.write_text(json.dumps(rate))
                     prompts = sum(len(i) * len(t) * len(l) for t, l, i in pieces)
