@@ -20,40 +20,40 @@ INTERVAL_LABELS = {"tango": "Tango score", "tango_rao_scott": "Tango score, Rao-
                    "bootstrap": "paired bootstrap"}
 
 
-def _pair(base: list[dict], other: list[dict], task: str, fmt: str):
-    """Scores of ``base`` and ``other`` matched by ``doc_id``; ValueError unless both hold the same
-    samples with the same targets (a paired statistic over a subset would not match the accuracies)."""
+def _matched(base: list[dict], other: list[dict], task: str, fmt: str) -> list[tuple[dict, dict]]:
+    """Rows of ``base`` and ``other`` matched by ``doc_id``, in ``base``'s order; ValueError unless both hold
+    the same samples with the same targets (a paired statistic over a subset would not match the accuracies)."""
     by_id = {s["doc_id"]: s for s in other}
     only_base = sorted({s["doc_id"] for s in base} - set(by_id))
     only_other = sorted(set(by_id) - {s["doc_id"] for s in base})
     if only_base or only_other:
         raise ValueError(f"{task}: {fmt} lacks docs {only_base[:5]} and has extra docs {only_other[:5]} against "
                          "the baseline; the runs did not see the same data")
-    a, b = [], []
+    matched = []
     for s in base:
         t = by_id[s["doc_id"]]
         if t["target"] != s["target"]:
             raise ValueError(f"{task} doc {s['doc_id']}: target differs between formats ({s['target']!r} vs "
                              f"{t['target']!r} in {fmt}); the runs did not see the same data")
-        a.append(s["score"])
-        b.append(t["score"])
-    return a, b
+        matched.append((s, t))
+    return matched
 
 
-def discordant_pairs(base_rows: list[dict], cand_rows: list[dict], task: str) -> list[dict]:
+def _pair(base: list[dict], other: list[dict], task: str, fmt: str):
+    """Scores of ``base`` and ``other`` matched by ``doc_id`` (``_matched``)."""
+    matched = _matched(base, other, task, fmt)
+    return [s["score"] for s, _ in matched], [t["score"] for _, t in matched]
+
+
+def discordant_pairs(base_rows: list[dict], cand_rows: list[dict], task: str, fmt: str) -> list[dict]:
     """The pairs scored 0/1 one way and 1/0 the other (partial scores: any pair whose scores differ), in the
     baseline's order: ``{task, length, depth, doc_id, right ("base" or "cand"), target, base_response,
-    cand_response}``. Where the two formats disagree, with the needle's depth: where a format loses answers."""
-    by_id = {r["doc_id"]: r for r in cand_rows}
-    out = []
-    for b in base_rows:
-        c = by_id.get(b["doc_id"])
-        if c is None or c["score"] == b["score"]:
-            continue
-        out.append({"task": task, "length": b["length"], "depth": b.get("depth"), "doc_id": b["doc_id"],
-                    "right": "base" if b["score"] > c["score"] else "cand", "target": b["target"],
-                    "base_response": b.get("response"), "cand_response": c.get("response")})
-    return out
+    cand_response}``. Where the two formats disagree, with the needle's depth: where a format loses answers.
+    The rows are matched as ``_matched`` does (``fmt``, the candidate, names it in its errors)."""
+    return [{"task": task, "length": b["length"], "depth": b.get("depth"), "doc_id": b["doc_id"],
+             "right": "base" if b["score"] > c["score"] else "cand", "target": b["target"],
+             "base_response": b.get("response"), "cand_response": c.get("response")}
+            for b, c in _matched(base_rows, cand_rows, task, fmt) if c["score"] != b["score"]]
 
 
 def cluster(row: dict) -> str:
@@ -84,7 +84,7 @@ def build(per_format: dict, formats: list[str], n_boot: int = 10000, seed: int =
     for task in per_format[base]:
         rows = per_format[base][task]
         for fmt in discordant:
-            discordant[fmt] += discordant_pairs(rows, per_format[fmt].get(task, []), task)
+            discordant[fmt] += discordant_pairs(rows, per_format[fmt].get(task, []), task, fmt)
         lengths = sorted({r["length"] for r in rows if r["length"] is not None})
         groups = []
         interval = {fmt: "tango" if is_binary([r["score"] for r in rows],
