@@ -244,11 +244,17 @@ def docs(task: str, tokenizer_name: str, lengths, sample_ids, seed: int = 0, num
     return out
 
 
+def _doc_keys(task: str, tokenizer_name: str, lengths, sample_ids, seed: int, num_depths: int,
+              questions: int) -> list[tuple]:
+    """The cache keys of what ``docs`` returns for these arguments, in its order."""
+    return [_doc_key(task, tokenizer_name, n, int(i), seed, num_depths, int(questions))
+            for n in sorted({int(n) for n in lengths}) for i in sample_ids]
+
+
 def has_docs(task: str, tokenizer_name: str, lengths, sample_ids, seed: int = 0, num_depths: int = 10,
              questions: int = 1) -> bool:
     """Whether ``docs`` with these arguments finds every doc in this process's cache (makes none)."""
-    return all(_doc_key(task, tokenizer_name, int(n), int(i), seed, num_depths, int(questions)) in _CACHE
-               for n in lengths for i in sample_ids)
+    return all(k in _CACHE for k in _doc_keys(task, tokenizer_name, lengths, sample_ids, seed, num_depths, questions))
 
 
 def docs_entries(task: str, tokenizer_name: str, lengths, sample_ids, seed: int = 0, num_depths: int = 10,
@@ -256,8 +262,7 @@ def docs_entries(task: str, tokenizer_name: str, lengths, sample_ids, seed: int 
     """``docs``'s cache entries ``[(key, doc)]`` for these arguments, made here and then dropped from this
     process's cache: for ``adopt`` in another process (``accuracy.run.DocPrefetch``)."""
     docs(task, tokenizer_name, lengths, sample_ids, seed, num_depths, questions)
-    keys = [_doc_key(task, tokenizer_name, int(n), int(i), seed, num_depths, int(questions))
-            for n in sorted({int(n) for n in lengths}) for i in sample_ids]
+    keys = _doc_keys(task, tokenizer_name, lengths, sample_ids, seed, num_depths, questions)
     entries = [(k, _CACHE[k]) for k in keys]
     for k in keys:
         _forget(k)
