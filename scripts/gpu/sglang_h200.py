@@ -374,9 +374,8 @@ def main():
             "--chunked-prefill-size", str(args.chunked_prefill)]
     if args.tp > 1:
         base += ["--tp-size", str(args.tp)]
-    if args.cpu:  # every server's environment (the variables are read when SGLang starts)
-        os.environ.update(cpu_env(args.tp))
     if args.cpu:
+        os.environ.update(cpu_env(args.tp))  # every server's environment (read when SGLang starts)
         base += ["--device", "cpu", "--attention-backend", "torch_native"]
     else:
         base += ["--kv-cache-dtype", "fp8_e4m3", "--attention-backend", "triton", "--sampling-backend", "pytorch",
