@@ -1,55 +1,34 @@
-"""How much of a resumable round is the runner's own work: rounds of ``m3-accuracy --resume`` against a
-stand-in completions server that answers every request after ``--delay-s`` (no model: a fixed answer), with
-the rounds' prompts built ahead (the default) and in turn (``--no-prefetch``). Prints a table of round times;
-a round's requests alone take ``delay * prompts / concurrency`` seconds.
+"""How much of a resumable round is the runner's own work: rounds of ``m3-accuracy --resume`` against the
+accuracy tests' stand-in completions server (``tests/accuracy/conftest.py``: ``FakeCompletions``, no model,
+answers read off the prompt) answering each request after ``--delay-s``, with the rounds' prompts built
+ahead (the default) and in turn (``--no-prefetch``). Prints a table of round times; a round's requests
+alone take ``delay * prompts / concurrency`` seconds.
 
-    .venv/bin/python scripts/bench_round_overhead.py [--model configs/msa-medium] [--delay-s 2.5] [--samples 16]
+    .venv/bin/python tests/benchmarks/bench_round_overhead.py [--model configs/msa-medium] [--delay-s 2.5]
 """
 
 import argparse
 import contextlib
+import importlib.util
 import io
-import json
 import re
 import sys
 import tempfile
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from accuracy import retrieval, run  # noqa: E402
 
 
-def stand_in(delay_s: float, model: str, context: int) -> ThreadingHTTPServer:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def _reply(self, obj):
-            body = json.dumps(obj).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self):
-            self._reply({"data": [{"id": model, "max_model_len": context}]})
-
-        def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            time.sleep(delay_s)
-            self._reply({"id": "0", "object": "text_completion", "model": model,
-                         "choices": [{"index": 0, "text": " 1234567.", "finish_reason": "stop", "logprobs": None}],
-                         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+def fake_completions():
+    """``FakeCompletions`` of the accuracy tests' conftest (loaded by path: ``tests/`` is not a package)."""
+    spec = importlib.util.spec_from_file_location("accuracy_test_helpers", ROOT / "tests" / "accuracy" / "conftest.py")
+    helpers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helpers)
+    return helpers.FakeCompletions
 
 
 def main():
@@ -61,27 +40,26 @@ def main():
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
     args = p.parse_args()
-    server = stand_in(args.delay_s, args.model, max(args.lengths) + 256)
-    url = f"http://127.0.0.1:{server.server_address[1]}"
     times = {}
-    for mode, flag in (("built ahead", []), ("built in turn", ["--no-prefetch"])):
-        retrieval.clear_cache()  # each mode builds every prompt itself
-        with tempfile.TemporaryDirectory() as out:
-            argv = ["--model", args.model, "--formats", "fp8", "--base-url", f"fp8={url}",
-                    "--tasks", "m3_niah_single", "m3_niah_multikey", "m3_kv_64", "m3_vt_value",
-                    "--lengths", *map(str, args.lengths), "--samples", str(args.samples), "--questions", "4",
-                    "--chunk", str(args.chunk), "--concurrency", str(args.concurrency), "--resume",
-                    "--bootstrap", "100", "--out", out, *flag]
-            log = io.StringIO()
-            t0 = time.time()
-            with contextlib.redirect_stdout(log):
-                run.compare_formats(argv)
-            total = time.time() - t0
-        rounds = [(int(n), float(s)) for n, s in re.findall(r"round of (\d+) prompts in ([\d.]+) s", log.getvalue())]
-        times[mode] = (rounds, total)
-    server.shutdown()
-    print(f"| prompts built | rounds (s each; requests alone {args.delay_s * rounds[0][0] / args.concurrency:.1f} s)"
-          " | later rounds' mean | whole run |")
+    with fake_completions()(delay_s=args.delay_s, max_model_len=max(args.lengths) + 256) as server:
+        for mode, flag in (("built ahead", []), ("built in turn", ["--no-prefetch"])):
+            retrieval.clear_cache()  # each mode builds every prompt itself
+            with tempfile.TemporaryDirectory() as out:
+                argv = ["--model", args.model, "--formats", "fp8", "--base-url", f"fp8={server.url}",
+                        "--tasks", "m3_niah_single", "m3_niah_multikey", "m3_kv_64", "m3_vt_value",
+                        "--lengths", *map(str, args.lengths), "--samples", str(args.samples), "--questions", "4",
+                        "--chunk", str(args.chunk), "--concurrency", str(args.concurrency), "--resume",
+                        "--bootstrap", "100", "--out", out, *flag]
+                log = io.StringIO()
+                t0 = time.time()
+                with contextlib.redirect_stdout(log):
+                    run.compare_formats(argv)
+                total = time.time() - t0
+            rounds = [(int(n), float(s)) for n, s in re.findall(r"round of (\d+) prompts in ([\d.]+) s",
+                                                                 log.getvalue())]
+            times[mode] = (rounds, total)
+    requests_s = args.delay_s * rounds[0][0] / args.concurrency
+    print(f"| prompts built | rounds (s each; requests alone {requests_s:.1f} s) | later rounds' mean | whole run |")
     print("|---|---|---|---|")
     for mode, (rounds, total) in times.items():
         later = [s for _, s in rounds[1:]]
