@@ -79,7 +79,6 @@ def test_tp_needs_eager_skip_and_divisible_heads(tmp_path):
     assert proc.returncode == 2 and "--q-heads 16 must be a multiple of --tp 3" in proc.stderr
 
 
-
 @pytest.mark.slow
 def test_decode_timing_at_tp2_on_the_cpu(tmp_path):
     """The TP path of the decode-throughput driver (what TP4 on four GPUs runs), smoke-tested with two CPU ranks."""
