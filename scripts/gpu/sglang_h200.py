@@ -294,7 +294,9 @@ def measure_decode(server: Server, ids, decode_tokens: int, repeats: int) -> dic
     (the first request of a row pays one-off costs: 0.5-4 s were seen). ``tpot_spread_ms``: the
     spread of the per-pair estimates (max - min), the noise to compare format differences with.
     ``server``: the scheduler's decode rate over the same requests (``server_decode_rate``), which
-    leaves out the HTTP round trips and the gaps between requests that make the pair estimates noisy."""
+    leaves out the HTTP round trips and the gaps between requests that make the pair estimates noisy.
+    When the longer requests are not slower (decode below the timing noise: too few ``decode_tokens``
+    for the step time), ``tpot_ms`` and ``tok_s`` are None and ``below_noise`` is True."""
     timed_generate(server, ids, 1)
     timed_generate(server, ids, 1 + decode_tokens)
     log_from = server.log_path.stat().st_size
@@ -302,13 +304,14 @@ def measure_decode(server: Server, ids, decode_tokens: int, repeats: int) -> dic
     for _ in range(repeats):
         short.append(timed_generate(server, ids, 1))
         long_.append(timed_generate(server, ids, 1 + decode_tokens))
-    dt = statistics.median(long_) - statistics.median(short)
-    tpot = dt / decode_tokens
+    tpot = (statistics.median(long_) - statistics.median(short)) / decode_tokens
     pairs = [(b - a) / decode_tokens for a, b in zip(short, long_)]
     with open(server.log_path, "rb") as f:
         f.seek(log_from)
         rate = server_decode_rate(f.read().decode(errors="replace"), len(ids))
-    return {"tpot_ms": tpot * 1e3, "tok_s": len(ids) / tpot, "tpot_spread_ms": (max(pairs) - min(pairs)) * 1e3,
+    resolved = tpot > 0
+    return {"tpot_ms": tpot * 1e3 if resolved else None, "tok_s": len(ids) / tpot if resolved else None,
+            "below_noise": not resolved, "tpot_spread_ms": (max(pairs) - min(pairs)) * 1e3,
             "t_short_s": short, "t_long_s": long_, "server": rate}
 
 
@@ -545,7 +548,9 @@ def main():
                 m = measure_decode(s, [p[:ctx] for p in long_prompts[:bs]], args.decode_tokens, args.repeats)
                 r["decode"][key] = m
                 srv = m["server"]
-                log(f"{fmt}: ctx {ctx} bs {bs}: {m['tok_s']:.0f} tok/s, TPOT {m['tpot_ms']:.3f} ms; scheduler: "
+                http = "below the timing noise" if m["below_noise"] else \
+                    f"{m['tok_s']:.0f} tok/s, TPOT {m['tpot_ms']:.3f} ms"
+                log(f"{fmt}: ctx {ctx} bs {bs}: {http}; scheduler: "
                     + (f"{srv['tok_s']:.0f} tok/s, TPOT {srv['tpot_ms']:.3f} ms ({srv['lines']} lines)" if srv else "-"))
                 save()
             logtext = s.tail(10**8)
@@ -641,9 +646,12 @@ def render_table(results, contexts, batches, nd, ns) -> str:
             for fmt, r in fr.items():
                 d = r.get("decode", {}).get(key, {})
                 if "tok_s" in d:
-                    spread = f" ±{d['tpot_spread_ms'] / 2:.3f}" if "tpot_spread_ms" in d else ""
                     srv = d.get("server")
                     srv_s = f"{srv['tpot_ms']:.3f} ±{srv['tpot_iqr_half_ms']:.3f}" if srv else "-"
+                    if d["tok_s"] is None:
+                        cells.append(f"below noise | - | {srv_s}")
+                        continue
+                    spread = f" ±{d['tpot_spread_ms'] / 2:.3f}" if "tpot_spread_ms" in d else ""
                     cells.append(f"{d['tok_s']:.0f} | {d['tpot_ms']:.3f}{spread} | {srv_s}")
                 else:
                     cells.append(f"{d.get('skipped', 'not run')[:40]} | - | -")

@@ -7,6 +7,7 @@ import random
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,40 @@ def test_decode_table_shows_both_measures_and_the_ratio_from_the_scheduler():
     assert b8.count("| - |") == 2
 
 
+class _TimedServer:
+    """Stand-in for ``sglang_h200.Server`` whose requests take ``seconds[new_tokens]`` (a list, popped
+    in order) and return that many tokens; its log holds ``log_text``."""
+
+    def __init__(self, tmp_path, seconds: dict, log_text: str = ""):
+        self.seconds = {k: list(v) for k, v in seconds.items()}
+        self.log_path = tmp_path / "server.log"
+        self.log_path.write_text(log_text)
+
+    def generate(self, ids, new_tokens):
+        time.sleep(self.seconds[new_tokens].pop(0))
+        return [{"output_ids": [0] * new_tokens} for _ in ids]
+
+
+def test_measure_decode_reports_a_difference_lost_in_noise_as_below_noise(tmp_path):
+    # warm-up pair first, then two pairs: longer requests no slower than the short ones
+    server = _TimedServer(tmp_path, {1: [0.0, 0.06, 0.05], 5: [0.0, 0.04, 0.05]})
+    m = sglang_h200.measure_decode(server, [[1, 2, 3]], decode_tokens=4, repeats=2)
+    assert m["below_noise"] and m["tok_s"] is None and m["tpot_ms"] is None
+    assert m["tpot_spread_ms"] > 0 and len(m["t_short_s"]) == len(m["t_long_s"]) == 2
+    table = sglang_h200.render_table({"env": {"date_utc": "2026-12-03"}, "notes": [], "formats": {
+        "fp8": {"decode": {"1024x1": m}}, "mxfp4": {"decode": {"1024x1": m}}}}, [1024], [1], 1, 1)
+    row = next(ln for ln in table.splitlines() if ln.startswith("| 1k | 1 |"))
+    assert row.count("below noise") == 2 and row.rstrip(" |").endswith("-")
+
+
+def test_measure_decode_takes_the_difference_of_medians_per_token(tmp_path):
+    server = _TimedServer(tmp_path, {1: [0.0, 0.02, 0.03, 0.02], 5: [0.0, 0.22, 0.20, 0.23]})
+    m = sglang_h200.measure_decode(server, [[1], [2]], decode_tokens=4, repeats=3)
+    assert not m["below_noise"]
+    assert abs(m["tpot_ms"] - 50.0) < 8.0  # (0.22 - 0.02) / 4 s, give or take the sleeps' overshoot
+    assert abs(m["tok_s"] - 2 / (m["tpot_ms"] / 1e3)) < 1e-9
+
+
 def _driver(*argv, timeout=900):
     path = os.pathsep.join([str(REPO), str(REPO / "kernels"), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path)
@@ -84,13 +119,14 @@ def test_decode_timing_at_tp2_on_the_cpu(tmp_path):
     """The TP path of the decode-throughput driver (what TP4 on four GPUs runs), smoke-tested with two CPU ranks."""
     out = tmp_path / "out"
     proc = _driver("--cpu", "--tp", "2", "--eager", "skip", "--skip-capacity", "--out", str(out), "--formats",
-                   "fp8,mxfp4", "--contexts", "1024", "--batches", "1,2", "--decode-tokens", "4", "--repeats", "2",
+                   "fp8,mxfp4", "--contexts", "1024", "--batches", "1,2", "--decode-tokens", "48", "--repeats", "2",
                    "--small-sparse", "1", "--hidden", "256", "--q-heads", "8", "--check-lengths", "300,500",
                    "--check-tokens", "4", "--budget-s", "600")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     for fmt in ("fp8", "mxfp4"):
         decode = results["formats"][fmt]["decode"]
+        # 48 tokens of decode (a step is 10-40 ms here) stand well above the HTTP timing noise (~50 ms)
         assert {"1024x1", "1024x2"} <= decode.keys() and all(d["tok_s"] > 0 for d in decode.values()), decode
     logs = (out / "server_logs.txt").read_text()
     assert "TP1]" in logs and "tp_size=2" in logs  # two ranks served
