@@ -7,7 +7,6 @@ import random
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -67,37 +66,46 @@ def test_decode_table_shows_both_measures_and_the_ratio_from_the_scheduler():
 
 
 class _TimedServer:
-    """Stand-in for ``sglang_h200.Server`` whose requests take ``seconds[new_tokens]`` (a list, popped
-    in order) and return that many tokens; its log holds ``log_text``."""
+    """Stand-in for ``sglang_h200.Server`` on a fake clock (``now``, patched in for ``time.perf_counter``):
+    a request for ``n`` new tokens advances it by the next of ``seconds[n]`` and returns ``n`` tokens."""
 
-    def __init__(self, tmp_path, seconds: dict, log_text: str = ""):
+    def __init__(self, tmp_path, seconds: dict):
         self.seconds = {k: list(v) for k, v in seconds.items()}
+        self.now = 0.0
         self.log_path = tmp_path / "server.log"
-        self.log_path.write_text(log_text)
+        self.log_path.write_text("")
 
     def generate(self, ids, new_tokens):
-        time.sleep(self.seconds[new_tokens].pop(0))
+        self.now += self.seconds[new_tokens].pop(0)
         return [{"output_ids": [0] * new_tokens} for _ in ids]
 
 
-def test_measure_decode_reports_a_difference_lost_in_noise_as_below_noise(tmp_path):
-    # warm-up pair first, then two pairs: longer requests no slower than the short ones
-    server = _TimedServer(tmp_path, {1: [0.0, 0.06, 0.05], 5: [0.0, 0.04, 0.05]})
-    m = sglang_h200.measure_decode(server, [[1, 2, 3]], decode_tokens=4, repeats=2)
+def _measure(tmp_path, monkeypatch, seconds, batch, repeats):
+    server = _TimedServer(tmp_path, seconds)
+    monkeypatch.setattr(sglang_h200.time, "perf_counter", lambda: server.now)
+    m = sglang_h200.measure_decode(server, [[1, 2, 3]] * batch, decode_tokens=4, repeats=repeats)
+    assert all(not v for v in server.seconds.values())  # warm-up pair, then every timed pair
+    return m
+
+
+def test_measure_decode_reports_a_difference_lost_in_noise_as_below_noise(tmp_path, monkeypatch):
+    # two timed pairs whose longer requests are no slower than the short ones (medians 0.055 s and 0.045 s)
+    m = _measure(tmp_path, monkeypatch, {1: [9.0, 0.06, 0.05], 5: [9.0, 0.04, 0.05]}, batch=1, repeats=2)
     assert m["below_noise"] and m["tok_s"] is None and m["tpot_ms"] is None
-    assert m["tpot_spread_ms"] > 0 and len(m["t_short_s"]) == len(m["t_long_s"]) == 2
+    assert m["tpot_spread_ms"] == pytest.approx(((0.05 - 0.05) - (0.04 - 0.06)) / 4 * 1e3)
     table = sglang_h200.render_table({"env": {"date_utc": "2026-12-03"}, "notes": [], "formats": {
         "fp8": {"decode": {"1024x1": m}}, "mxfp4": {"decode": {"1024x1": m}}}}, [1024], [1], 1, 1)
     row = next(ln for ln in table.splitlines() if ln.startswith("| 1k | 1 |"))
     assert row.count("below noise") == 2 and row.rstrip(" |").endswith("-")
 
 
-def test_measure_decode_takes_the_difference_of_medians_per_token(tmp_path):
-    server = _TimedServer(tmp_path, {1: [0.0, 0.02, 0.03, 0.02], 5: [0.0, 0.22, 0.20, 0.23]})
-    m = sglang_h200.measure_decode(server, [[1], [2]], decode_tokens=4, repeats=3)
+def test_measure_decode_takes_the_difference_of_medians_per_token(tmp_path, monkeypatch):
+    m = _measure(tmp_path, monkeypatch, {1: [9.0, 0.02, 0.03, 0.01], 5: [9.0, 0.22, 0.20, 0.27]},
+                 batch=2, repeats=3)
     assert not m["below_noise"]
-    assert abs(m["tpot_ms"] - 50.0) < 8.0  # (0.22 - 0.02) / 4 s, give or take the sleeps' overshoot
-    assert abs(m["tok_s"] - 2 / (m["tpot_ms"] / 1e3)) < 1e-9
+    assert m["tpot_ms"] == pytest.approx((0.22 - 0.02) / 4 * 1e3)  # medians, not means; the warm-up left out
+    assert m["tok_s"] == pytest.approx(2 / ((0.22 - 0.02) / 4))
+    assert m["t_short_s"] == pytest.approx([0.02, 0.03, 0.01]) and m["t_long_s"] == pytest.approx([0.22, 0.20, 0.27])
 
 
 def _driver(*argv, timeout=900):
