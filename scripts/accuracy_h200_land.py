@@ -1,0 +1,151 @@
+"""Land the H200 comparison's calls in the repo: what each `scripts/gpu/accuracy_h200.sh` call returns
+(`call.log`, `state.tgz`, ...) becomes the committed resume state, new rows of the per-sample dump, the
+call's log and, last, the rebuilt report and plot (`scripts/accuracy_h200_report.sh`).
+
+    python scripts/accuracy_h200_land.py [--date YYYY-MM-DD] [--no-report] CALL_DIR [CALL_DIR ...]
+
+CALL_DIRs are the calls' returned folders in the order they ran. A call's state holds every row of the
+state it resumed from, so the last one is the new state. Each state must hold every row of the one before
+it and the last every committed row, unchanged, or nothing is written (a call resumed from the wrong state,
+or not at all, would lose rows). Landing calls again adds nothing. Writes, under
+docs/perf_data/:
+- accuracy_h200_resume/state.tgz: the last call's state, repacked with sorted names and no owners;
+- accuracy_h200_2026-12-02_q4_samples.jsonl: the rows not yet in it appended (``format`` and ``task``
+  first), the rows already there left in place;
+- accuracy_h200_<date>_q4_call<N>.log for each call, N counting on from the highest already there, the
+  machine's absolute paths into the repo cut to repo-relative ones (a log already landed is skipped);
+- accuracy_h200_<date>_q4_report.md and accuracy_h200_<date>_q4_accuracy_vs_length.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STATE = Path("accuracy_h200_resume") / "state.tgz"
+SAMPLES = "accuracy_h200_2026-12-02_q4_samples.jsonl"
+_CALL_LOG = re.compile(r"accuracy_h200_\d{4}-\d{2}-\d{2}_q4_call(\d+)\.log$")
+# An absolute path up to one of the repo's top-level folders: /any/where/main/build/x -> build/x.
+_REPO_PATH = re.compile(r"(?<![\w.])/(?:[\w.+@-]+/)+?(?=(?:build|scripts|configs|accuracy|sglang_m3|kernels|"
+                        r"training|tests|docs|out)/)")
+
+
+def read_state(tgz: Path) -> dict:
+    """{(format, task, doc_id): row} from a state archive's ``acc/samples/<format>/<task>.jsonl`` files."""
+    rows = {}
+    with tarfile.open(tgz) as tar:
+        for member in tar.getmembers():
+            parts = Path(member.name).parts
+            if len(parts) != 4 or parts[:2] != ("acc", "samples") or not parts[3].endswith(".jsonl"):
+                continue
+            fmt, task = parts[2], parts[3][:-len(".jsonl")]
+            for line in tar.extractfile(member).read().decode().splitlines():
+                row = json.loads(line)
+                rows[(fmt, task, row["doc_id"])] = row
+    return rows
+
+
+def strip_paths(text: str) -> str:
+    """The log with absolute paths into the repo made repo-relative."""
+    return _REPO_PATH.sub("", text)
+
+
+def check_superset(old: dict, new: dict, new_name: str, old_name: str) -> None:
+    """Every row of ``old`` is in ``new``, unchanged; raises naming both otherwise."""
+    missing = [k for k in old if k not in new]
+    if missing:
+        raise SystemExit(f"{new_name}: lacks {len(missing)} rows of {old_name} (first: {missing[0]}); "
+                         "was the call resumed from the committed state, and are the calls in the order they ran?")
+    changed = [k for k in old if new[k] != old[k]]
+    if changed:
+        raise SystemExit(f"{new_name}: {len(changed)} rows differ from {old_name} (first: {changed[0]})")
+
+
+def repack(src_tgz: Path, dst_tgz: Path) -> None:
+    """``src_tgz``'s ``acc/`` tree rewritten to ``dst_tgz`` with sorted names and numeric owner 0."""
+    with tempfile.TemporaryDirectory() as tmp:
+        with tarfile.open(src_tgz) as tar:
+            tar.extractall(tmp, filter="data")
+        subprocess.run(["tar", "-C", tmp, "--sort=name", "--owner=0", "--group=0", "--numeric-owner",
+                        "-czf", str(dst_tgz), "acc"], check=True)
+
+
+def land(call_dirs: list[Path], perf_data: Path, date: str, report: bool) -> dict:
+    """Land ``call_dirs`` (in call order) into ``perf_data``; returns what was written."""
+    for d in call_dirs:
+        if not (d / "state.tgz").is_file() or not (d / "call.log").is_file():
+            raise SystemExit(f"CALL_DIR {d}: needs call.log and state.tgz (what accuracy_h200.sh returns)")
+    states = [read_state(d / "state.tgz") for d in call_dirs]
+    for i in range(1, len(call_dirs)):
+        check_superset(states[i - 1], states[i], f"{call_dirs[i]}/state.tgz", f"{call_dirs[i - 1]}/state.tgz")
+    new, new_name = states[-1], f"{call_dirs[-1]}/state.tgz"
+    check_superset(read_state(perf_data / STATE), new, new_name, "the committed state")
+
+    dump_path = perf_data / SAMPLES
+    dump_lines = dump_path.read_text().splitlines() if dump_path.exists() else []
+    dumped = {}
+    for line in dump_lines:
+        r = json.loads(line)
+        dumped[(r["format"], r["task"], r["doc_id"])] = {k: v for k, v in r.items() if k not in ("format", "task")}
+    check_superset(dumped, new, new_name, SAMPLES)
+    added = [k for k in new if k not in dumped]
+
+    logs = {int(m[1]) for p in perf_data.iterdir() if (m := _CALL_LOG.search(p.name))}
+    landed = {strip_paths(p.read_text()) for p in perf_data.iterdir() if _CALL_LOG.search(p.name)}
+    n = max(logs, default=0)
+    log_paths = []
+    for d in call_dirs:
+        text = strip_paths((d / "call.log").read_text())
+        if text in landed:
+            continue
+        n += 1
+        log_paths.append(perf_data / f"accuracy_h200_{date}_q4_call{n}.log")
+        log_paths[-1].write_text(text)
+        landed.add(text)
+
+    repack(call_dirs[-1] / "state.tgz", perf_data / STATE)
+    with open(dump_path, "a") as f:
+        for fmt, task, doc_id in added:
+            f.write(json.dumps({"format": fmt, "task": task, **new[(fmt, task, doc_id)]}) + "\n")
+
+    out = {"rows_added": len(added), "rows": len(new), "logs": [p.name for p in log_paths]}
+    if report:
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run(["bash", str(REPO / "scripts" / "accuracy_h200_report.sh"), tmp], cwd=REPO, check=True)
+            shutil.copy(Path(tmp) / "report.md", perf_data / f"accuracy_h200_{date}_q4_report.md")
+            shutil.copy(Path(tmp) / "accuracy_vs_length.png", perf_data / f"accuracy_h200_{date}_q4_accuracy_vs_length.png")
+        out["report"] = f"accuracy_h200_{date}_q4_report.md"
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("call_dirs", nargs="+", type=Path, help="the calls' returned folders, in call order")
+    ap.add_argument("--date", default=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+                    help="date in the new files' names (default: today, UTC)")
+    ap.add_argument("--perf-data", type=Path, default=REPO / "docs" / "perf_data", help=argparse.SUPPRESS)
+    ap.add_argument("--no-report", action="store_true", help="leave the report and plot as they are")
+    args = ap.parse_args(argv)
+    if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", args.date):
+        ap.error(f"--date must be YYYY-MM-DD, got {args.date!r}")
+    if not args.no_report and args.perf_data.resolve() != (REPO / "docs" / "perf_data").resolve():
+        ap.error("--perf-data other than docs/perf_data needs --no-report (the report reads docs/perf_data)")
+    out = land(args.call_dirs, args.perf_data, args.date, not args.no_report)
+    print(f"state: {out['rows']} rows, {out['rows_added']} new appended to {SAMPLES}")
+    print("call logs: " + (", ".join(out["logs"]) or "none new"))
+    if "report" in out:
+        print(f"report: {out['report']} and its plot")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""scripts/accuracy_h200_land.py: returned H200 calls become the committed state, new dump rows and call logs,
+and a call that would lose or change a committed row lands nothing."""
+
+import json
+import random
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import accuracy_h200_land as land  # noqa: E402
+
+TASKS = ("m3_niah_single", "m3_kv_64")
+
+
+def _rows(rng, fmt, start, stop) -> dict:
+    """{(format, task, doc_id): row} for samples start..stop-1 of both tasks at 8k, scores drawn fresh."""
+    return {(fmt, task, f"8192/{i}"): {"doc_id": f"8192/{i}", "length": 8192, "depth": round(rng.uniform(0, 100), 2),
+                                       "target": str(rng.randrange(10**7)), "response": f" {rng.randrange(10**7)}.",
+                                       "score": float(rng.random() < 0.9), "context": i // 4}
+            for task in TASKS for i in range(start, stop)}
+
+
+def _state(path: Path, rows: dict) -> Path:
+    """A state archive like accuracy_h200.sh's: acc/samples/<format>/<task>.jsonl, run.json, acc/rates.json."""
+    tree = path.parent / (path.name + ".d")
+    for (fmt, task, _), row in rows.items():
+        d = tree / "acc" / "samples" / fmt
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "run.json").write_text(json.dumps({"questions": 4}))
+        with open(d / f"{task}.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+    (tree / "acc" / "rates.json").write_text("{}")
+    with tarfile.open(path, "w:gz") as tar:
+        tar.add(tree / "acc", arcname="acc")
+    return path
+
+
+def _call(tmp_path, name, rows, log) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    _state(d / "state.tgz", rows)
+    (d / "call.log").write_text(log)
+    return d
+
+
+@pytest.fixture
+def committed(tmp_path):
+    """A perf_data folder holding fp8 and mxfp4 at 8 samples a task, their dump and call logs 1 and 16."""
+    rng = random.Random()
+    rows = {**_rows(rng, "fp8", 0, 8), **_rows(rng, "mxfp4", 0, 8)}
+    perf = tmp_path / "perf_data"
+    (perf / "accuracy_h200_resume").mkdir(parents=True)
+    _state(perf / land.STATE, rows)
+    dump = [json.dumps({"format": k[0], "task": k[1], **r}) for k, r in rows.items()]
+    rng.shuffle(dump)
+    (perf / land.SAMPLES).write_text("\n".join(dump) + "\n")
+    (perf / "accuracy_h200_2026-12-02_q4_call1.log").write_text("call 1\n")
+    (perf / "accuracy_h200_2026-12-03_q4_call16.log").write_text("call 16\n")
+    return rng, rows, perf
+
+
+def _dump(perf) -> list:
+    return [json.loads(line) for line in (perf / land.SAMPLES).read_text().splitlines()]
+
+
+def test_two_calls_land_as_state_appended_rows_and_numbered_logs(tmp_path, committed):
+    rng, rows, perf = committed
+    before = (perf / land.SAMPLES).read_text()
+    a = {**rows, **_rows(rng, "fp8", 8, 20)}
+    b = {**a, **_rows(rng, "mxfp4", 8, 12), **_rows(rng, "mxfp4_rot", 0, 4)}
+    log_a = "accuracy_h200: start\n/work/elsewhere/main/build/m3-site/torchao/x.py:1: SyntaxWarning\nreport /acc/report.md\n"
+    calls = [_call(tmp_path, "6", a, log_a), _call(tmp_path, "7", b, "call 7\n")]
+    out = land.land(calls, perf, "2026-12-04", report=False)
+
+    assert out == {"rows_added": len(b) - len(rows), "rows": len(b),
+                   "logs": ["accuracy_h200_2026-12-04_q4_call17.log", "accuracy_h200_2026-12-04_q4_call18.log"]}
+    assert (perf / land.SAMPLES).read_text().startswith(before)  # committed rows stay where they were
+    dump = _dump(perf)
+    assert len(dump) == len(b) and all(list(r)[:2] == ["format", "task"] for r in dump)
+    assert {(r["format"], r["task"], r["doc_id"]): {k: v for k, v in r.items() if k not in ("format", "task")}
+            for r in dump} == b
+    assert land.read_state(perf / land.STATE) == b
+    with tarfile.open(perf / land.STATE) as tar:
+        names = tar.getnames()
+        assert names == sorted(names) and {m.uid for m in tar.getmembers()} == {0}
+    log17 = (perf / "accuracy_h200_2026-12-04_q4_call17.log").read_text()
+    assert "build/m3-site/torchao/x.py:1" in log17 and "/work/elsewhere" not in log17 and "/acc/report.md" in log17
+
+    # landing the same calls again adds nothing
+    again = land.land(calls, perf, "2026-12-04", report=False)
+    assert again == {"rows_added": 0, "rows": len(b), "logs": []} and len(_dump(perf)) == len(b)
+
+
+@pytest.mark.parametrize("fault", ["lost", "changed", "out_of_order"])
+def test_a_call_that_loses_or_changes_a_committed_row_lands_nothing(tmp_path, committed, fault):
+    rng, rows, perf = committed
+    snapshot = {p.name: p.read_bytes() for p in perf.rglob("*") if p.is_file()}
+    grown = {**rows, **_rows(rng, "fp8", 8, 12)}
+    if fault == "lost":  # e.g. a fresh machine's call not resumed from the committed state
+        victim = rng.choice(list(rows))
+        calls = [_call(tmp_path, "6", {k: v for k, v in grown.items() if k != victim}, "6\n")]
+        match = "lacks 1 rows of the committed state"
+    elif fault == "changed":
+        victim = rng.choice(list(rows))
+        calls = [_call(tmp_path, "6", {**grown, victim: {**rows[victim], "score": 1.0 - rows[victim]["score"]}}, "6\n")]
+        match = "1 rows differ from the committed state"
+    else:  # the calls given newest first: the second state lacks the first's rows
+        calls = [_call(tmp_path, "7", grown, "7\n"), _call(tmp_path, "6", rows, "6\n")]
+        match = "6/state.tgz: lacks 8 rows of .*7/state.tgz"
+    with pytest.raises(SystemExit, match=match):
+        land.land(calls, perf, "2026-12-04", report=False)
+    assert {p.name: p.read_bytes() for p in perf.rglob("*") if p.is_file()} == snapshot
+
+
+def test_cli_names_the_bad_argument(tmp_path):
+    def cli(*argv):
+        return subprocess.run([sys.executable, str(ROOT / "scripts" / "accuracy_h200_land.py"), *argv],
+                              capture_output=True, text=True, cwd=ROOT)
+
+    proc = cli("--date", "3 Dec", str(tmp_path))
+    assert proc.returncode == 2 and "--date must be YYYY-MM-DD" in proc.stderr
+    proc = cli("--no-report", "--perf-data", str(tmp_path), str(tmp_path))
+    assert proc.returncode == 1 and "needs call.log and state.tgz" in proc.stderr
+    proc = cli("--perf-data", str(tmp_path), str(tmp_path))
+    assert proc.returncode == 2 and "needs --no-report" in proc.stderr
+
+
+def test_strip_paths_cuts_absolute_paths_into_the_repo_only():
+    text = "/a/b/main/scripts/gpu/x.sh: ok; /usr/lib/python3/site.py; /acc/report.md; rel build/y; /t/build/z"
+    assert land.strip_paths(text) == "scripts/gpu/x.sh: ok; /usr/lib/python3/site.py; /acc/report.md; rel build/y; build/z"
