@@ -158,41 +158,84 @@ def markdown(summary: dict) -> str:
     return markdown_pairs(summary) if "pairs" in summary else markdown_table(summary)
 
 
-def markdown_pairs(summary: dict) -> str:
-    """Per candidate, the tables of ``markdown_table`` on the samples it shares with the baseline; then
-    the samples each format has per task and length against its target (``coverage``), if given."""
+def _markdown_overview(summary: dict) -> str:
+    """One row per candidate of a ``build_pairs`` summary: its pairs with the baseline, discordant
+    pairs each way and, per task, the difference pooled over lengths with its interval and n."""
     base = summary["baseline"]
-    parts = []
+    tasks = list(dict.fromkeys(t for pair in summary["pairs"].values() for t in pair["tasks"]))
+    first = next(iter(summary["pairs"].items()))
+    level = 100 * next(iter(first[1]["tasks"].values()))[0]["paired"][first[0]].get("confidence", 0.95)
+    lines = [f"## Every format against {base}, pooled over lengths", "",
+             f"Format minus {base} in points, with the interval of each format's tables below.", "",
+             f"| format | pairs | discordant ({base} right / format right) | "
+             + " | ".join(f"{t}: pts [{level:g}% CI] (n)" for t in tasks) + " |", "|---|---|---|" + "---|" * len(tasks)]
     for fmt, pair in summary["pairs"].items():
-        parts.append(f"## {fmt} vs {base} (the samples both have)\n\n" + markdown_table(pair))
+        pooled = {t: next(g for g in groups if g["length"] == ALL)["paired"][fmt]
+                  for t, groups in pair["tasks"].items()}
+        cells = [fmt, str(sum(p["n"] for p in pooled.values())),
+                 f"{sum(p['n10'] for p in pooled.values())} / {sum(p['n01'] for p in pooled.values())}"]
+        for t in tasks:
+            p = pooled.get(t)
+            cells.append("-" if p is None else f"{100 * p['diff']:+.1f} [{100 * p['ci_lo']:+.1f}, "
+                                               f"{100 * p['ci_hi']:+.1f}] ({p['n']})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown_pairs(summary: dict) -> str:
+    """An overview (``_markdown_overview``), then per candidate the tables of ``markdown_table`` on the
+    samples it shares with the baseline, the samples each format has per task and length against its
+    target (``coverage``) if given, and the notes on the columns once."""
+    base = summary["baseline"]
+    parts = [_markdown_overview(summary)] if summary["pairs"] else []
+    used = set()
+    for fmt, pair in summary["pairs"].items():
+        parts.append(f"## {fmt} vs {base} (the samples both have)\n\n" + markdown_table(pair, notes=False))
+        used |= _used_kinds(pair)
     cov = summary.get("coverage")
     if cov:
         cells = [(t, L) for t, by_len in next(iter(cov.values())).items() for L in by_len]
-        head = ["format"] + [f"{t} {L}" for t, L in cells]
-        lines = ["## Samples scored per task and length (done / target)", "", "| " + " | ".join(head) + " |",
-                 "|" + "---|" * len(head)]
-        for fmt, by_task in cov.items():
-            lines.append("| " + " | ".join([fmt] + [f"{by_task[t][L][0]}/{by_task[t][L][1]}" for t, L in cells]) + " |")
+        lines = ["## Samples scored per task and length (done / target)", "",
+                 "| task | length | " + " | ".join(cov) + " |", "|---|---|" + "---|" * len(cov)]
+        for t, L in cells:
+            lines.append(f"| {t} | {L} | " + " | ".join(f"{cov[f][t][L][0]}/{cov[f][t][L][1]}" for f in cov) + " |")
         parts.append("\n".join(lines) + "\n")
     for fmt, error in (summary.get("errors") or {}).items():
         parts.append(f"**{fmt} failed in this run**: {error}\n")
+    if summary["pairs"]:
+        parts.append(_notes(base, used))
     return "\n".join(parts)
 
 
-def markdown_table(summary: dict) -> str:
-    """One table per task: a row per length, accuracy per format, then paired columns per candidate.
+def _used_kinds(summary: dict) -> set[str]:
+    """The interval kinds a ``build`` summary's tables use."""
+    others = [f for f in summary["formats"] if f != summary["baseline"]]
+    return {k for groups in summary["tasks"].values() for f in others for k in _interval_kinds(groups, f)}
+
+
+def _notes(base: str, used: set[str]) -> str:
+    """What the tables' columns mean, and each interval kind in ``used``."""
+    notes = [f"Baseline: {base}. agree: both right or both wrong. only base/only cand: samples right in one format "
+             "only (McNemar's discordant pairs; exact two-sided p). Difference: candidate minus baseline accuracy "
+             "in points with its interval; ±: half the interval's width, the resolution of this run: differences "
+             "much smaller than it are not told apart from none, whatever the point estimate."]
+    return "\n\n".join(notes + [_INTERVAL_NOTES[k] for k in sorted(used)]) + "\n"
+
+
+def markdown_table(summary: dict, notes: bool = True) -> str:
+    """One table per task: a row per length, accuracy per format, then paired columns per candidate;
+    then the discordant pairs and (``notes``) what the columns mean.
 
     Each candidate's difference column names its interval (Tango score or paired bootstrap); the
     "±" column is half that interval's width in points.
     """
     base, formats = summary["baseline"], summary["formats"]
     others = [f for f in formats if f != base]
-    lines, used = [], set()
+    lines = []
     for task, groups in summary["tasks"].items():
         head = ["length", "n"] + [f"{f} acc %" for f in formats]
         for f in others:
             kinds = _interval_kinds(groups, f)
-            used |= kinds
             level = 100 * groups[0]["paired"][f].get("confidence", 0.95)
             label = " / ".join(INTERVAL_LABELS[k] for k in sorted(kinds))
             head += [f"{f} vs {base}: agree %", "only base/only cand", "McNemar p",
@@ -209,12 +252,8 @@ def markdown_table(summary: dict) -> str:
         lines.append("")
     for f in others:
         lines += _markdown_discordant(summary.get("discordant", {}).get(f), base, f)
-    notes = [f"Baseline: {base}. agree: both right or both wrong. only base/only cand: samples right in one format "
-             "only (McNemar's discordant pairs; exact two-sided p). Difference: candidate minus baseline accuracy "
-             "in points with its interval; ±: half the interval's width, the resolution of this run: differences "
-             "much smaller than it are not told apart from none, whatever the point estimate."]
-    notes += [_INTERVAL_NOTES[k] for k in sorted(used)]
-    return "\n".join(lines) + "\n" + "\n\n".join(notes) + "\n"
+    text = "\n".join(lines) + "\n"
+    return text + _notes(base, _used_kinds(summary)) if notes else text
 
 
 MAX_LISTED = 40  # discordant pairs listed one by one; past that, the counts per task, length and depth

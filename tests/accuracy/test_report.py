@@ -2,6 +2,7 @@
 
 import copy
 import json
+import random
 
 import pytest
 
@@ -159,3 +160,29 @@ def test_discordant_pairs_say_where_the_formats_disagree(monkeypatch):
     assert "### Discordant pairs, mxfp4 vs fp8: 0 (no prompt answered differently)" in report.markdown(same)
     del same["discordant"]
     assert "### Discordant pairs" not in report.markdown(same)
+
+
+def test_pairs_report_opens_with_an_overview_and_explains_its_columns_once():
+    rng = random.Random()
+    base = {t: _rows({1024: [rng.randint(0, 1) for _ in range(12)], 2048: [rng.randint(0, 1) for _ in range(12)]})
+            for t in ("m3_niah_single", "m3_kv_64")}
+    flip = {t: copy.deepcopy(rows) for t, rows in base.items()}
+    for r in flip["m3_kv_64"][:5]:  # five flips, either way: 1 -> 0 and 0 -> 1
+        r["score"] = 1 - r["score"]
+    summary = report.build_pairs({"fp8": base, "mxfp4": flip, "bf16": copy.deepcopy(base)}, ["fp8", "mxfp4", "bf16"],
+                                 baseline="fp8")
+    summary["coverage"] = {f: {t: {"1024": [12, 100], "2048": [12, 100]} for t in base} for f in ("fp8", "mxfp4", "bf16")}
+    summary["coverage"]["bf16"]["m3_kv_64"]["2048"] = [7, 100]
+    text = report.markdown(summary)
+    assert text.startswith("## Every format against fp8, pooled over lengths")
+    ones = sum(r["score"] for r in base["m3_kv_64"][:5])
+    kv = summary["pairs"]["mxfp4"]["tasks"]["m3_kv_64"][-1]["paired"]["mxfp4"]
+    assert (kv["n10"], kv["n01"]) == (ones, 5 - ones)
+    cell = f"{100 * kv['diff']:+.1f} [{100 * kv['ci_lo']:+.1f}, {100 * kv['ci_hi']:+.1f}] (24)"
+    half = 100 * tango_interval(0, 0, 24)[1]
+    assert f"| mxfp4 | 48 | {ones} / {5 - ones} | +0.0 [-{half:.1f}, +{half:.1f}] (24) | {cell} |" in text
+    assert f"| bf16 | 48 | 0 / 0 | +0.0 [-{half:.1f}, +{half:.1f}] (24) | +0.0 [-{half:.1f}, +{half:.1f}] (24) |" in text
+    assert text.index("## mxfp4 vs fp8") < text.index("## bf16 vs fp8") < text.index("## Samples scored")
+    assert text.count("Baseline: fp8. agree:") == 1 and text.count("Tango score: Tango's (1998)") == 1
+    assert text.rindex("Baseline: fp8. agree:") > text.index("## Samples scored")  # the notes close the report
+    assert "| task | length | fp8 | mxfp4 | bf16 |" in text and "| m3_kv_64 | 2048 | 12/100 | 12/100 | 7/100 |" in text

@@ -45,4 +45,6 @@ def test_report_rebuilds_from_the_committed_state_and_matches_the_dump(tmp_path)
         assert len(listed) == base_only + cand_only and sum(d["right"] == "base" for d in listed) == base_only
     text = (out / "report.md").read_text()
     assert f"### Discordant pairs, mxfp4 vs fp8: {sum(want['mxfp4'][1:])}" in text
+    for fmt, (n, base_only, cand_only) in want.items():  # the overview's row of each format
+        assert f"\n| {fmt} | {n} | {base_only} / {cand_only} | " in text, fmt
     assert (out / "accuracy_vs_length.png").stat().st_size > 1000
