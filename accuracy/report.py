@@ -163,8 +163,8 @@ def _markdown_overview(summary: dict) -> str:
     pairs each way and, per task, the difference pooled over lengths with its interval and n."""
     base = summary["baseline"]
     tasks = list(dict.fromkeys(t for pair in summary["pairs"].values() for t in pair["tasks"]))
-    first = next(iter(summary["pairs"].items()))
-    level = 100 * next(iter(first[1]["tasks"].values()))[0]["paired"][first[0]].get("confidence", 0.95)
+    fmt0, pair0 = next(iter(summary["pairs"].items()))
+    level = 100 * next(iter(pair0["tasks"].values()))[0]["paired"][fmt0].get("confidence", 0.95)
     lines = [f"## Every format against {base}, pooled over lengths", "",
              f"Format minus {base} in points, with the interval of each format's tables below.", "",
              f"| format | pairs | discordant ({base} right / format right) | "
