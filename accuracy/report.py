@@ -322,12 +322,18 @@ def restate_binary(summary: dict, confidence: float = 0.95) -> dict:
 
 
 def plot(summary: dict, path: Path):
-    """Accuracy against context length, one panel per task with lengths, one line per format (for a
-    ``build_pairs`` summary: the baseline and its first candidate, on the samples they share)."""
+    """Accuracy against context length, one panel per task with lengths, one line per format. For a
+    ``build_pairs`` summary: the baseline and its first candidate on the samples they share, and below
+    it a second row with every candidate's paired difference from the baseline per length, in points
+    with its interval as error bars."""
     if "pairs" in summary:
         if not summary["pairs"]:
             return None
-        return plot(next(iter(summary["pairs"].values())), path)
+        return _plot(next(iter(summary["pairs"].values())), path, summary)
+    return _plot(summary, path, None)
+
+
+def _plot(summary: dict, path: Path, pairs: dict | None):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -337,21 +343,48 @@ def plot(summary: dict, path: Path):
     tasks = {t: gs for t, gs in tasks.items() if gs}
     if not tasks:
         return None
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.8), squeeze=False)
+    rows = 1 if pairs is None else 2
+    fig, axes = plt.subplots(rows, len(tasks), figsize=(5 * len(tasks), 3.8 * rows), squeeze=False)
+
+    def length_axis(ax, x):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x, [f"{n // 1024}k" if n >= 1024 else str(n) for n in x])
+        ax.set_xlabel("context length (tokens)")
+        ax.grid(alpha=0.3)
+
     for ax, (task, groups) in zip(axes[0], tasks.items()):
         x = [g["length"] for g in groups]
         for fmt in summary["formats"]:
             y = [None if g["acc"][fmt] is None else 100 * g["acc"][fmt] for g in groups]
             ax.plot(x, y, marker="o", label=fmt)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(x, [f"{n // 1024}k" if n >= 1024 else str(n) for n in x])
+        length_axis(ax, x)
         ax.set_ylim(-2, 102)
-        ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("accuracy %")
         ax.set_title(task)
-        ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
+    if pairs is not None:
+        base, cands = pairs["baseline"], list(pairs["pairs"])
+        for ax, task in zip(axes[1], tasks):
+            for i, fmt in enumerate(cands):
+                groups = [g for g in pairs["pairs"][fmt]["tasks"].get(task, []) if g["length"] != ALL]
+                if not groups:
+                    continue
+                shift = 2 ** (0.06 * (i - (len(cands) - 1) / 2))  # side by side on the log axis
+                x = [g["length"] * shift for g in groups]
+                d = [100 * g["paired"][fmt]["diff"] for g in groups]
+                err = [[100 * (g["paired"][fmt]["diff"] - g["paired"][fmt]["ci_lo"]) for g in groups],
+                       [100 * (g["paired"][fmt]["ci_hi"] - g["paired"][fmt]["diff"]) for g in groups]]
+                ax.errorbar(x, d, yerr=err, marker="o", capsize=3, linestyle="none", label=f"{fmt} ({groups[0]['n']} a length)")
+            ax.axhline(0, color="black", linewidth=0.8)
+            length_axis(ax, [g["length"] for g in tasks[task]])
+            ax.set_ylabel(f"format - {base}, points (95% CI)")
+        legend = {}  # label -> handle, over every panel (a task a candidate lacks has none)
+        for ax in axes[1]:
+            legend.update({label: h for h, label in zip(*ax.get_legend_handles_labels())})
+        fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=max(1, len(legend)), frameon=False)
+        fig.tight_layout(rect=(0, 0.05, 1, 1))
+    else:
+        fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -186,3 +186,18 @@ def test_pairs_report_opens_with_an_overview_and_explains_its_columns_once():
     assert text.count("Baseline: fp8. agree:") == 1 and text.count("Tango score: Tango's (1998)") == 1
     assert text.rindex("Baseline: fp8. agree:") > text.index("## Samples scored")  # the notes close the report
     assert "| task | length | fp8 | mxfp4 | bf16 |" in text and "| m3_kv_64 | 2048 | 12/100 | 12/100 | 7/100 |" in text
+
+
+def test_pairs_plot_adds_a_row_of_paired_differences(tmp_path):
+    def png_size(path):
+        head = path.read_bytes()[:24]
+        return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+    base = {"m3_kv_64": _rows({1024: [1, 0, 1, 1], 2048: [1, 1, 0, 0]})}
+    cand = {"m3_kv_64": _rows({1024: [1, 1, 1, 0], 2048: [1, 1, 0, 0]})}
+    single = report.plot(report.build({"fp8": base, "mxfp4": cand}, ["fp8", "mxfp4"]), tmp_path / "one.png")
+    pairs = report.build_pairs({"fp8": base, "mxfp4": cand, "bf16": copy.deepcopy(base)}, ["fp8", "mxfp4", "bf16"])
+    both = report.plot(pairs, tmp_path / "two.png")
+    (w1, h1), (w2, h2) = png_size(single), png_size(both)
+    assert w2 == w1 and h2 == 2 * h1
+    assert report.plot(report.build_pairs({"fp8": base}, ["fp8"]), tmp_path / "none.png") is None
