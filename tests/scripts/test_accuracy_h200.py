@@ -62,7 +62,8 @@ def test_calls_resume_and_leave_at_most_eight_files(tmp_path):
     report = (tmp_path / "out1" / "report.md").read_text()
     for task in TASKS:
         assert f"### {task}" in report
-    assert "## mxfp4 vs fp8 (the samples both have)" in report and "| fp8 | 2/2 | 2/2 | 2/2 | 2/2 |" in report
+    assert "## mxfp4 vs fp8 (the samples both have)" in report and "| task | length | fp8 | mxfp4 |" in report
+    assert all(f"| {task} | {LENGTH} | 2/2 | 2/2 |" in report for task in TASKS)
     assert "Top-k block agreement" in report and "bf16/mxfp4" in report
     results = json.loads((tmp_path / "out1" / "results.json").read_text())
     pair = results["pairs"]["mxfp4"]["tasks"]
@@ -90,6 +91,20 @@ def test_calls_resume_and_leave_at_most_eight_files(tmp_path):
     assert not list((tmp_path / "fresh").rglob("server-*.log"))
     strip = lambda text: text.split("\n", 3)[3]  # noqa: E731  (the header names the call's time)
     assert strip((tmp_path / "out3" / "report.md").read_text()) == strip(report)
+
+    # The calls land in a repo's perf_data (scripts/accuracy_h200_land.py) from a committed state with no rows.
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import accuracy_h200_land as land
+
+    perf = tmp_path / "perf_data"
+    (perf / "accuracy_h200_resume").mkdir(parents=True)
+    (tmp_path / "empty" / "acc").mkdir(parents=True)
+    subprocess.run(["tar", "-C", str(tmp_path / "empty"), "-czf", str(perf / land.STATE), "acc"], check=True)
+    out = land.land([tmp_path / "out1", tmp_path / "out2", tmp_path / "out3"], perf, "2026-12-03", report=False)
+    assert out["rows_added"] == out["rows"] == 2 * 2 * len(TASKS) and len(out["logs"]) == 3
+    dumped = [json.loads(line) for line in (perf / land.SAMPLES).read_text().splitlines()]
+    assert {(r["format"], r["task"]) for r in dumped} == {(f, t) for f in ("fp8", "mxfp4") for t in TASKS}
+    assert str(ROOT) not in (perf / out["logs"][0]).read_text()
 
 
 @pytest.mark.parametrize("formats", ["mxfp4", "mxfp4_rot bf16", "fp8x mxfp4"])
