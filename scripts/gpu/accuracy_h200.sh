@@ -36,6 +36,12 @@
 #   report.md           written last
 # To continue on a fresh machine, put the returned state.tgz in a folder that travels with the checkout
 # (e.g. .acc-state/, listed in .git/info/exclude and named in the call's carry) and set RESUME to it.
+# A fresh machine's first server start builds what a held one has cached (150 s against 34 s on an H200):
+# CACHE_OUT=1 adds compile-cache.tar.xz to $OUT (the Triton kernels and nvcc-built modules this machine built,
+# scripts/gpu/compile_cache.py; CACHE_S more seconds are reserved for packing it), and CACHE_IN=<dir holding it>
+# unpacks it into the empty caches of the next fresh machine. Weights may travel xz-compressed (a bf16 shard
+# <name>.safetensors.xz in MODEL, 71% of its size for configs/msa-medium): they are decompressed beside it
+# unless <name>.safetensors is there.
 #
 # Env: BUDGET_S (540), AGREE_S (150), RESERVE_S (30: report and packing), FORMATS ("fp8 mxfp4 mxfp4_rot bf16
 # dense"; a replica such as fp8@2 serves fp8 again as an arm of its own), MAX_FORMATS (1), LARGE_FORMATS
@@ -46,8 +52,8 @@
 # multi-key up to 4, m3_kv_64 up to 16; a multiple of it as CHUNK keeps a context's questions in one round so the
 # radix cache prefills it once), CONCURRENCY (8), AGREE_FORMATS ("bf16 fp8 mxfp4
 # mxfp4_rot"), AGREE_SAMPLES (4), AGREE_LENGTHS (LENGTHS), LAUNCH_ARGS (replaces the server arguments below),
-# RUN_DIR, OUT, RESUME, FRESH=1 (drop $RUN_DIR's state first), PYTHON (python3), DEVICE (cuda; cpu: no
-# bundle, the CPU server arguments, for the smoke test tests/scripts/test_accuracy_h200.py).
+# RUN_DIR, OUT, RESUME, FRESH=1 (drop $RUN_DIR's state first), CACHE_IN, CACHE_OUT, CACHE_S (30), PYTHON (python3),
+# DEVICE (cuda; cpu: no bundle, the CPU server arguments, for the smoke test tests/scripts/test_accuracy_h200.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 t0=$(date +%s)
@@ -60,6 +66,8 @@ RUN_DIR="${RUN_DIR:-build/accuracy-h200}"
 BUDGET_S="${BUDGET_S:-540}"
 AGREE_S="${AGREE_S:-150}"
 RESERVE_S="${RESERVE_S:-30}"
+CACHE_S="${CACHE_S:-30}"
+[ -n "${CACHE_OUT:-}" ] && RESERVE_S=$(( RESERVE_S + CACHE_S ))
 FORMATS="${FORMATS:-fp8 mxfp4 mxfp4_rot bf16 dense}"
 MAX_FORMATS="${MAX_FORMATS:-1}"
 LARGE_FORMATS="${LARGE_FORMATS:-fp8 mxfp4}"
@@ -87,6 +95,10 @@ if [ ! -f "$MODEL/config.json" ]; then
          "export.tgz && mv export configs/msa-medium, docs/accuracy.md section 5)"
     exit 2
 fi
+for z in "$MODEL"/*.safetensors.xz; do
+    [ -f "$z" ] || continue
+    python3 scripts/gpu/compile_cache.py unxz "$z" || { echo "error: could not decompress $z"; exit 2; }
+done
 case " $FORMATS " in
     *" fp8 "*) ;;
     *) echo "error: FORMATS=\"$FORMATS\" must include fp8, the baseline every format is paired with (to serve only" \
@@ -96,18 +108,26 @@ esac
 max_len=0
 for n in $LENGTHS $AGREE_LENGTHS; do [ "$n" -gt "$max_len" ] && max_len=$n; done
 context=$(( max_len + 256 ))
+# Triton's kernel cache in the run directory, so the call can list what its servers compiled (a sparse-format
+# server's CUDA-graph capture took 77-84 s on a fresh H200, a server with every layer dense 2.4 s), and pack it
+run_dir_abs=$(cd "$RUN_DIR" && pwd)
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$run_dir_abs/triton-cache}"
+# and the nvcc-built (TVM-FFI) modules' cache, listed the same way (jit-modules.txt)
+export TVM_FFI_CACHE_DIR="${TVM_FFI_CACHE_DIR:-$run_dir_abs/jit-cache}"
+if [ -n "${CACHE_IN:-}" ]; then
+    if [ -f "$CACHE_IN/compile-cache.tar.xz" ]; then
+        python3 scripts/gpu/compile_cache.py unpack "$CACHE_IN/compile-cache.tar.xz" "$TRITON_CACHE_DIR" \
+            "$TVM_FFI_CACHE_DIR" || echo "compile caches not unpacked: building them as a fresh machine does"
+    else
+        echo "CACHE_IN=$CACHE_IN holds no compile-cache.tar.xz: building the caches as a fresh machine does"
+    fi
+fi
 if [ "$DEVICE" = cpu ]; then
     export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"
     default_launch="--device cpu --attention-backend torch_native --max-total-tokens $(( 2 * context ))
                     --context-length $context --skip-server-warmup"
 else
     source scripts/gpu/bundle_env.sh || exit 1
-    # Triton's kernel cache in the run directory, so the call can list what its servers compiled (a sparse-format
-    # server's CUDA-graph capture took 77-84 s on a fresh H200, a server with every layer dense 2.4 s).
-    run_dir_abs=$(cd "$RUN_DIR" && pwd)
-    export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$run_dir_abs/triton-cache}"
-    # and the nvcc-built (TVM-FFI) modules' cache, listed the same way (jit-modules.txt)
-    export TVM_FFI_CACHE_DIR="${TVM_FFI_CACHE_DIR:-$run_dir_abs/jit-cache}"
     PYTHON=python3
     # CUDA graphs on for decode (the plugin keeps prefill eager); batch sizes up to the concurrency (each
     # captured size costs start-up: 36-98 s for 1, 2, 4, 8 on an H200, docs/accuracy.md section 5).
@@ -223,6 +243,10 @@ if [ -d "${TVM_FFI_CACHE_DIR:-}" ]; then  # module file, bytes, build time (UTC)
     echo "nvcc-built modules on this machine: $(wc -l < "$logs/logs/jit-modules.txt") (logs.tgz: jit-modules.txt)"
 fi
 tar -C "$logs" -czf "$OUT/logs.tgz" logs && rm -rf "$logs"
+if [ -n "${CACHE_OUT:-}" ]; then
+    python3 scripts/gpu/compile_cache.py pack "$TRITON_CACHE_DIR" "$TVM_FFI_CACHE_DIR" "$OUT/compile-cache.tar.xz" \
+        || echo "compile caches not packed"
+fi
 [ -f "$RUN_DIR/acc/results.json" ] && cp "$RUN_DIR/acc/results.json" "$OUT/results.json"
 [ -f "$RUN_DIR/acc/accuracy_vs_length.png" ] && cp "$RUN_DIR/acc/accuracy_vs_length.png" "$OUT/"
 [ -f "$RUN_DIR/agreement/agreement.md" ] && cp "$RUN_DIR/agreement/agreement.json" "$OUT/agreement.json"

@@ -6,6 +6,7 @@ and a call on a fresh one from the returned state.tgz, neither of which asks a s
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -19,12 +20,12 @@ TASKS = ["m3_niah_single", "m3_niah_multikey", "m3_kv_64", "m3_vt_value"]  # the
 LENGTH = 18 * 128  # 18 blocks: past top-16, so the formats' selections can differ
 
 
-def _call(tmp_path, out: str, run_dir: str, **env):
+def _call(tmp_path, out: str, run_dir: str, model: Path = ROOT / "configs" / "msa-small", **env):
     full = {**os.environ, "OUT": str(tmp_path / out), "RUN_DIR": str(tmp_path / run_dir), "DEVICE": "cpu",
             "PYTHON": sys.executable, "FORMATS": "fp8 mxfp4", "MAX_FORMATS": "2", "N_LARGE": "2", "N_SMALL": "1",
             "LENGTHS": str(LENGTH), "CHUNK": "2", "CONCURRENCY": "2", "AGREE_FORMATS": "bf16 mxfp4",
             "AGREE_SAMPLES": "1", "BUDGET_S": "1500", "AGREE_S": "500", **env}
-    proc = subprocess.run(["bash", str(SCRIPT), str(ROOT / "configs" / "msa-small")], cwd=ROOT, env=full,
+    proc = subprocess.run(["bash", str(SCRIPT), str(model)], cwd=ROOT, env=full,
                           capture_output=True, text=True, timeout=1700)
     log = tmp_path / out / "call.log"
     return proc.returncode, log.read_text() if log.exists() else proc.stdout + proc.stderr
@@ -50,9 +51,12 @@ def _rows(run_dir: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_calls_resume_and_leave_at_most_eight_files(tmp_path):
-    rc, log = _call(tmp_path, "out1", "run")
+    model = tmp_path / "msa-small"  # a copy: the third call carries one of its shards as xz
+    shutil.copytree(ROOT / "configs" / "msa-small", model)
+    rc, log = _call(tmp_path, "out1", "run", model=model, CACHE_OUT="1")
     assert rc == 0, log
     files = _check_files(tmp_path / "out1")
+    assert "compile-cache.tar.xz" in files and "compile caches packed: 0 Triton files, 0 JIT modules" in log
     run_dir = tmp_path / "run"
     assert _rows(run_dir) == {(f, t): 2 for f in ("fp8", "mxfp4") for t in TASKS}
     with tarfile.open(files["state.tgz"]) as tar:
@@ -75,19 +79,24 @@ def test_calls_resume_and_leave_at_most_eight_files(tmp_path):
     assert len(servers) == 4
 
     # The same machine again: every sample and every agreement format is there; no server is started.
-    rc, log = _call(tmp_path, "out2", "run")
+    rc, log = _call(tmp_path, "out2", "run", model=model)
     assert rc == 0, log
     _check_files(tmp_path / "out2")
     assert "fp8: all 2 samples per task and length done" in log and "serving" not in log
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("server-*.log")} == servers
     assert _rows(run_dir) == {(f, t): 2 for f in ("fp8", "mxfp4") for t in TASKS}
 
-    # A fresh machine, from the returned state: nothing asked either, the same tables.
+    # A fresh machine, from the returned state and compile caches, its weights carried as xz (one shard here):
+    # nothing asked either, the same tables.
     carried = tmp_path / "carried"
     carried.mkdir()
     (carried / "state.tgz").write_bytes(files["state.tgz"].read_bytes())
-    rc, log = _call(tmp_path, "out3", "fresh", RESUME=str(carried))
-    assert rc == 0 and "resumed from" in log, log
+    (carried / "compile-cache.tar.xz").write_bytes(files["compile-cache.tar.xz"].read_bytes())
+    shard = min(model.glob("*.safetensors"), key=lambda f: f.stat().st_size)
+    subprocess.run(["xz", "-0", "-T1", str(shard)], check=True)  # leaves only <shard>.xz
+    rc, log = _call(tmp_path, "out3", "fresh", model=model, RESUME=str(carried), CACHE_IN=str(carried))
+    assert rc == 0 and "resumed from" in log and "compile caches unpacked" in log, log
+    assert shard.read_bytes() == (ROOT / "configs" / "msa-small" / shard.name).read_bytes()
     assert not list((tmp_path / "fresh").rglob("server-*.log"))
     strip = lambda text: text.split("\n", 3)[3]  # noqa: E731  (the header names the call's time)
     assert strip((tmp_path / "out3" / "report.md").read_text()) == strip(report)

@@ -1,0 +1,104 @@
+"""scripts/gpu/compile_cache.py: a real Triton cache (a kernel of ours compiled for sm_90 with Triton's own
+ptxas, no GPU) packed without its intermediate IRs and unpacked under another path is a cache hit there;
+JIT modules travel as their .so only; filled caches are kept; weights carried as xz come back byte for byte."""
+
+import json
+import lzma
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
+import compile_cache  # noqa: E402
+from m3_kernels.testing import compile_sm90, triton_module  # noqa: E402
+
+
+def _compile_selector(monkeypatch, cache: Path) -> None:
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    sel = triton_module("m3_kernels.ops.select.triton", "_select_kernel")
+    sig = dict(s_ptr="*fp32", nvis_ptr="*i32", out_ptr="*i32", nb="i32", stride_s_h="i32", stride_s_r="i32",
+               stride_o_h="i32", stride_o_r="i32")
+    const = dict(TOPK=16, LOCAL=1, INIT=0, BLOCK=256, TOPK_P2=16, USE_PDL=False, ID_BITS=sel._ID_BITS,
+                 MAX_ID=sel._MAX_ID, MAX_UNROLLED=sel.MAX_UNROLLED)
+    compile_sm90("m3_kernels.ops.select.triton", "_select_kernel", sig, const, num_warps=1)
+
+
+def _files(d: Path) -> dict:
+    return {str(f.relative_to(d)): f.read_bytes() for f in d.rglob("*") if f.is_file()}
+
+
+def _fake_jit(d: Path) -> Path:
+    """A TVM-FFI cache folder as SGLang's load_jit leaves it: the module's .so beside build leftovers."""
+    build = d / "sgl_kernel_jit_m3_score_decode_mxfp4_0123abcd__arch_9.0a__tvmffi_0.1.11"
+    build.mkdir(parents=True)
+    (build / "sgl_kernel_jit_m3_score_decode_mxfp4_0123abcd.so").write_bytes(os.urandom(4096))
+    (build / "build.ninja").write_text("rule cxx\n")
+    (build / "cuda.cuda.o").write_bytes(os.urandom(512))
+    return d
+
+
+@pytest.mark.timeout(300)
+def test_a_packed_triton_cache_is_a_hit_under_another_path(tmp_path, monkeypatch):
+    built = tmp_path / "machine1" / "triton"
+    _compile_selector(monkeypatch, built)
+    assert any(f.suffix == ".ptx" for f in built.rglob("*")) and any(f.suffix == ".cubin" for f in built.rglob("*"))
+    jit = _fake_jit(tmp_path / "machine1" / "jit")
+    archive = tmp_path / "compile-cache.tar.xz"
+    stats = compile_cache.pack(built, jit, archive)
+    assert stats["jit_modules"] == 1 and stats["bytes"] == archive.stat().st_size > 0
+
+    triton2, jit2 = tmp_path / "machine2" / "cache" / "triton", tmp_path / "machine2" / "jit"
+    filled = compile_cache.unpack(archive, triton2, jit2)
+    assert filled == {"triton_files": stats["triton_files"], "jit_modules": 1}
+    kept = _files(triton2)
+    assert {Path(n).suffix for n in kept} <= {".cubin", ".json"} and any(n.endswith(".cubin") for n in kept)
+    for grp in triton2.glob("*/__grp__*.json"):
+        paths = json.loads(grp.read_text())["child_paths"].values()
+        assert paths and all(p.startswith(str(triton2)) and os.path.exists(p) for p in paths)
+    assert sorted(_files(jit2)) == ["sgl_kernel_jit_m3_score_decode_mxfp4_0123abcd__arch_9.0a__tvmffi_0.1.11/"
+                                    "sgl_kernel_jit_m3_score_decode_mxfp4_0123abcd.so"]
+    assert next(iter(_files(jit2).values())) == next(iter({n: b for n, b in _files(jit).items() if n.endswith(".so")}.values()))
+
+    # the same compile under the new path, the first machine's cache gone, reads the cache and writes nothing;
+    # an empty cache gets written
+    shutil.rmtree(built)
+    _compile_selector(monkeypatch, triton2)
+    assert _files(triton2) == kept
+    empty = tmp_path / "machine3" / "triton"
+    _compile_selector(monkeypatch, empty)
+    assert any(f.suffix == ".ptx" for f in empty.rglob("*"))
+
+    # a machine's own caches are kept
+    before = _files(empty)
+    assert compile_cache.unpack(archive, empty, jit2) == {"triton_files": 0, "jit_modules": 0}
+    assert _files(empty) == before
+
+
+def test_pack_refuses_past_its_limit_and_writes_nothing(tmp_path):
+    jit = _fake_jit(tmp_path / "jit")
+    (next(jit.glob("*/*.so"))).write_bytes(os.urandom(3 * 2**20))  # random bytes do not compress
+    out = tmp_path / "c.tar.xz"
+    with pytest.raises(SystemExit, match="over --max-mib 2"):
+        compile_cache.pack(tmp_path / "no-triton", jit, out, max_mib=2)
+    assert not out.exists()
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "compile_cache.py"), "unpack",
+                           str(out), str(tmp_path / "t"), str(tmp_path / "j")], capture_output=True, text=True)
+    assert proc.returncode == 2 and "is not a file" in proc.stderr
+
+
+def test_unxz_restores_carried_weights_once(tmp_path):
+    data = os.urandom(10000) + bytes(50000)
+    z = tmp_path / "model-00001-of-00001.safetensors.xz"
+    z.write_bytes(lzma.compress(data))
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "compile_cache.py"), "unxz", str(z)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "model-00001-of-00001.safetensors"
+    assert out.read_bytes() == data and not list(tmp_path.glob("*.part"))
+    out.write_bytes(b"kept")  # present: left alone
+    assert compile_cache.unxz(z) == out and out.read_bytes() == b"kept"
