@@ -235,12 +235,13 @@ done
 if [ -d "${TRITON_CACHE_DIR:-}" ]; then  # kernel name, compiled variants, cubin bytes
     find "$TRITON_CACHE_DIR" -name '*.cubin' -printf '%f %s\n' | awk '{sub(/\.cubin$/, "", $1); n[$1]++; b[$1] += $2}
         END {for (k in n) print k, n[k], b[k]}' | sort > "$logs/logs/triton-kernels.txt"
-    echo "Triton kernels compiled on this machine: $(wc -l < "$logs/logs/triton-kernels.txt") kernels," \
+    echo "Triton kernels in this machine's cache (built here or unpacked from CACHE_IN):" \
+         "$(wc -l < "$logs/logs/triton-kernels.txt") kernels," \
          "$(awk '{s += $2} END {print s + 0}' "$logs/logs/triton-kernels.txt") variants (logs.tgz: triton-kernels.txt)"
 fi
 if [ -d "${TVM_FFI_CACHE_DIR:-}" ]; then  # module file, bytes, build time (UTC)
     find "$TVM_FFI_CACHE_DIR" -name '*.so' -printf '%P %s %TFT%TT\n' | sort -k3 > "$logs/logs/jit-modules.txt"
-    echo "nvcc-built modules on this machine: $(wc -l < "$logs/logs/jit-modules.txt") (logs.tgz: jit-modules.txt)"
+    echo "nvcc-built modules in this machine's cache: $(wc -l < "$logs/logs/jit-modules.txt") (logs.tgz: jit-modules.txt)"
 fi
 tar -C "$logs" -czf "$OUT/logs.tgz" logs && rm -rf "$logs"
 if [ -n "${CACHE_OUT:-}" ]; then
