@@ -4,6 +4,7 @@ instead of building them again. On an H200 a fresh start took 150 s and one with
 (docs/accuracy.md section 5).
 
     python scripts/gpu/compile_cache.py pack TRITON_DIR JIT_DIR OUT.tar.xz [--max-mib 15]
+    python scripts/gpu/compile_cache.py trim IN.tar.xz OUT.tar.xz --max-mib M
     python scripts/gpu/compile_cache.py unpack IN.tar.xz TRITON_DIR JIT_DIR
 
 ``pack`` keeps what a cache hit reads. From Triton's cache (``TRITON_CACHE_DIR``): each kernel's binary
@@ -11,6 +12,10 @@ instead of building them again. On an H200 a fresh start took 150 s and one with
 intermediate IRs (``.ptx``, ``.llir``, ``.ttir``, ``.ttgir``, ``.source``). From the JIT cache
 (``TVM_FFI_CACHE_DIR``): each build folder's ``<folder module name>.so``, which SGLang's ``load_jit`` loads
 without building when it exists. Past ``--max-mib`` it writes nothing and exits 3.
+
+``trim`` makes an archive fit what a call can still carry (on any machine, before the call): it keeps
+whole units (a JIT module, a Triton cache entry), the JIT modules first (each saves a nvcc build of 10-20 s),
+then the Triton entries smallest first, as many as fit in ``--max-mib``.
 
 ``unpack`` fills only caches that are empty (a machine that built its own keeps them) and points each
 Triton group file at the new folder: those files name their members by absolute path, and Triton skips
@@ -45,26 +50,63 @@ def _members(triton_dir: Path, jit_dir: Path) -> list[tuple[Path, str]]:
     return sorted(out, key=lambda m: m[1])
 
 
+def _xz_tar(members: list[tuple[str, bytes]]) -> bytes:
+    """A tar.xz of (name, data) members, owners and times cleared."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:xz", preset=6) as tar:  # 9: the same size, twice the time
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o755 if name.endswith(".so") else 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _stats(members: list[tuple[str, bytes]], packed: bytes) -> dict:
+    return {"triton_files": sum(n.startswith("triton/") for n, _ in members),
+            "jit_modules": sum(n.startswith("jit/") for n, _ in members),
+            "raw_bytes": sum(len(d) for _, d in members), "bytes": len(packed)}
+
+
 def pack(triton_dir: Path, jit_dir: Path, out: Path, max_mib: float = 15.0) -> dict:
     """Write ``out`` (tar.xz) from the two caches; returns counts and sizes. Raises SystemExit(3),
     writing nothing, when the archive would exceed ``max_mib``."""
-    members = _members(triton_dir, jit_dir)
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:xz", preset=6) as tar:  # 9: the same size, twice the time
-        for path, name in members:
-            info = tar.gettarinfo(str(path), arcname=name)
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            with open(path, "rb") as f:
-                tar.addfile(info, f)
-    size = buf.tell()
-    stats = {"triton_files": sum(n.startswith("triton/") for _, n in members),
-             "jit_modules": sum(n.startswith("jit/") for _, n in members),
-             "raw_bytes": sum(p.stat().st_size for p, _ in members), "bytes": size}
-    if size > max_mib * 2**20:
-        raise SystemExit(f"compile caches: {size / 2**20:.1f} MiB packed, over --max-mib {max_mib:g}; nothing written")
-    out.write_bytes(buf.getvalue())
-    return stats
+    members = [(name, path.read_bytes()) for path, name in _members(triton_dir, jit_dir)]
+    packed = _xz_tar(members)
+    if len(packed) > max_mib * 2**20:
+        raise SystemExit(f"compile caches: {len(packed) / 2**20:.1f} MiB packed, over --max-mib {max_mib:g}; "
+                         "nothing written")
+    out.write_bytes(packed)
+    return _stats(members, packed)
+
+
+def _unit(name: str) -> str:
+    """The unit a member belongs to: ``jit/<build folder>`` or ``triton/<cache key>``."""
+    return "/".join(name.split("/")[:2])
+
+
+def trim(archive: Path, out: Path, max_mib: float) -> dict:
+    """Write ``out`` with the units of ``archive`` that fit ``max_mib`` (JIT modules first, then Triton
+    entries smallest first); returns the kept counts and sizes plus ``dropped_units``."""
+    with tarfile.open(archive, mode="r:xz") as tar:
+        members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers() if m.isfile()]
+    units: dict[str, list[tuple[str, bytes]]] = {}
+    for name, data in members:
+        units.setdefault(_unit(name), []).append((name, data))
+    size = {u: len(lzma.compress(b"".join(d for _, d in ms), preset=6)) for u, ms in units.items()}
+    order = sorted(units, key=lambda u: (not u.startswith("jit/"), size[u]))
+    limit = max_mib * 2**20
+    keep = []
+    for u in order:  # by estimate, each unit compressed alone; then checked on the real archive
+        if sum(size[k] for k in keep) + size[u] <= limit:
+            keep.append(u)
+    while True:
+        chosen = [m for u in keep for m in units[u]]
+        packed = _xz_tar(chosen)
+        if len(packed) <= limit or not keep:
+            break
+        keep.pop()
+    out.write_bytes(packed)
+    return {**_stats(chosen, packed), "dropped_units": len(units) - len(keep)}
 
 
 def _is_empty(d: Path) -> bool:
@@ -115,6 +157,10 @@ def main(argv=None) -> int:
     p.add_argument("jit_dir", type=Path)
     p.add_argument("out", type=Path)
     p.add_argument("--max-mib", type=float, default=15.0)
+    t = sub.add_parser("trim")
+    t.add_argument("archive", type=Path)
+    t.add_argument("out", type=Path)
+    t.add_argument("--max-mib", type=float, required=True)
     u = sub.add_parser("unpack")
     u.add_argument("archive", type=Path)
     u.add_argument("triton_dir", type=Path)
@@ -126,6 +172,12 @@ def main(argv=None) -> int:
         s = pack(args.triton_dir, args.jit_dir, args.out, args.max_mib)
         print(f"compile caches packed: {s['triton_files']} Triton files, {s['jit_modules']} JIT modules, "
               f"{s['raw_bytes'] / 2**20:.1f} MiB -> {s['bytes'] / 2**20:.1f} MiB ({args.out.name})")
+    elif args.cmd == "trim":
+        if not args.archive.is_file():
+            ap.error(f"trim: archive {args.archive} is not a file")
+        s = trim(args.archive, args.out, args.max_mib)
+        print(f"compile caches trimmed to {s['bytes'] / 2**20:.2f} MiB: {s['triton_files']} Triton files, "
+              f"{s['jit_modules']} JIT modules kept, {s['dropped_units']} units dropped ({args.out.name})")
     elif args.cmd == "unpack":
         if not args.archive.is_file():
             ap.error(f"unpack: archive {args.archive} is not a file")

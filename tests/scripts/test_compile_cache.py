@@ -102,3 +102,36 @@ def test_unxz_restores_carried_weights_once(tmp_path):
     assert out.read_bytes() == data and not list(tmp_path.glob("*.part"))
     out.write_bytes(b"kept")  # present: left alone
     assert compile_cache.unxz(z) == out and out.read_bytes() == b"kept"
+
+
+def _fake_triton(d: Path, cubin_kib: dict) -> Path:
+    """Triton cache entries as Triton writes them: a cubin, its metadata and a group file naming both."""
+    for key, kib in cubin_kib.items():
+        entry = d / key
+        entry.mkdir(parents=True)
+        (entry / "k.cubin").write_bytes(os.urandom(kib * 1024))
+        (entry / "k.ptx").write_text("// ptx\n" * 100)
+        (entry / "k.json").write_text(json.dumps({"name": "k", "hash": key}))
+        (entry / "__grp__k.json").write_text(json.dumps({"child_paths": {
+            n: str(entry / n) for n in ("k.cubin", "k.ptx", "k.json")}}))
+    return d
+
+
+def test_trim_keeps_jit_modules_then_the_smallest_triton_entries_that_fit(tmp_path):
+    rng_sizes = [50, 100, 400, 800, 1500]
+    triton = _fake_triton(tmp_path / "triton", {f"key{kib:04d}": kib for kib in rng_sizes})
+    jit = _fake_jit(tmp_path / "jit")
+    full = tmp_path / "full.tar.xz"
+    compile_cache.pack(triton, jit, full)
+    small = tmp_path / "small.tar.xz"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "compile_cache.py"), "trim", str(full),
+                           str(small), "--max-mib", "0.6"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert small.stat().st_size <= 0.6 * 2**20 and "2 units dropped" in proc.stdout  # 4 KiB jit + 50 + 100 + 400 KiB
+    filled = compile_cache.unpack(small, tmp_path / "t2", tmp_path / "j2")
+    assert filled["jit_modules"] == 1
+    assert sorted(p.name for p in (tmp_path / "t2").iterdir()) == ["key0050", "key0100", "key0400"]
+    for grp in (tmp_path / "t2").glob("*/__grp__*.json"):  # whole entries, group files pointing at them
+        assert sorted(Path(p).name for p in json.loads(grp.read_text())["child_paths"].values()) == ["k.cubin", "k.json"]
+    tiny = tmp_path / "tiny.tar.xz"
+    assert compile_cache.trim(full, tiny, max_mib=0.001)["dropped_units"] == len(rng_sizes) + 1
