@@ -11,7 +11,8 @@ instead of building them again. On an H200 a fresh start took 150 s and one with
 (``.cubin``), metadata and group files (``.json``) and the compiled launchers (``.so``); not the
 intermediate IRs (``.ptx``, ``.llir``, ``.ttir``, ``.ttgir``, ``.source``). From the JIT cache
 (``TVM_FFI_CACHE_DIR``): each build folder's ``<folder module name>.so``, which SGLang's ``load_jit`` loads
-without building when it exists. Past ``--max-mib`` it writes nothing and exits 3.
+without building when it exists. Past ``--max-mib`` (a call returns files of at most 16 MiB) it writes
+nothing and exits non-zero.
 
 ``trim`` makes an archive fit what a call can still carry (on any machine, before the call): it keeps
 whole units (a JIT module, a Triton cache entry), the JIT modules first (each saves a nvcc build of 10-20 s),
