@@ -69,7 +69,7 @@ def _stats(members: list[tuple[str, bytes]], packed: bytes) -> dict:
 
 
 def pack(triton_dir: Path, jit_dir: Path, out: Path, max_mib: float = 15.0) -> dict:
-    """Write ``out`` (tar.xz) from the two caches; returns counts and sizes. Raises SystemExit(3),
+    """Write ``out`` (tar.xz) from the two caches; returns counts and sizes. Raises SystemExit,
     writing nothing, when the archive would exceed ``max_mib``."""
     members = [(name, path.read_bytes()) for path, name in _members(triton_dir, jit_dir)]
     packed = _xz_tar(members)
