@@ -1,5 +1,5 @@
 """Land the H200 comparison's calls in the repo: what each `scripts/gpu/accuracy_h200.sh` call returns
-(`call.log`, `state.tgz`, ...) becomes the committed resume state, new rows of the per-sample dump, the
+(`call.log`, `state.tgz` or its parts, ...) becomes the committed resume state, new rows of the per-sample dump, the
 call's log and, last, the rebuilt report and plot (`scripts/accuracy_h200_report.sh`).
 
     python scripts/accuracy_h200_land.py [--date YYYY-MM-DD] [--no-report] CALL_DIR [CALL_DIR ...]
@@ -79,12 +79,28 @@ def repack(src_tgz: Path, dst_tgz: Path) -> None:
                         "-czf", str(dst_tgz), "acc"], check=True)
 
 
+def _state_archive(d: Path, tmp: Path) -> Path:
+    """A call's ``state.tgz``, or its parts (``state.tgz.part-*``, a state over 15 MiB) joined under ``tmp``."""
+    parts = sorted(d.glob("state.tgz.part-*"))
+    if (d / "state.tgz").is_file() or not parts:
+        return d / "state.tgz"
+    joined = tmp / f"{len(list(tmp.iterdir()))}-state.tgz"
+    joined.write_bytes(b"".join(part.read_bytes() for part in parts))
+    return joined
+
+
 def land(call_dirs: list[Path], perf_data: Path, date: str, report: bool) -> dict:
     """Land ``call_dirs`` (in call order) into ``perf_data``; returns what was written."""
-    for d in call_dirs:
-        if not (d / "state.tgz").is_file() or not (d / "call.log").is_file():
-            raise SystemExit(f"CALL_DIR {d}: needs call.log and state.tgz (what accuracy_h200.sh returns)")
-    states = [read_state(d / "state.tgz") for d in call_dirs]
+    with tempfile.TemporaryDirectory() as tmp:
+        archives = [_state_archive(d, Path(tmp)) for d in call_dirs]
+        return _land(call_dirs, archives, perf_data, date, report)
+
+
+def _land(call_dirs: list[Path], archives: list[Path], perf_data: Path, date: str, report: bool) -> dict:
+    for d, a in zip(call_dirs, archives):
+        if not a.is_file() or not (d / "call.log").is_file():
+            raise SystemExit(f"CALL_DIR {d}: needs call.log and state.tgz or its parts (what accuracy_h200.sh returns)")
+    states = [read_state(a) for a in archives]
     for i in range(1, len(call_dirs)):
         check_superset(states[i - 1], states[i], f"{call_dirs[i]}/state.tgz", f"{call_dirs[i - 1]}/state.tgz")
     new, new_name = states[-1], f"{call_dirs[-1]}/state.tgz"
@@ -112,7 +128,7 @@ def land(call_dirs: list[Path], perf_data: Path, date: str, report: bool) -> dic
         log_paths[-1].write_text(text)
         landed.add(text)
 
-    repack(call_dirs[-1] / "state.tgz", perf_data / STATE)
+    repack(archives[-1], perf_data / STATE)
     with open(dump_path, "a") as f:
         for fmt, task, doc_id in added:
             f.write(json.dumps({"format": fmt, "task": task, **new[(fmt, task, doc_id)]}) + "\n")

@@ -75,6 +75,10 @@ def test_two_calls_land_as_state_appended_rows_and_numbered_logs(tmp_path, commi
     b = {**a, **_rows(rng, "mxfp4", 8, 12), **_rows(rng, "mxfp4_rot", 0, 4)}
     log_a = "accuracy_h200: start\n/work/elsewhere/main/build/m3-site/torchao/x.py:1: SyntaxWarning\nreport /acc/report.md\n"
     calls = [_call(tmp_path, "6", a, log_a), _call(tmp_path, "7", b, "call 7\n")]
+    whole = (calls[1] / "state.tgz").read_bytes()  # the second call's state came back in parts (over 15 MiB)
+    for i, at in enumerate(range(0, len(whole), 1000)):
+        (calls[1] / f"state.tgz.part-a{chr(97 + i)}").write_bytes(whole[at:at + 1000])
+    (calls[1] / "state.tgz").unlink()
     out = land.land(calls, perf, "2026-12-04", report=False)
 
     assert out == {"rows_added": len(b) - len(rows), "rows": len(b),
