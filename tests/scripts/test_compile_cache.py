@@ -135,3 +135,44 @@ def test_trim_keeps_jit_modules_then_the_smallest_triton_entries_that_fit(tmp_pa
         assert sorted(Path(p).name for p in json.loads(grp.read_text())["child_paths"].values()) == ["k.cubin", "k.json"]
     tiny = tmp_path / "tiny.tar.xz"
     assert compile_cache.trim(full, tiny, max_mib=0.001)["dropped_units"] == len(rng_sizes) + 1
+
+
+def test_sglang_load_jit_loads_a_carried_module_without_building(tmp_path, monkeypatch):
+    """The scorer's module as SGLang's load_jit names and finds it: built on one machine (nvcc stubbed: the build
+    writes the .so where load_jit asked for it), packed, unpacked elsewhere, then loaded there with building
+    forbidden."""
+    compile_mod = pytest.importorskip("sglang.jit_kernel.utils.compile")  # SGLang 0.5.16's load_jit
+    import tvm_ffi
+    import tvm_ffi.cpp
+
+    from m3_kernels.ops.score.backends import cuda as cuda_backend
+
+    monkeypatch.setattr(compile_mod, "get_jit_cuda_arch", lambda: type("Arch", (), {"target_name": "9.0a"})())
+    built = []
+
+    def fake_build(name, *args, build_directory, **kwargs):
+        out = Path(build_directory) / f"{name}.so"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(os.urandom(2048))
+        (out.parent / "build.ninja").write_text("rule nvcc\n")
+        built.append(out)
+        return "built"
+
+    monkeypatch.setattr(tvm_ffi.cpp, "load_inline", fake_build)
+    monkeypatch.setenv("TVM_FFI_CACHE_DIR", str(tmp_path / "machine1"))
+    assert cuda_backend.load_module() == "built" and len(built) == 1
+
+    archive = tmp_path / "c.tar.xz"
+    assert compile_cache.pack(tmp_path / "no-triton", tmp_path / "machine1", archive)["jit_modules"] == 1
+    assert compile_cache.unpack(archive, tmp_path / "t2", tmp_path / "machine2")["jit_modules"] == 1
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("load_jit built the module instead of loading the carried one")
+
+    loaded = []
+    monkeypatch.setattr(tvm_ffi.cpp, "load_inline", no_build)
+    monkeypatch.setattr(tvm_ffi, "load_module", lambda path: loaded.append(Path(path)) or "loaded")
+    monkeypatch.setenv("TVM_FFI_CACHE_DIR", str(tmp_path / "machine2"))
+    assert cuda_backend.load_module() == "loaded"
+    assert loaded == [tmp_path / "machine2" / built[0].relative_to(tmp_path / "machine1")]
+    assert loaded[0].read_bytes() == built[0].read_bytes()
