@@ -73,7 +73,7 @@ def test_two_calls_land_as_state_appended_rows_and_numbered_logs(tmp_path, commi
     before = (perf / land.SAMPLES).read_text()
     a = {**rows, **_rows(rng, "fp8", 8, 20)}
     b = {**a, **_rows(rng, "mxfp4", 8, 12), **_rows(rng, "mxfp4_rot", 0, 4)}
-    log_a = "accuracy_h200: start\n/work/elsewhere/main/build/m3-site/torchao/x.py:1: SyntaxWarning\nreport /acc/report.md\n"
+    log_a = "accuracy_h200: start\n/srv/checkout/build/m3-site/torchao/x.py:1: SyntaxWarning\nreport /acc/report.md\n"
     calls = [_call(tmp_path, "6", a, log_a), _call(tmp_path, "7", b, "call 7\n")]
     whole = (calls[1] / "state.tgz").read_bytes()  # the second call's state came back in parts (over 15 MiB)
     for i, at in enumerate(range(0, len(whole), 1000)):
@@ -93,7 +93,7 @@ def test_two_calls_land_as_state_appended_rows_and_numbered_logs(tmp_path, commi
         names = tar.getnames()
         assert names == sorted(names) and {m.uid for m in tar.getmembers()} == {0}
     log17 = (perf / "accuracy_h200_2026-12-04_q4_call17.log").read_text()
-    assert "build/m3-site/torchao/x.py:1" in log17 and "/work/elsewhere" not in log17 and "/acc/report.md" in log17
+    assert "build/m3-site/torchao/x.py:1" in log17 and "/srv/checkout" not in log17 and "/acc/report.md" in log17
 
     # landing the same calls again adds nothing
     again = land.land(calls, perf, "2026-12-04", report=False)
