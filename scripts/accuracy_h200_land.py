@@ -159,7 +159,9 @@ def main(argv=None) -> int:
     print(f"state: {out['rows']} rows, {out['rows_added']} new appended to {SAMPLES}")
     print("call logs: " + (", ".join(out["logs"]) or "none new"))
     if "report" in out:
-        print(f"report: {out['report']} and its plot")
+        report = (args.perf_data / out["report"]).read_text()
+        overview = report.split("\n\n## ", 1)[0]  # the report's first section: every format against fp8
+        print(f"report: {out['report']} and its plot\n\n{overview}")
     return 0
 
 
