@@ -588,6 +588,11 @@ def round_tokens(pieces) -> int:
     return sum(len(ts) * sum(ls) * len(ids) for ts, ls, ids in pieces)
 
 
+def round_prompts(pieces) -> int:
+    """Prompts a round asks for."""
+    return sum(len(ts) * len(ls) * len(ids) for ts, ls, ids in pieces)
+
+
 def parse_format_samples(values: list[str] | None, formats: list[str], default: int) -> dict[str, int]:
     """``{fmt: samples per (task, length)}``: ``default``, or ``fmt=N`` from ``--format-samples``."""
     out = dict.fromkeys(formats, default)
@@ -650,7 +655,7 @@ def _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, 
                           "not served this time", flush=True)
                     continue
                 share_end = time.time() + share
-            left = sum(len(ids) * len(ts) * len(ls) for rnd in plans[fmt] for ts, ls, ids in rnd)
+            left = sum(round_prompts(rnd) for rnd in plans[fmt])
             print(f"[resume] {fmt}: {left} prompts to go in {len(plans[fmt])} rounds"
                   + ("" if share_end is None else f", {share_end - time.time():.0f} s for it"), flush=True)
 
@@ -683,9 +688,8 @@ def _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, 
                     spent = time.time() - t0
                     rate[fmt] = rate["any"] = spent / max(1, round_tokens(pieces))
                     rates_path.write_text(json.dumps(rate))
-                    prompts = sum(len(i) * len(t) * len(l) for t, l, i in pieces)
-                    print(f"[resume] {fmt}: round of {prompts} prompts in {spent:.1f} s ({served} this time)",
-                          flush=True)
+                    print(f"[resume] {fmt}: round of {round_prompts(pieces)} prompts in {spent:.1f} s "
+                          f"({served} this time)", flush=True)
                 return served
 
             if prefetch is not None and fmt not in urls:  # the first round's prompts, built while the server starts
