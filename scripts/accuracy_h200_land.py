@@ -115,9 +115,9 @@ def _land(call_dirs: list[Path], archives: list[Path], perf_data: Path, date: st
     check_superset(dumped, new, new_name, SAMPLES)
     added = [k for k in new if k not in dumped]
 
-    logs = {int(m[1]) for p in perf_data.iterdir() if (m := _CALL_LOG.search(p.name))}
-    landed = {strip_paths(p.read_text()) for p in perf_data.iterdir() if _CALL_LOG.search(p.name)}
-    n = max(logs, default=0)
+    saved = [p for p in perf_data.iterdir() if _CALL_LOG.search(p.name)]
+    n = max((int(_CALL_LOG.search(p.name)[1]) for p in saved), default=0)
+    landed = {strip_paths(p.read_text()) for p in saved}
     log_paths = []
     for d in call_dirs:
         text = strip_paths((d / "call.log").read_text())
