@@ -169,19 +169,17 @@ def main(argv=None) -> int:
     x = sub.add_parser("unxz", help="decompress FILE.xz beside it unless FILE exists (weights carried as xz)")
     x.add_argument("files", type=Path, nargs="+")
     args = ap.parse_args(argv)
+    if args.cmd in ("trim", "unpack") and not args.archive.is_file():
+        ap.error(f"{args.cmd}: archive {args.archive} is not a file")
     if args.cmd == "pack":
         s = pack(args.triton_dir, args.jit_dir, args.out, args.max_mib)
         print(f"compile caches packed: {s['triton_files']} Triton files, {s['jit_modules']} JIT modules, "
               f"{s['raw_bytes'] / 2**20:.1f} MiB -> {s['bytes'] / 2**20:.1f} MiB ({args.out.name})")
     elif args.cmd == "trim":
-        if not args.archive.is_file():
-            ap.error(f"trim: archive {args.archive} is not a file")
         s = trim(args.archive, args.out, args.max_mib)
         print(f"compile caches trimmed to {s['bytes'] / 2**20:.2f} MiB: {s['triton_files']} Triton files, "
               f"{s['jit_modules']} JIT modules kept, {s['dropped_units']} units dropped ({args.out.name})")
     elif args.cmd == "unpack":
-        if not args.archive.is_file():
-            ap.error(f"unpack: archive {args.archive} is not a file")
         s = unpack(args.archive, args.triton_dir, args.jit_dir)
         print(f"compile caches unpacked: {s['triton_files']} Triton files, {s['jit_modules']} JIT modules "
               "(a cache already filled on this machine is kept)")
