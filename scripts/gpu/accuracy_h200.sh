@@ -95,16 +95,16 @@ if [ ! -f "$MODEL/config.json" ]; then
          "export.tgz && mv export configs/msa-medium, docs/accuracy.md section 5)"
     exit 2
 fi
-for z in "$MODEL"/*.safetensors.xz; do
-    [ -f "$z" ] || continue
-    python3 scripts/gpu/compile_cache.py unxz "$z" || { echo "error: could not decompress $z"; exit 2; }
-done
 case " $FORMATS " in
     *" fp8 "*) ;;
     *) echo "error: FORMATS=\"$FORMATS\" must include fp8, the baseline every format is paired with (to serve only" \
             "mxfp4: FORMATS=\"fp8 mxfp4\"; the format furthest from its target is served)"
        exit 2 ;;
 esac
+for z in "$MODEL"/*.safetensors.xz; do
+    [ -f "$z" ] || continue
+    python3 scripts/gpu/compile_cache.py unxz "$z" || { echo "error: could not decompress $z"; exit 2; }
+done
 max_len=0
 for n in $LENGTHS $AGREE_LENGTHS; do [ "$n" -gt "$max_len" ] && max_len=$n; done
 context=$(( max_len + 256 ))
