@@ -87,25 +87,39 @@ def _unit(name: str) -> str:
 
 def trim(archive: Path, out: Path, max_mib: float) -> dict:
     """Write ``out`` with the units of ``archive`` that fit ``max_mib`` (JIT modules first, then Triton
-    entries smallest first); returns the kept counts and sizes plus ``dropped_units``."""
+    entries smallest first); returns the kept counts and sizes plus ``dropped_units``. Units compress
+    far better together than alone (Triton variants of one kernel share most bytes), so sizes alone
+    only give a first guess: the archive actually written is checked, all of it first."""
     with tarfile.open(archive, mode="r:xz") as tar:
         members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers() if m.isfile()]
     units: dict[str, list[tuple[str, bytes]]] = {}
     for name, data in members:
         units.setdefault(_unit(name), []).append((name, data))
-    size = {u: len(lzma.compress(b"".join(d for _, d in ms), preset=6)) for u, ms in units.items()}
-    order = sorted(units, key=lambda u: (not u.startswith("jit/"), size[u]))
     limit = max_mib * 2**20
-    keep = []
-    for u in order:  # by estimate, each unit compressed alone; then checked on the real archive
-        if sum(size[k] for k in keep) + size[u] <= limit:
-            keep.append(u)
-    while True:
-        chosen = [m for u in keep for m in units[u]]
-        packed = _xz_tar(chosen)
-        if len(packed) <= limit or not keep:
-            break
-        keep.pop()
+    order = sorted(units, key=lambda u: (not u.startswith("jit/"), sum(len(d) for _, d in units[u])))
+
+    def packed_of(keep: list[str]) -> tuple[list, bytes]:
+        chosen = [m for u in order if u in keep for m in units[u]]
+        return chosen, _xz_tar(chosen)
+
+    keep = list(order)
+    chosen, packed = packed_of(keep)
+    if len(packed) > limit:
+        size = {u: len(lzma.compress(b"".join(d for _, d in units[u]), preset=6)) for u in order}
+        keep = []
+        for u in order:  # a first guess from each unit compressed alone, an overestimate
+            if sum(size[k] for k in keep) + size[u] <= limit:
+                keep.append(u)
+        chosen, packed = packed_of(keep)
+        while len(packed) > limit and keep:
+            keep.pop()
+            chosen, packed = packed_of(keep)
+        for u in order:  # then the units left out, each kept if the real archive still fits
+            if u not in keep:
+                trial = packed_of(keep + [u])
+                if len(trial[1]) <= limit:
+                    keep.append(u)
+                    chosen, packed = trial
     out.write_bytes(packed)
     return {**_stats(chosen, packed), "dropped_units": len(units) - len(keep)}
 

@@ -137,6 +137,29 @@ def test_trim_keeps_jit_modules_then_the_smallest_triton_entries_that_fit(tmp_pa
     assert compile_cache.trim(full, tiny, max_mib=0.001)["dropped_units"] == len(rng_sizes) + 1
 
 
+def test_trim_keeps_units_that_only_fit_together(tmp_path):
+    """Variants of one kernel share most bytes: six entries of 200 KiB each, alike but for their key, pack to
+    about 200 KiB together though each alone is 200 KiB. A limit of 0.5 MiB keeps all six, as the whole
+    archive fits; with a seventh, different entry of 400 KiB it keeps the six and drops that one."""
+    shared = os.urandom(200 * 1024)
+    triton = _fake_triton(tmp_path / "triton", {f"v{i}": 1 for i in range(6)})
+    for entry in triton.iterdir():
+        (entry / "k.cubin").write_bytes(shared)
+    full = tmp_path / "full.tar.xz"
+    compile_cache.pack(triton, tmp_path / "no-jit", full)
+    out = tmp_path / "out.tar.xz"
+    stats = compile_cache.trim(full, out, max_mib=0.5)
+    assert stats["dropped_units"] == 0 and stats["triton_files"] == 6 * 3 and out.stat().st_size <= 0.5 * 2**20
+
+    _fake_triton(triton, {"other": 400})
+    compile_cache.pack(triton, tmp_path / "no-jit", full)
+    stats = compile_cache.trim(full, out, max_mib=0.5)
+    assert stats["dropped_units"] == 1 and out.stat().st_size <= 0.5 * 2**20
+    kept = compile_cache.unpack(out, tmp_path / "t2", tmp_path / "j2")
+    assert kept["triton_files"] == 6 * 3 and sorted(p.name for p in (tmp_path / "t2").iterdir()) == [
+        f"v{i}" for i in range(6)]
+
+
 def test_sglang_load_jit_loads_a_carried_module_without_building(tmp_path, monkeypatch):
     """The scorer's module as SGLang's load_jit names and finds it: built on one machine (nvcc stubbed: the build
     writes the .so where load_jit asked for it), packed, unpacked elsewhere, then loaded there with building
