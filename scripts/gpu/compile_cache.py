@@ -16,7 +16,8 @@ nothing and exits non-zero.
 
 ``trim`` makes an archive fit what a call can still carry (on any machine, before the call): it keeps
 whole units (a JIT module, a Triton cache entry), the JIT modules first (each saves a nvcc build of 10-20 s),
-then the Triton entries smallest first, as many as fit in ``--max-mib``.
+then the Triton entries smallest first, as many as fit in ``--max-mib`` packed together (the whole
+archive when it fits; 26.9 MiB of an H200's caches packed to 1.8 MiB).
 
 ``unpack`` fills only caches that are empty (a machine that built its own keeps them) and points each
 Triton group file at the new folder: those files name their members by absolute path, and Triton skips
@@ -86,42 +87,35 @@ def _unit(name: str) -> str:
 
 
 def trim(archive: Path, out: Path, max_mib: float) -> dict:
-    """Write ``out`` with the units of ``archive`` that fit ``max_mib`` (JIT modules first, then Triton
-    entries smallest first); returns the kept counts and sizes plus ``dropped_units``. Units compress
-    far better together than alone (Triton variants of one kernel share most bytes), so sizes alone
-    only give a first guess: the archive actually written is checked, all of it first."""
+    """Write ``out`` with the units of ``archive`` that fit ``max_mib``: the longest run of them, JIT modules
+    first and then Triton entries smallest first, whose archive fits, found by bisection (at most about 8
+    packings); returns the kept counts and sizes plus ``dropped_units``. Units compress far better together
+    than alone (Triton variants of one kernel share most bytes), so only the archive written is measured."""
     with tarfile.open(archive, mode="r:xz") as tar:
         members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers() if m.isfile()]
     units: dict[str, list[tuple[str, bytes]]] = {}
     for name, data in members:
         units.setdefault(_unit(name), []).append((name, data))
-    limit = max_mib * 2**20
     order = sorted(units, key=lambda u: (not u.startswith("jit/"), sum(len(d) for _, d in units[u])))
+    limit = max_mib * 2**20
 
-    def packed_of(keep: list[str]) -> tuple[list, bytes]:
-        chosen = [m for u in order if u in keep for m in units[u]]
+    def first(k: int) -> tuple[list[tuple[str, bytes]], bytes]:
+        chosen = [m for u in order[:k] for m in units[u]]
         return chosen, _xz_tar(chosen)
 
-    keep = list(order)
-    chosen, packed = packed_of(keep)
+    kept, (chosen, packed) = len(order), first(len(order))
     if len(packed) > limit:
-        size = {u: len(lzma.compress(b"".join(d for _, d in units[u]), preset=6)) for u in order}
-        keep = []
-        for u in order:  # a first guess from each unit compressed alone, an overestimate
-            if sum(size[k] for k in keep) + size[u] <= limit:
-                keep.append(u)
-        chosen, packed = packed_of(keep)
-        while len(packed) > limit and keep:
-            keep.pop()
-            chosen, packed = packed_of(keep)
-        for u in order:  # then the units left out, each kept if the real archive still fits
-            if u not in keep:
-                trial = packed_of(keep + [u])
-                if len(trial[1]) <= limit:
-                    keep.append(u)
-                    chosen, packed = trial
+        lo, hi, best = 0, len(order), None  # first(lo) fits (none at all does), first(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            trial = first(mid)
+            if len(trial[1]) <= limit:
+                lo, best = mid, trial
+            else:
+                hi = mid
+        kept, (chosen, packed) = lo, best or first(0)
     out.write_bytes(packed)
-    return {**_stats(chosen, packed), "dropped_units": len(units) - len(keep)}
+    return {**_stats(chosen, packed), "dropped_units": len(units) - kept}
 
 
 def _is_empty(d: Path) -> bool:

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,29 @@ def test_trim_keeps_units_that_only_fit_together(tmp_path):
     kept = compile_cache.unpack(out, tmp_path / "t2", tmp_path / "j2")
     assert kept["triton_files"] == 6 * 3 and sorted(p.name for p in (tmp_path / "t2").iterdir()) == [
         f"v{i}" for i in range(6)]
+
+
+def test_trim_packs_a_bounded_number_of_times(tmp_path, monkeypatch):
+    """A machine's cache holds 100-130 Triton variants and packing them takes seconds: trim bisects over how many
+    to keep, so 100 units cost at most 1 + ceil(log2 100) = 8 packings, and it keeps the most that fit."""
+    sizes = {f"k{i:03d}": 4 + i % 7 for i in range(100)}  # KiB of random cubin each
+    full = tmp_path / "full.tar.xz"
+    compile_cache.pack(_fake_triton(tmp_path / "triton", sizes), tmp_path / "no-jit", full)
+    packings = []
+    real = compile_cache._xz_tar
+    monkeypatch.setattr(compile_cache, "_xz_tar", lambda members: packings.append(len(members)) or real(members))
+    out = tmp_path / "out.tar.xz"
+    stats = compile_cache.trim(full, out, max_mib=0.25)
+    assert len(packings) <= 8 and out.stat().st_size <= 0.25 * 2**20
+    kept = 100 - stats["dropped_units"]
+    order = sorted(sizes, key=lambda k: sizes[k])  # smallest first, as trim keeps them
+    with tarfile.open(out, mode="r:xz") as tar:
+        names = {m.name.split("/")[1] for m in tar.getmembers()}
+    assert 0 < kept < 100 and names == set(order[:kept])
+    with tarfile.open(full, mode="r:xz") as tar:  # and no more would fit: one unit more overflows
+        members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers() if m.isfile()]
+    one_more = set(order[:kept + 1])
+    assert len(real([m for m in members if m[0].split("/")[1] in one_more])) > 0.25 * 2**20
 
 
 def test_sglang_load_jit_loads_a_carried_module_without_building(tmp_path, monkeypatch):
