@@ -488,7 +488,8 @@ def read_samples(out: Path, fmt: str, settings: dict) -> tuple[dict, list[int]] 
 
 
 RESUME_IDENTITY = ("model", "tokenizer", "depths", "seed", "max_gen_toks", "api", "dense_topk_blocks",
-                   "dense_via", "docs_version", "questions")
+                   "dense_via", "docs_version", "questions", "launch_args")
+ADOPTED_IF_MISSING = ("launch_args",)  # recorded since 2026-12-03: a run.json without it takes the current one
 
 
 def _format_identity(args, tokenizer: str, fmt: str, dense_topk) -> dict:
@@ -513,10 +514,13 @@ class SampleLog:
         meta = self.folder / "run.json"
         if meta.is_file():
             saved = json.loads(meta.read_text())
-            differ = [k for k in RESUME_IDENTITY if saved.get(k) != identity.get(k)]
+            adopted = [k for k in ADOPTED_IF_MISSING if k not in saved]
+            differ = [k for k in RESUME_IDENTITY if k not in adopted and saved.get(k) != identity.get(k)]
             if differ:
                 raise ValueError(f"{self.folder} was run with other {differ} ({[saved.get(k) for k in differ]} "
                                  f"against {[identity.get(k) for k in differ]}); use another --out")
+            if adopted:
+                meta.write_text(json.dumps({**saved, **{k: identity.get(k) for k in adopted}}))
         else:
             meta.write_text(json.dumps({k: identity.get(k) for k in RESUME_IDENTITY}))
         self.rows: dict[str, dict] = {}
@@ -918,8 +922,9 @@ def _write_report(out: Path, summary: dict) -> dict:
 def _compare_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, baseline, dense_topk) -> dict:
     """``--resume``: serve what is missing (``_run_resumable``), then report every candidate against the
     baseline on the samples both have (``report.build_pairs``)."""
-    def identity(fmt):
-        return _format_identity(args, tokenizer, fmt, dense_topk)
+    def identity(fmt):  # the server's arguments too: a pair must not mix, say, two attention backends
+        served = None if fmt in urls else launch_args
+        return {**_format_identity(args, tokenizer, fmt, dense_topk), "launch_args": served}
 
     t0 = time.time()
     logs, errors = _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, identity)

@@ -268,3 +268,44 @@ def test_doc_prefetch_builds_in_a_child_and_reports_its_failure(capsys):
         assert not broken.pending
     finally:
         broken.close()
+
+
+def test_a_run_refuses_other_server_arguments_and_adopts_them_once(tmp_path, fake_completions, monkeypatch):
+    """The server's launch arguments are part of a resumable run: a pair must not mix, say, two attention
+    backends. A run.json from before they were recorded takes the current ones once, then holds to them."""
+    launched = []
+
+    class StubServer:  # stands in for SGLangServer: "serves" through a fake completions server
+        def __init__(self, model, launch_args, log_path, timeout_s=None):
+            launched.append(launch_args)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    out = tmp_path / "acc"
+    meta = out / "samples" / "fp8" / "run.json"
+    with fake_completions() as a:
+        StubServer.base_url = a.url
+        monkeypatch.setattr(run, "SGLangServer", StubServer)
+
+        def compare(backend):
+            return run.compare_formats(["--model", MSA, "--formats", "fp8", "--tasks", "m3_kv", "--lengths", "1024",
+                                        "--resume", "--samples", "1", "--bootstrap", "100", "--out", str(out),
+                                        "--", "--attention-backend", backend])
+
+        compare("triton")
+        assert json.loads(meta.read_text())["launch_args"] == ["--attention-backend", "triton"]
+        with pytest.raises(ValueError, match=r"other \['launch_args'\].*'triton'.*'fa3'"):
+            compare("fa3")
+        assert len(a.prompts) == 1 and len(launched) == 1  # refused before a server started
+
+        saved = json.loads(meta.read_text())
+        del saved["launch_args"]  # a run from before launch arguments were recorded
+        meta.write_text(json.dumps(saved))
+        compare("fa3")
+        assert json.loads(meta.read_text())["launch_args"] == ["--attention-backend", "fa3"]
+        with pytest.raises(ValueError, match="launch_args"):
+            compare("triton")
