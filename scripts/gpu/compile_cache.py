@@ -86,15 +86,19 @@ def _unit(name: str) -> str:
     return "/".join(name.split("/")[:2])
 
 
+def _read(archive: Path) -> list[tuple[str, bytes]]:
+    """The (name, data) members of a tar.xz written by ``pack`` or ``trim``."""
+    with tarfile.open(archive, mode="r:xz") as tar:
+        return [(m.name, tar.extractfile(m).read()) for m in tar.getmembers() if m.isfile()]
+
+
 def trim(archive: Path, out: Path, max_mib: float) -> dict:
     """Write ``out`` with the units of ``archive`` that fit ``max_mib``: the longest run of them, JIT modules
     first and then Triton entries smallest first, whose archive fits, found by bisection (at most about 8
     packings); returns the kept counts and sizes plus ``dropped_units``. Units compress far better together
     than alone (Triton variants of one kernel share most bytes), so only the archive written is measured."""
-    with tarfile.open(archive, mode="r:xz") as tar:
-        members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers() if m.isfile()]
     units: dict[str, list[tuple[str, bytes]]] = {}
-    for name, data in members:
+    for name, data in _read(archive):
         units.setdefault(_unit(name), []).append((name, data))
     order = sorted(units, key=lambda u: (not u.startswith("jit/"), sum(len(d) for _, d in units[u])))
     limit = max_mib * 2**20
