@@ -136,7 +136,9 @@ def _land(call_dirs: list[Path], archives: list[Path], perf_data: Path, date: st
     out = {"rows_added": len(added), "rows": len(new), "logs": [p.name for p in log_paths]}
     if report:
         with tempfile.TemporaryDirectory() as tmp:
-            subprocess.run(["bash", str(REPO / "scripts" / "accuracy_h200_report.sh"), tmp], cwd=REPO, check=True)
+            if subprocess.run(["bash", str(REPO / "scripts" / "accuracy_h200_report.sh"), tmp], cwd=REPO).returncode:
+                raise SystemExit("accuracy_h200_report.sh failed (its log's tail above); the state, rows and logs are "
+                                 "landed: fix the report and rerun this command, which appends nothing twice")
             shutil.copy(Path(tmp) / "report.md", perf_data / f"accuracy_h200_{date}_q4_report.md")
             shutil.copy(Path(tmp) / "accuracy_vs_length.png", perf_data / f"accuracy_h200_{date}_q4_accuracy_vs_length.png")
         out["report"] = f"accuracy_h200_{date}_q4_report.md"

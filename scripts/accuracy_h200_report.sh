@@ -24,12 +24,17 @@ for f in mxfp4 mxfp4_rot bf16 dense $(ls "$OUT/acc/samples" | sort); do
     case " $formats " in *" $f "*) continue ;; esac
     [ -n "$(ls "$OUT/acc/samples/$f"/*.jsonl 2>/dev/null)" ] && formats="$formats $f"
 done
+# The server arguments the H200 calls recorded with fp8's rows (part of a resumed run's identity; nothing is
+# served here); a state from before they were recorded takes the attention backend alone.
+mapfile -t LAUNCH < <("$PYTHON" -c 'import json, sys
+print("\n".join(json.load(open(sys.argv[1])).get("launch_args") or ["--attention-backend", "triton"]))' \
+    "$OUT/acc/samples/fp8/run.json")
 # shellcheck disable=SC2086
 PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m accuracy.run --model configs/msa-medium \
     --formats $formats --baseline fp8 \
     --tasks m3_niah_single m3_niah_multikey m3_kv_64 m3_vt_value --lengths 8192 32768 65536 131072 \
     --samples 100 --format-samples fp8=1000 mxfp4=1000 --chunk 4 --questions 4 --resume --budget-s 0 \
-    --out "$OUT/acc" -- --attention-backend triton > "$OUT/report.log" 2>&1 \
+    --out "$OUT/acc" -- "${LAUNCH[@]}" > "$OUT/report.log" 2>&1 \
     || { tail -n 30 "$OUT/report.log"; exit 1; }
 mv "$OUT/acc/report.md" "$OUT/acc/results.json" "$OUT/acc/accuracy_vs_length.png" "$OUT/"
 rm -rf "$OUT/acc"
