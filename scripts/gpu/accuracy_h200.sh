@@ -36,8 +36,9 @@
 #   report.md           written last
 # To continue on a fresh machine, put the returned state.tgz in a folder that travels with the checkout
 # (e.g. .acc-state/, listed in .git/info/exclude and named in the call's carry) and set RESUME to it.
-# A fresh machine's first server start builds what a held one has cached (150 s against 34 s on an H200):
-# CACHE_OUT=1 adds compile-cache.tar.xz to $OUT (the Triton kernels and nvcc-built modules this machine built,
+# A fresh machine's first server start builds what a held one has cached (150 s against 34 s on an H200; 81 s
+# with the Triton and nvcc caches carried): CACHE_OUT=1 adds compile-cache.tar.xz to $OUT (the Triton kernels,
+# nvcc-built modules and Inductor graphs this machine built,
 # scripts/gpu/compile_cache.py; CACHE_S more seconds are reserved for packing it), and CACHE_IN=<dir holding it>
 # unpacks it into the empty caches of the next fresh machine. Weights may travel xz-compressed (a bf16 shard
 # <name>.safetensors.xz in MODEL, 71% of its size for configs/msa-medium): they are decompressed beside it
@@ -114,10 +115,14 @@ run_dir_abs=$(cd "$RUN_DIR" && pwd)
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$run_dir_abs/triton-cache}"
 # and the nvcc-built (TVM-FFI) modules' cache, listed the same way (jit-modules.txt)
 export TVM_FFI_CACHE_DIR="${TVM_FFI_CACHE_DIR:-$run_dir_abs/jit-cache}"
+# and torch Inductor's (SGLang's torch.compile activations, compiled at the first capture: a fresh machine with the
+# other two caches carried spent 38 s in its first captured batch, a held one 2 s)
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$run_dir_abs/inductor-cache}"
 if [ -n "${CACHE_IN:-}" ]; then
     if [ -f "$CACHE_IN/compile-cache.tar.xz" ]; then
         python3 scripts/gpu/compile_cache.py unpack "$CACHE_IN/compile-cache.tar.xz" "$TRITON_CACHE_DIR" \
-            "$TVM_FFI_CACHE_DIR" || echo "compile caches not unpacked: building them as a fresh machine does"
+            "$TVM_FFI_CACHE_DIR" --inductor-dir "$TORCHINDUCTOR_CACHE_DIR" \
+            || echo "compile caches not unpacked: building them as a fresh machine does"
     else
         echo "CACHE_IN=$CACHE_IN holds no compile-cache.tar.xz: building the caches as a fresh machine does"
     fi
@@ -243,10 +248,16 @@ if [ -d "${TVM_FFI_CACHE_DIR:-}" ]; then  # module file, bytes, build time (UTC)
     find "$TVM_FFI_CACHE_DIR" -name '*.so' -printf '%P %s %TFT%TT\n' | sort -k3 > "$logs/logs/jit-modules.txt"
     echo "nvcc-built modules in this machine's cache: $(wc -l < "$logs/logs/jit-modules.txt") (logs.tgz: jit-modules.txt)"
 fi
+# what this machine compiled itself: files unpacked from CACHE_IN carry the time 1970-01-01
+for d in TRITON_CACHE_DIR TVM_FFI_CACHE_DIR TORCHINDUCTOR_CACHE_DIR; do
+    if [ -d "${!d}" ]; then
+        echo "$d: $(find "${!d}" -type f | wc -l) files, $(find "${!d}" -type f -newermt 1971-01-01 | wc -l) written here"
+    fi
+done
 tar -C "$logs" -czf "$OUT/logs.tgz" logs && rm -rf "$logs"
 if [ -n "${CACHE_OUT:-}" ]; then
     python3 scripts/gpu/compile_cache.py pack "$TRITON_CACHE_DIR" "$TVM_FFI_CACHE_DIR" "$OUT/compile-cache.tar.xz" \
-        || echo "compile caches not packed"
+        --inductor-dir "$TORCHINDUCTOR_CACHE_DIR" || echo "compile caches not packed"
 fi
 [ -f "$RUN_DIR/acc/results.json" ] && cp "$RUN_DIR/acc/results.json" "$OUT/results.json"
 [ -f "$RUN_DIR/acc/accuracy_vs_length.png" ] && cp "$RUN_DIR/acc/accuracy_vs_length.png" "$OUT/"

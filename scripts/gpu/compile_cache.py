@@ -1,22 +1,27 @@
-"""Compile caches that travel to a fresh machine: the Triton kernels and the nvcc-built (TVM-FFI) modules
-that a server built on one machine, packed so that the next machine's first server start loads them
-instead of building them again. On an H200 a fresh start took 150 s and one with warm caches 34 s
+"""Compile caches that travel to a fresh machine: the Triton kernels, the nvcc-built (TVM-FFI) modules and
+torch Inductor's compiled graphs that a server built on one machine, packed so that the next machine's first
+server start loads them instead of building them again. On an H200 a fresh start took 150 s, a held machine's
+34 s, and a fresh one with the Triton and nvcc caches carried 81 s, 38 s of it in the first CUDA-graph capture
+(6 s held), where Inductor compiles SGLang's ``torch.compile`` activations: hence its cache too
 (docs/accuracy.md section 5).
 
-    python scripts/gpu/compile_cache.py pack TRITON_DIR JIT_DIR OUT.tar.xz [--max-mib 15]
+    python scripts/gpu/compile_cache.py pack TRITON_DIR JIT_DIR OUT.tar.xz [--inductor-dir DIR] [--max-mib 15]
     python scripts/gpu/compile_cache.py trim IN.tar.xz OUT.tar.xz --max-mib M
-    python scripts/gpu/compile_cache.py unpack IN.tar.xz TRITON_DIR JIT_DIR
+    python scripts/gpu/compile_cache.py unpack IN.tar.xz TRITON_DIR JIT_DIR [--inductor-dir DIR]
 
 ``pack`` keeps what a cache hit reads. From Triton's cache (``TRITON_CACHE_DIR``): each kernel's binary
 (``.cubin``), metadata and group files (``.json``) and the compiled launchers (``.so``); not the
 intermediate IRs (``.ptx``, ``.llir``, ``.ttir``, ``.ttgir``, ``.source``). From the JIT cache
 (``TVM_FFI_CACHE_DIR``): each build folder's ``<folder module name>.so``, which SGLang's ``load_jit`` loads
-without building when it exists. Past ``--max-mib`` (a call returns files of at most 16 MiB) it writes
-nothing and exits non-zero.
+without building when it exists. From Inductor's cache (``TORCHINDUCTOR_CACHE_DIR``): every file but its
+``locks/`` and ``triton/`` folders (Triton's own cache holds those kernels when ``TRITON_CACHE_DIR`` is set), so
+that its FX graph cache hits and loads the generated code instead of compiling again. Past ``--max-mib`` (a
+call returns files of at most 16 MiB) it writes nothing and exits non-zero.
 
 ``trim`` makes an archive fit what a call can still carry (on any machine, before the call): it keeps
-whole units (a JIT module, a Triton cache entry), the JIT modules first (each saves a nvcc build of 10-20 s),
-then the Triton entries smallest first, as many as fit in ``--max-mib`` packed together (the whole
+whole units (a JIT module, a top-level folder of Inductor's cache, a Triton cache entry), the JIT modules
+first (each saves a nvcc build of 10-20 s), then Inductor's folders (small; a graph is of no use without its
+code), then the Triton entries smallest first, as many as fit in ``--max-mib`` packed together (the whole
 archive when it fits; 26.9 MiB of an H200's caches packed to 1.8 MiB).
 
 ``unpack`` fills only caches that are empty (a machine that built its own keeps them) and points each
@@ -38,11 +43,16 @@ import tempfile
 from pathlib import Path
 
 TRITON_KEEP = (".cubin", ".json", ".so")
+INDUCTOR_SKIP = ("locks", "triton")  # top-level folders of Inductor's cache that do not travel
+UNIT_ORDER = ("jit", "inductor", "triton")  # what trim keeps first
 
 
-def _members(triton_dir: Path, jit_dir: Path) -> list[tuple[Path, str]]:
+def _members(triton_dir: Path, jit_dir: Path, inductor_dir: Path | None = None) -> list[tuple[Path, str]]:
     """(file, name in the archive) for everything ``pack`` keeps, sorted by name."""
     out = []
+    if inductor_dir is not None and inductor_dir.is_dir():
+        out += [(f, f"inductor/{f.relative_to(inductor_dir)}") for f in inductor_dir.rglob("*")
+                if f.is_file() and f.relative_to(inductor_dir).parts[0] not in INDUCTOR_SKIP]
     if triton_dir.is_dir():
         out += [(f, f"triton/{f.relative_to(triton_dir)}") for f in triton_dir.rglob("*")
                 if f.is_file() and f.suffix in TRITON_KEEP]
@@ -66,13 +76,14 @@ def _xz_tar(members: list[tuple[str, bytes]]) -> bytes:
 def _stats(members: list[tuple[str, bytes]], packed: bytes) -> dict:
     return {"triton_files": sum(n.startswith("triton/") for n, _ in members),
             "jit_modules": sum(n.startswith("jit/") for n, _ in members),
+            "inductor_files": sum(n.startswith("inductor/") for n, _ in members),
             "raw_bytes": sum(len(d) for _, d in members), "bytes": len(packed)}
 
 
-def pack(triton_dir: Path, jit_dir: Path, out: Path, max_mib: float = 15.0) -> dict:
-    """Write ``out`` (tar.xz) from the two caches; returns counts and sizes. Raises SystemExit,
+def pack(triton_dir: Path, jit_dir: Path, out: Path, max_mib: float = 15.0, inductor_dir: Path | None = None) -> dict:
+    """Write ``out`` (tar.xz) from the caches; returns counts and sizes. Raises SystemExit,
     writing nothing, when the archive would exceed ``max_mib``."""
-    members = [(name, path.read_bytes()) for path, name in _members(triton_dir, jit_dir)]
+    members = [(name, path.read_bytes()) for path, name in _members(triton_dir, jit_dir, inductor_dir)]
     packed = _xz_tar(members)
     if len(packed) > max_mib * 2**20:
         raise SystemExit(f"compile caches: {len(packed) / 2**20:.1f} MiB packed, over --max-mib {max_mib:g}; "
@@ -82,7 +93,7 @@ def pack(triton_dir: Path, jit_dir: Path, out: Path, max_mib: float = 15.0) -> d
 
 
 def _unit(name: str) -> str:
-    """The unit a member belongs to: ``jit/<build folder>`` or ``triton/<cache key>``."""
+    """The unit a member belongs to: ``jit/<build folder>``, ``inductor/<top-level folder>`` or ``triton/<cache key>``."""
     return "/".join(name.split("/")[:2])
 
 
@@ -94,13 +105,13 @@ def _read(archive: Path) -> list[tuple[str, bytes]]:
 
 def trim(archive: Path, out: Path, max_mib: float) -> dict:
     """Write ``out`` with the units of ``archive`` that fit ``max_mib``: the longest run of them, JIT modules
-    first and then Triton entries smallest first, whose archive fits, found by bisection (at most about 8
+    first, then Inductor's folders, then Triton entries, each kind smallest first, whose archive fits, found by bisection (at most about 8
     packings); returns the kept counts and sizes plus ``dropped_units``. Units compress far better together
     than alone (Triton variants of one kernel share most bytes), so only the archive written is measured."""
     units: dict[str, list[tuple[str, bytes]]] = {}
     for name, data in _read(archive):
         units.setdefault(_unit(name), []).append((name, data))
-    order = sorted(units, key=lambda u: (not u.startswith("jit/"), sum(len(d) for _, d in units[u])))
+    order = sorted(units, key=lambda u: (UNIT_ORDER.index(u.split("/")[0]), sum(len(d) for _, d in units[u])))
     limit = max_mib * 2**20
 
     def first(k: int) -> tuple[list[tuple[str, bytes]], bytes]:
@@ -126,9 +137,10 @@ def _is_empty(d: Path) -> bool:
     return not d.exists() or not any(d.iterdir())
 
 
-def unpack(archive: Path, triton_dir: Path, jit_dir: Path) -> dict:
-    """Fill the empty ones of ``triton_dir`` and ``jit_dir`` from ``archive``; returns what was filled."""
-    filled = {"triton_files": 0, "jit_modules": 0}
+def unpack(archive: Path, triton_dir: Path, jit_dir: Path, inductor_dir: Path | None = None) -> dict:
+    """Fill the empty ones of ``triton_dir``, ``jit_dir`` and ``inductor_dir`` from ``archive``; returns what
+    was filled."""
+    filled = {"triton_files": 0, "jit_modules": 0, "inductor_files": 0}
     with tempfile.TemporaryDirectory() as tmp:
         with tarfile.open(archive, mode="r:xz") as tar:
             tar.extractall(tmp, filter="data")
@@ -148,6 +160,12 @@ def unpack(archive: Path, triton_dir: Path, jit_dir: Path) -> dict:
             for build in src_jit.iterdir():
                 shutil.move(str(build), jit_dir / build.name)
             filled["jit_modules"] = sum(1 for _ in jit_dir.glob("*/*.so"))
+        src_inductor = Path(tmp) / "inductor"
+        if inductor_dir is not None and src_inductor.is_dir() and _is_empty(inductor_dir):
+            inductor_dir.mkdir(parents=True, exist_ok=True)
+            for top in src_inductor.iterdir():
+                shutil.move(str(top), inductor_dir / top.name)
+            filled["inductor_files"] = sum(1 for f in inductor_dir.rglob("*") if f.is_file())
     return filled
 
 
@@ -170,6 +188,7 @@ def main(argv=None) -> int:
     p.add_argument("jit_dir", type=Path)
     p.add_argument("out", type=Path)
     p.add_argument("--max-mib", type=float, default=15.0)
+    p.add_argument("--inductor-dir", type=Path, help="torch Inductor's cache (TORCHINDUCTOR_CACHE_DIR) to pack too")
     t = sub.add_parser("trim")
     t.add_argument("archive", type=Path)
     t.add_argument("out", type=Path)
@@ -178,22 +197,26 @@ def main(argv=None) -> int:
     u.add_argument("archive", type=Path)
     u.add_argument("triton_dir", type=Path)
     u.add_argument("jit_dir", type=Path)
+    u.add_argument("--inductor-dir", type=Path, help="torch Inductor's cache to fill, if empty")
     x = sub.add_parser("unxz", help="decompress FILE.xz beside it unless FILE exists (weights carried as xz)")
     x.add_argument("files", type=Path, nargs="+")
     args = ap.parse_args(argv)
     if args.cmd in ("trim", "unpack") and not args.archive.is_file():
         ap.error(f"{args.cmd}: archive {args.archive} is not a file")
     if args.cmd == "pack":
-        s = pack(args.triton_dir, args.jit_dir, args.out, args.max_mib)
+        s = pack(args.triton_dir, args.jit_dir, args.out, args.max_mib, args.inductor_dir)
         print(f"compile caches packed: {s['triton_files']} Triton files, {s['jit_modules']} JIT modules, "
+              f"{s['inductor_files']} Inductor files, "
               f"{s['raw_bytes'] / 2**20:.1f} MiB -> {s['bytes'] / 2**20:.1f} MiB ({args.out.name})")
     elif args.cmd == "trim":
         s = trim(args.archive, args.out, args.max_mib)
         print(f"compile caches trimmed to {s['bytes'] / 2**20:.2f} MiB: {s['triton_files']} Triton files, "
-              f"{s['jit_modules']} JIT modules kept, {s['dropped_units']} units dropped ({args.out.name})")
+              f"{s['jit_modules']} JIT modules, {s['inductor_files']} Inductor files kept, "
+              f"{s['dropped_units']} units dropped ({args.out.name})")
     elif args.cmd == "unpack":
-        s = unpack(args.archive, args.triton_dir, args.jit_dir)
-        print(f"compile caches unpacked: {s['triton_files']} Triton files, {s['jit_modules']} JIT modules "
+        s = unpack(args.archive, args.triton_dir, args.jit_dir, args.inductor_dir)
+        print(f"compile caches unpacked: {s['triton_files']} Triton files, {s['jit_modules']} JIT modules, "
+              f"{s['inductor_files']} Inductor files "
               "(a cache already filled on this machine is kept)")
     else:
         for f in args.files:

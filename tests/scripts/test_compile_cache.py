@@ -1,6 +1,7 @@
 """scripts/gpu/compile_cache.py: a real Triton cache (a kernel of ours compiled for sm_90 with Triton's own
 ptxas, no GPU) packed without its intermediate IRs and unpacked under another path is a cache hit there;
-JIT modules travel as their .so only; filled caches are kept; weights carried as xz come back byte for byte."""
+JIT modules travel as their .so only; an Inductor cache (a torch.compile function compiled on the CPU) is an FX
+graph cache hit under another path; filled caches are kept; weights carried as xz come back byte for byte."""
 
 import json
 import lzma
@@ -54,7 +55,7 @@ def test_a_packed_triton_cache_is_a_hit_under_another_path(tmp_path, monkeypatch
 
     triton2, jit2 = tmp_path / "machine2" / "cache" / "triton", tmp_path / "machine2" / "jit"
     filled = compile_cache.unpack(archive, triton2, jit2)
-    assert filled == {"triton_files": stats["triton_files"], "jit_modules": 1}
+    assert filled == {"triton_files": stats["triton_files"], "jit_modules": 1, "inductor_files": 0}
     kept = _files(triton2)
     assert {Path(n).suffix for n in kept} <= {".cubin", ".json"} and any(n.endswith(".cubin") for n in kept)
     for grp in triton2.glob("*/__grp__*.json"):
@@ -75,7 +76,7 @@ def test_a_packed_triton_cache_is_a_hit_under_another_path(tmp_path, monkeypatch
 
     # a machine's own caches are kept
     before = _files(empty)
-    assert compile_cache.unpack(archive, empty, jit2) == {"triton_files": 0, "jit_modules": 0}
+    assert compile_cache.unpack(archive, empty, jit2) == {"triton_files": 0, "jit_modules": 0, "inductor_files": 0}
     assert _files(empty) == before
 
 
@@ -220,3 +221,54 @@ def test_sglang_load_jit_loads_a_carried_module_without_building(tmp_path, monke
     assert cuda_backend.load_module() == "loaded"
     assert loaded == [tmp_path / "machine2" / built[0].relative_to(tmp_path / "machine1")]
     assert loaded[0].read_bytes() == built[0].read_bytes()
+
+
+_COMPILED = """
+import sys, torch
+from torch._dynamo.utils import counters
+
+@torch.compile(dynamic=False)
+def swiglu(x, limit: float):  # the shape of SGLang's compiled activations
+    gate, up = x.chunk(2, -1)
+    return gate.clamp(max=limit) * torch.sigmoid(gate) * (up.clamp(-limit, limit) + 1)
+
+x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+gate, up = x.chunk(2, -1)
+want = gate.clamp(max=7.0) * torch.sigmoid(gate) * (up.clamp(-7.0, 7.0) + 1)
+torch.testing.assert_close(swiglu(x, 7.0), want)
+print("hits", counters["inductor"]["fxgraph_cache_hit"], "misses", counters["inductor"]["fxgraph_cache_miss"])
+"""
+
+
+def _run_compiled(cache: Path) -> str:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILED], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.timeout(900)
+def test_an_inductor_cache_is_a_graph_cache_hit_under_another_path(tmp_path):
+    built = tmp_path / "machine1" / "inductor"
+    assert _run_compiled(built) == "hits 0 misses 1"
+    assert (built / "locks").is_dir()
+    (built / "triton" / "0").mkdir(parents=True)  # a GPU machine's: Triton's own cache holds those kernels
+    (built / "triton" / "0" / "k.cubin").write_bytes(b"x")
+    archive = tmp_path / "cc.tar.xz"
+    stats = compile_cache.pack(tmp_path / "no-triton", tmp_path / "no-jit", archive, inductor_dir=built)
+    assert stats["inductor_files"] > 0 and stats["triton_files"] == stats["jit_modules"] == 0
+    moved = tmp_path / "machine2" / "inductor"
+    filled = compile_cache.unpack(archive, tmp_path / "t2", tmp_path / "j2", inductor_dir=moved)
+    assert filled == {"triton_files": 0, "jit_modules": 0, "inductor_files": stats["inductor_files"]}
+    assert not (moved / "locks").exists() and not (moved / "triton").exists()
+    assert _run_compiled(moved) == "hits 1 misses 0"
+    # trim keeps Inductor's folders before any Triton entry, and a machine's own Inductor cache is kept
+    triton = _fake_triton(tmp_path / "triton", {"key0400": 400})
+    full = tmp_path / "full.tar.xz"
+    compile_cache.pack(triton, tmp_path / "no-jit", full, inductor_dir=built)
+    kib = full.stat().st_size / 2**10
+    trimmed = compile_cache.trim(full, tmp_path / "trimmed.tar.xz", max_mib=(kib - 100) / 2**10)
+    assert trimmed["inductor_files"] == stats["inductor_files"] and trimmed["triton_files"] == 0
+    before = _files(moved)
+    assert compile_cache.unpack(full, tmp_path / "t3", tmp_path / "j3", inductor_dir=moved)["inductor_files"] == 0
+    assert _files(moved) == before
