@@ -251,7 +251,8 @@ fi
 # what this machine compiled itself: files unpacked from CACHE_IN carry the time 1970-01-01
 for d in TRITON_CACHE_DIR TVM_FFI_CACHE_DIR TORCHINDUCTOR_CACHE_DIR; do
     if [ -d "${!d}" ]; then
-        echo "$d: $(find "${!d}" -type f | wc -l) files, $(find "${!d}" -type f -newermt 1971-01-01 | wc -l) written here"
+        local_files=$(find "${!d}" -type f -newermt 1971-01-01 | wc -l)
+        echo "$d: $(find "${!d}" -type f | wc -l) files, $local_files written here"
     fi
 done
 tar -C "$logs" -czf "$OUT/logs.tgz" logs && rm -rf "$logs"

@@ -93,7 +93,7 @@ def pack(triton_dir: Path, jit_dir: Path, out: Path, max_mib: float = 15.0, indu
 
 
 def _unit(name: str) -> str:
-    """The unit a member belongs to: ``jit/<build folder>``, ``inductor/<top-level folder>`` or ``triton/<cache key>``."""
+    """The unit a member belongs to: ``jit/<build folder>``, ``inductor/<top folder>`` or ``triton/<cache key>``."""
     return "/".join(name.split("/")[:2])
 
 
@@ -104,10 +104,11 @@ def _read(archive: Path) -> list[tuple[str, bytes]]:
 
 
 def trim(archive: Path, out: Path, max_mib: float) -> dict:
-    """Write ``out`` with the units of ``archive`` that fit ``max_mib``: the longest run of them, JIT modules
-    first, then Inductor's folders, then Triton entries, each kind smallest first, whose archive fits, found by bisection (at most about 8
-    packings); returns the kept counts and sizes plus ``dropped_units``. Units compress far better together
-    than alone (Triton variants of one kernel share most bytes), so only the archive written is measured."""
+    """Write ``out`` with the units of ``archive`` that fit ``max_mib``: the longest run of them (JIT modules
+    first, then Inductor's folders, then Triton entries, each kind smallest first) whose archive fits, found by
+    bisection (at most about 8 packings); returns the kept counts and sizes plus ``dropped_units``. Units
+    compress far better together than alone (Triton variants of one kernel share most bytes), so only the
+    archive written is measured."""
     units: dict[str, list[tuple[str, bytes]]] = {}
     for name, data in _read(archive):
         units.setdefault(_unit(name), []).append((name, data))

@@ -224,7 +224,7 @@ def test_sglang_load_jit_loads_a_carried_module_without_building(tmp_path, monke
 
 
 _COMPILED = """
-import sys, torch
+import torch
 from torch._dynamo.utils import counters
 
 @torch.compile(dynamic=False)
