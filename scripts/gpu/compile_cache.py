@@ -14,8 +14,9 @@ server start loads them instead of building them again. On an H200 a fresh start
 intermediate IRs (``.ptx``, ``.llir``, ``.ttir``, ``.ttgir``, ``.source``). From the JIT cache
 (``TVM_FFI_CACHE_DIR``): each build folder's ``<folder module name>.so``, which SGLang's ``load_jit`` loads
 without building when it exists. From Inductor's cache (``TORCHINDUCTOR_CACHE_DIR``): every file but its
-``locks/`` and ``triton/`` folders (Triton's own cache holds those kernels when ``TRITON_CACHE_DIR`` is set), so
-that its FX graph cache hits and loads the generated code instead of compiling again. Past ``--max-mib`` (a
+``locks/``, ``triton/`` (Triton's own cache holds those kernels when ``TRITON_CACHE_DIR`` is set) and
+``precompiled_headers/`` (CPU builds) folders, so that its FX graph cache hits and loads the generated code
+instead of compiling again. Past ``--max-mib`` (a
 call returns files of at most 16 MiB) it writes nothing and exits non-zero.
 
 ``trim`` makes an archive fit what a call can still carry (on any machine, before the call): it keeps
@@ -43,7 +44,7 @@ import tempfile
 from pathlib import Path
 
 TRITON_KEEP = (".cubin", ".json", ".so")
-INDUCTOR_SKIP = ("locks", "triton")  # top-level folders of Inductor's cache that do not travel
+INDUCTOR_SKIP = ("locks", "triton", "precompiled_headers")  # top-level folders of Inductor's cache left behind
 UNIT_ORDER = ("jit", "inductor", "triton")  # what trim keeps first
 
 

@@ -254,13 +254,15 @@ def test_an_inductor_cache_is_a_graph_cache_hit_under_another_path(tmp_path):
     assert (built / "locks").is_dir()
     (built / "triton" / "0").mkdir(parents=True)  # a GPU machine's: Triton's own cache holds those kernels
     (built / "triton" / "0" / "k.cubin").write_bytes(b"x")
+    (built / "precompiled_headers").mkdir(exist_ok=True)  # a CPU build's, often tens of MiB
+    (built / "precompiled_headers" / "h.gch").write_bytes(b"x")
     archive = tmp_path / "cc.tar.xz"
     stats = compile_cache.pack(tmp_path / "no-triton", tmp_path / "no-jit", archive, inductor_dir=built)
     assert stats["inductor_files"] > 0 and stats["triton_files"] == stats["jit_modules"] == 0
     moved = tmp_path / "machine2" / "inductor"
     filled = compile_cache.unpack(archive, tmp_path / "t2", tmp_path / "j2", inductor_dir=moved)
     assert filled == {"triton_files": 0, "jit_modules": 0, "inductor_files": stats["inductor_files"]}
-    assert not (moved / "locks").exists() and not (moved / "triton").exists()
+    assert not any((moved / skipped).exists() for skipped in ("locks", "triton", "precompiled_headers"))
     assert _run_compiled(moved) == "hits 1 misses 0"
     # trim keeps Inductor's folders before any Triton entry, and a machine's own Inductor cache is kept
     triton = _fake_triton(tmp_path / "triton", {"key0400": 400})
