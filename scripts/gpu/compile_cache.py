@@ -16,8 +16,8 @@ intermediate IRs (``.ptx``, ``.llir``, ``.ttir``, ``.ttgir``, ``.source``). From
 without building when it exists. From Inductor's cache (``TORCHINDUCTOR_CACHE_DIR``): every file but its
 ``locks/``, ``triton/`` (Triton's own cache holds those kernels when ``TRITON_CACHE_DIR`` is set) and
 ``precompiled_headers/`` (CPU builds) folders, so that its FX graph cache hits and loads the generated code
-instead of compiling again. Past ``--max-mib`` (a
-call returns files of at most 16 MiB) it writes nothing and exits non-zero.
+instead of compiling again. Past ``--max-mib`` (a call returns files of at most 16 MiB) it writes nothing and
+exits non-zero.
 
 ``trim`` makes an archive fit what a call can still carry (on any machine, before the call): it keeps
 whole units (a JIT module, a top-level folder of Inductor's cache, a Triton cache entry), the JIT modules
@@ -139,6 +139,16 @@ def _is_empty(d: Path) -> bool:
     return not d.exists() or not any(d.iterdir())
 
 
+def _fill(src: Path, dst: Path | None) -> bool:
+    """Move ``src``'s entries (unpacked from an archive) into ``dst`` if ``dst`` is empty; whether it did."""
+    if dst is None or not src.is_dir() or not _is_empty(dst):
+        return False
+    dst.mkdir(parents=True, exist_ok=True)
+    for entry in src.iterdir():
+        shutil.move(str(entry), dst / entry.name)
+    return True
+
+
 def unpack(archive: Path, triton_dir: Path, jit_dir: Path, inductor_dir: Path | None = None) -> dict:
     """Fill the empty ones of ``triton_dir``, ``jit_dir`` and ``inductor_dir`` from ``archive``; returns what
     was filled."""
@@ -146,27 +156,16 @@ def unpack(archive: Path, triton_dir: Path, jit_dir: Path, inductor_dir: Path | 
     with tempfile.TemporaryDirectory() as tmp:
         with tarfile.open(archive, mode="r:xz") as tar:
             tar.extractall(tmp, filter="data")
-        src_triton, src_jit = Path(tmp) / "triton", Path(tmp) / "jit"
-        if src_triton.is_dir() and _is_empty(triton_dir):
-            triton_dir.mkdir(parents=True, exist_ok=True)
-            for key in src_triton.iterdir():
-                shutil.move(str(key), triton_dir / key.name)
+        if _fill(Path(tmp) / "triton", triton_dir):
             for grp in triton_dir.glob("*/__grp__*.json"):
                 data = json.loads(grp.read_text())
                 paths = {name: str(grp.parent / Path(p).name) for name, p in data.get("child_paths", {}).items()}
                 data["child_paths"] = {name: p for name, p in paths.items() if os.path.exists(p)}
                 grp.write_text(json.dumps(data))
             filled["triton_files"] = sum(1 for f in triton_dir.rglob("*") if f.is_file())
-        if src_jit.is_dir() and _is_empty(jit_dir):
-            jit_dir.mkdir(parents=True, exist_ok=True)
-            for build in src_jit.iterdir():
-                shutil.move(str(build), jit_dir / build.name)
+        if _fill(Path(tmp) / "jit", jit_dir):
             filled["jit_modules"] = sum(1 for _ in jit_dir.glob("*/*.so"))
-        src_inductor = Path(tmp) / "inductor"
-        if inductor_dir is not None and src_inductor.is_dir() and _is_empty(inductor_dir):
-            inductor_dir.mkdir(parents=True, exist_ok=True)
-            for top in src_inductor.iterdir():
-                shutil.move(str(top), inductor_dir / top.name)
+        if _fill(Path(tmp) / "inductor", inductor_dir):
             filled["inductor_files"] = sum(1 for f in inductor_dir.rglob("*") if f.is_file())
     return filled
 
