@@ -26,14 +26,12 @@ the pair estimates spread by ±1.75 ms, the log lines by under 1%).
 
 import argparse
 import json
-import math
 import os
 import random
 import re
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time

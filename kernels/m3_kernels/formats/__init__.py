@@ -1,7 +1,8 @@
 """The one owner of the index-K formats: constants, named choices, pack/unpack, page views."""
 
 from .config import IndexKFormat, ScaleRule, parse_format, parse_scale_rule
-from .constants import *  # noqa: F401,F403
+from . import constants
+from .constants import *  # noqa: F403
 from .fp8 import FP8_DTYPE
 from .index_k import dequantize_index_k, prepare_index_q, quantize_index_k
 from .mxfp4 import (
@@ -16,3 +17,29 @@ from .mxfp4 import (
 )
 from .pages import alloc_index_k_cache, check_index_k_cache, check_mxfp4_views, mxfp4_page_views
 from .rotation import rotate, rotation_matrix
+
+__all__ = [
+    *(name for name in vars(constants) if name.isupper()),
+    "FP8_DTYPE",
+    "IndexKFormat",
+    "ScaleRule",
+    "alloc_index_k_cache",
+    "check_index_k_cache",
+    "check_mxfp4_views",
+    "dequantize_index_k",
+    "dequantize_mxfp4",
+    "e2m1_decode",
+    "e2m1_encode",
+    "e8m0_scale",
+    "e8m0_to_float",
+    "mxfp4_page_views",
+    "pack_e2m1",
+    "parse_format",
+    "parse_scale_rule",
+    "prepare_index_q",
+    "quantize_index_k",
+    "quantize_mxfp4",
+    "rotate",
+    "rotation_matrix",
+    "unpack_e2m1",
+]

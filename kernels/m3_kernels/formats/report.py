@@ -40,8 +40,8 @@ def main(argv=None):
 
     selected = {}
     print(f"{args.tokens} random keys (4 outlier channels x8), {args.queries} queries x 4 heads, top-16 of {pages} blocks")
-    print(f"| format | B/token | vs bf16 | SQNR dB | top-16 overlap with bf16 |")
-    print(f"|---|---|---|---|---|")
+    print("| format | B/token | vs bf16 | SQNR dB | top-16 overlap with bf16 |")
+    print("|---|---|---|---|---|")
     for fmt in IndexKFormat:
         rows, scales = quantize_index_k(k, fmt)
         ref = rotate(k) if fmt.is_rotated else k

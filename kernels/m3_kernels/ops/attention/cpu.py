@@ -124,7 +124,7 @@ def _attend_prefix(q, k_req, v_req, pos, sel, block_size: int, sm_scale: float):
     ``_request_kv``) through an additive mask of each row's blocks and causal limit: one call for all KV heads, no
     gather (for tiles whose union of lists is most of the prefix, the usual case with unrelated rows)."""
     n, hq, d = q.shape
-    hkv, topk = sel.shape[0], sel.shape[2]
+    hkv = sel.shape[0]
     group = hq // hkv
     dtype, dev = k_req.dtype, q.device
     p_last = int(pos.max())
@@ -368,7 +368,7 @@ def _decode_selected(q, k_cache, v_cache, req_to_token, pool_rows, seq_lens, sel
     KV head the ``topk`` blocks' tokens gathered, one call with the KV heads as the batch's heads and a row's query
     heads of one KV head as its query rows, empty slots and tokens past the row masked."""
     n, hq, d = q.shape
-    hkv, topk = sel.shape[0], sel.shape[2]
+    hkv = sel.shape[0]
     dev = q.device
     blocks = sel.permute(1, 0, 2)  # [n, Hkv, topk]
     tok = (blocks[..., None] * block_size + torch.arange(block_size, device=dev)).view(n, hkv, -1)  # positions

@@ -1,5 +1,6 @@
 """The CPU serving scorers against the float64 reference (``naive.py``), on fresh random caches."""
 
+import itertools
 import math
 
 import pytest
@@ -112,7 +113,7 @@ def test_prefill_matches_reference(gen, fmt, monkeypatch):
     seq_lens, new = [270, 40, 601], [70, 0, 601]
     k_cache, k_scale = build_cache(gen, fmt, 16)
     block_table = torch.randperm(16, generator=gen)[:15].view(3, 5).int()
-    cu = torch.tensor([0, 70, 70, 671], dtype=torch.int32)
+    cu = torch.tensor([0, *itertools.accumulate(new)], dtype=torch.int32)
     q = make_q(gen, 671, 2, torch.bfloat16)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     want = score_prefill_ref(q, k_cache, k_scale, block_table, seq, cu, 0.5)
@@ -174,7 +175,7 @@ def test_prefill_skips_rows_that_see_few_pages(gen):
     k_cache, k_scale = build_cache(gen, "mxfp4", 6)
     seq = torch.tensor([700, 300], dtype=torch.int32)
     new = [700, 50]  # request 0 from position 0; request 1's rows at positions 250..299 (pages 1 and 2)
-    cu = torch.tensor([0, 700, 750], dtype=torch.int32)
+    cu = torch.tensor([0, *itertools.accumulate(new)], dtype=torch.int32)
     block_table = torch.stack([torch.randperm(6, generator=gen), torch.randperm(6, generator=gen)]).int()
     q = make_q(gen, 750, 2, torch.bfloat16)
     got = score_prefill_cpu(q, k_cache, k_scale, block_table, seq, cu, 0.5, skip_rows_seeing=3)

@@ -9,7 +9,6 @@ Tolerance: ``|got - ref| <= 1e-5 * bound`` with ``bound`` the same score compute
 pattern equal, and no NaN.
 """
 
-import math
 import os
 
 import pytest
@@ -17,8 +16,6 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-
-import triton  # noqa: E402
 
 from m3_kernels.formats import (  # noqa: E402
     FP8_DTYPE,
