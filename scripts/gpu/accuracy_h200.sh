@@ -29,7 +29,9 @@
 #   state.tgz           acc/samples (the per-sample JSONL) and agreement/formats: the resume state
 #   results.json        m3-accuracy's summary (pairs, coverage, run settings)
 #   agreement.json      the agreement study's summary (when at least bf16 and one more format are done)
-#   logs.tgz            the servers' logs (last 2 MiB of each); on a GPU, triton-kernels.txt: each Triton kernel
+#   logs.tgz            the servers' logs (last 2 MiB of each); where nvidia-smi runs, gpu-clocks-<start>.csv: the GPU's clocks,
+#                       power, utilization and clock-event reasons and the host's load every 5 s of each call
+#                       (scripts/gpu/gpu_clocks.py); triton-kernels.txt: each Triton kernel
 #                       compiled on the machine, its variants and cubin bytes (TRITON_CACHE_DIR, in $RUN_DIR);
 #                       jit-modules.txt: the modules nvcc built (TVM_FFI_CACHE_DIR, in $RUN_DIR), bytes, time
 #   accuracy_vs_length.png
@@ -149,6 +151,18 @@ if ! "$PYTHON" -c "import lm_eval, datasets, transformers, scipy, matplotlib" 2>
     exit 1
 fi
 
+# The GPU's clocks, power, utilization and clock-event reasons and the host's load every 5 s through the call
+# (logs.tgz: gpu-clocks-*.csv), summed up in a line at the end: a slow call's prefill rate (67k against 84k tokens/s
+# on one machine, docs/accuracy.md section 5) is then read as a lower clock, a busy host, or neither
+sampler=""
+if command -v nvidia-smi > /dev/null; then
+    mkdir -p "$RUN_DIR/gpu-clocks"
+    clocks_csv="$RUN_DIR/gpu-clocks/$(date -u +%Y%m%dT%H%M%SZ).csv"
+    python3 scripts/gpu/gpu_clocks.py sample "$clocks_csv" --every 5 &
+    sampler=$!
+    trap '[ -n "$sampler" ] && kill "$sampler" 2> /dev/null' EXIT
+fi
+
 # --- state ---------------------------------------------------------------------------------------------
 if [ -n "${FRESH:-}" ]; then
     rm -rf "$RUN_DIR/acc" "$RUN_DIR/agreement"
@@ -232,9 +246,16 @@ tar -C "$RUN_DIR" -czf "$OUT/state.tgz" acc/samples $( [ -f "$RUN_DIR/acc/rates.
 if [ "$(stat -c %s "$OUT/state.tgz")" -gt $(( 15 * 1048576 )) ]; then
     split -b 15m "$OUT/state.tgz" "$OUT/state.tgz.part-" && rm "$OUT/state.tgz"
 fi
+if [ -n "$sampler" ]; then
+    kill "$sampler" 2> /dev/null
+    wait "$sampler" 2> /dev/null
+    sampler=""
+    [ -f "$clocks_csv" ] && python3 scripts/gpu/gpu_clocks.py summarize "$clocks_csv"
+fi
 logs=$(mktemp -d)
 mkdir -p "$logs/logs"
-for f in "$RUN_DIR"/acc/server-*.log "$RUN_DIR"/agreement/server-*.log "$RUN_DIR"/agreement/*.out; do
+for f in "$RUN_DIR"/acc/server-*.log "$RUN_DIR"/agreement/server-*.log "$RUN_DIR"/agreement/*.out \
+         "$RUN_DIR"/gpu-clocks/*.csv; do
     [ -f "$f" ] && tail -c 2097152 "$f" > "$logs/logs/$(basename "$(dirname "$f")")-$(basename "$f")"
 done
 if [ -d "${TRITON_CACHE_DIR:-}" ]; then  # kernel name, compiled variants, cubin bytes

@@ -78,10 +78,19 @@ def test_calls_resume_and_leave_at_most_eight_files(tmp_path):
     servers = {p: p.stat().st_mtime_ns for p in run_dir.rglob("server-*.log")}
     assert len(servers) == 4
 
-    # The same machine again: every sample and every agreement format is there; no server is started.
-    rc, log = _call(tmp_path, "out2", "run", model=model)
+    # The same machine again: every sample and every agreement format is there; no server is started. A stand-in
+    # nvidia-smi on PATH: the call samples it and sums the samples up.
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "nvidia-smi").write_text("#!/bin/sh\necho 1755, 3201, 612.40, 61, 98, 0x0000000000000004\n")
+    (fake_bin / "nvidia-smi").chmod(0o755)
+    rc, log = _call(tmp_path, "out2", "run", model=model, PATH=f"{fake_bin}:{os.environ['PATH']}")
     assert rc == 0, log
-    _check_files(tmp_path / "out2")
+    files2 = _check_files(tmp_path / "out2")
+    assert re.search(r"GPU samples: (\d+) of \1 at >= 50% utilization: SM 1755 MHz, memory 3201 MHz, 612 W", log), log
+    assert "clock-event reasons (samples): sw-power-cap" in log
+    with tarfile.open(files2["logs.tgz"]) as tar:
+        assert any(re.fullmatch(r"logs/gpu-clocks-\d{8}T\d{6}Z\.csv", n) for n in tar.getnames()), tar.getnames()
     assert "fp8: all 2 samples per task and length done" in log and "serving" not in log
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("server-*.log")} == servers
     assert _rows(run_dir) == {(f, t): 2 for f in ("fp8", "mxfp4") for t in TASKS}
