@@ -53,7 +53,8 @@ def test_sampler_writes_rows_until_terminated(tmp_path):
     assert len(rows) >= 3
     assert list(rows[0]) == gpu_clocks.COLUMNS
     r = rows[-1]
-    assert (r["sm_mhz"], r["mem_mhz"], r["power_w"], r["temp_c"], r["util_pct"]) == ("1755", "3201", "612.40", "61", "98")
+    readings = (r["sm_mhz"], r["mem_mhz"], r["power_w"], r["temp_c"], r["util_pct"])
+    assert readings == ("1755", "3201", "612.40", "61", "98")
     assert int(r["reasons"], 16) == 0x4
     assert int(r["cores"]) == os.cpu_count()
     assert float(r["load1"]) >= 0
