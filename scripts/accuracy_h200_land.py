@@ -15,12 +15,14 @@ docs/perf_data/:
 - accuracy_h200_<date>_q4_call<N>.log for each call, N counting on from the highest already there, the
   machine's absolute paths into the repo cut to repo-relative ones (a log already landed is skipped);
 - accuracy_h200_<date>_q4_report.md and accuracy_h200_<date>_q4_accuracy_vs_length.png.
+Then prints the report's first table and, per call, where its time went (scripts/gpu/call_timings.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
 import re
 import shutil
@@ -31,6 +33,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts" / "gpu"))
+import call_timings  # noqa: E402
 STATE = Path("accuracy_h200_resume") / "state.tgz"
 SAMPLES = "accuracy_h200_2026-12-02_q4_samples.jsonl"
 _CALL_LOG = re.compile(r"accuracy_h200_\d{4}-\d{2}-\d{2}_q4_call(\d+)\.log$")
@@ -71,12 +75,15 @@ def check_superset(old: dict, new: dict, new_name: str, old_name: str) -> None:
 
 
 def repack(src_tgz: Path, dst_tgz: Path) -> None:
-    """``src_tgz``'s ``acc/`` tree rewritten to ``dst_tgz`` with sorted names and numeric owner 0."""
+    """``src_tgz``'s ``acc/`` tree rewritten to ``dst_tgz`` with sorted names, numeric owner 0, every time
+    1970-01-01 and no time in the gzip header: the same rows give the same bytes, so landing again changes
+    nothing in git."""
     with tempfile.TemporaryDirectory() as tmp:
         with tarfile.open(src_tgz) as tar:
             tar.extractall(tmp, filter="data")
-        subprocess.run(["tar", "-C", tmp, "--sort=name", "--owner=0", "--group=0", "--numeric-owner",
-                        "-czf", str(dst_tgz), "acc"], check=True)
+        plain = subprocess.run(["tar", "-C", tmp, "--sort=name", "--owner=0", "--group=0", "--numeric-owner",
+                                "--mtime=@0", "-cf", "-", "acc"], check=True, capture_output=True).stdout
+    dst_tgz.write_bytes(gzip.compress(plain, compresslevel=6, mtime=0))
 
 
 def _state_archive(d: Path, tmp: Path) -> Path:
@@ -117,23 +124,23 @@ def _land(call_dirs: list[Path], archives: list[Path], perf_data: Path, date: st
 
     saved = [p for p in perf_data.iterdir() if _CALL_LOG.search(p.name)]
     n = max((int(_CALL_LOG.search(p.name)[1]) for p in saved), default=0)
-    landed = {strip_paths(p.read_text()) for p in saved}
-    log_paths = []
+    landed = {strip_paths(p.read_text()): int(_CALL_LOG.search(p.name)[1]) for p in saved}
+    log_paths, call_numbers = [], []
     for d in call_dirs:
         text = strip_paths((d / "call.log").read_text())
-        if text in landed:
-            continue
-        n += 1
-        log_paths.append(perf_data / f"accuracy_h200_{date}_q4_call{n}.log")
-        log_paths[-1].write_text(text)
-        landed.add(text)
+        if text not in landed:
+            n += 1
+            log_paths.append(perf_data / f"accuracy_h200_{date}_q4_call{n}.log")
+            log_paths[-1].write_text(text)
+            landed[text] = n
+        call_numbers.append(landed[text])
 
     repack(archives[-1], perf_data / STATE)
     with open(dump_path, "a") as f:
         for fmt, task, doc_id in added:
             f.write(json.dumps({"format": fmt, "task": task, **new[(fmt, task, doc_id)]}) + "\n")
 
-    out = {"rows_added": len(added), "rows": len(new), "logs": [p.name for p in log_paths]}
+    out = {"rows_added": len(added), "rows": len(new), "logs": [p.name for p in log_paths], "calls": call_numbers}
     if report:
         with tempfile.TemporaryDirectory() as tmp:
             if subprocess.run(["bash", str(REPO / "scripts" / "accuracy_h200_report.sh"), tmp], cwd=REPO).returncode:
@@ -164,6 +171,8 @@ def main(argv=None) -> int:
         report = (args.perf_data / out["report"]).read_text()
         overview = report.split("\n\n## ", 1)[0]  # the report's first section: every format against fp8
         print(f"report: {out['report']} and its plot\n\n{overview}")
+    print("\n## Where each call's time went (scripts/gpu/call_timings.py)\n")
+    print(call_timings.table(args.call_dirs, [f"call {n}" for n in out["calls"]]))
     return 0
 
 

@@ -6,6 +6,7 @@ import random
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,8 @@ def test_two_calls_land_as_state_appended_rows_and_numbered_logs(tmp_path, commi
     out = land.land(calls, perf, "2026-12-04", report=False)
 
     assert out == {"rows_added": len(b) - len(rows), "rows": len(b),
-                   "logs": ["accuracy_h200_2026-12-04_q4_call17.log", "accuracy_h200_2026-12-04_q4_call18.log"]}
+                   "logs": ["accuracy_h200_2026-12-04_q4_call17.log", "accuracy_h200_2026-12-04_q4_call18.log"],
+                   "calls": [17, 18]}
     assert (perf / land.SAMPLES).read_text().startswith(before)  # committed rows stay where they were
     dump = _dump(perf)
     assert len(dump) == len(b) and all(list(r)[:2] == ["format", "task"] for r in dump)
@@ -95,9 +97,11 @@ def test_two_calls_land_as_state_appended_rows_and_numbered_logs(tmp_path, commi
     log17 = (perf / "accuracy_h200_2026-12-04_q4_call17.log").read_text()
     assert "build/m3-site/torchao/x.py:1" in log17 and "/srv/checkout" not in log17 and "/acc/report.md" in log17
 
-    # landing the same calls again adds nothing
+    # landing the same calls again adds nothing and rewrites the state byte for byte
+    state = (perf / land.STATE).read_bytes()
     again = land.land(calls, perf, "2026-12-04", report=False)
-    assert again == {"rows_added": 0, "rows": len(b), "logs": []} and len(_dump(perf)) == len(b)
+    assert again == {"rows_added": 0, "rows": len(b), "logs": [], "calls": [17, 18]} and len(_dump(perf)) == len(b)
+    assert (perf / land.STATE).read_bytes() == state
 
 
 @pytest.mark.parametrize("fault", ["lost", "changed", "out_of_order"])
@@ -137,3 +141,18 @@ def test_cli_names_the_bad_argument(tmp_path):
 def test_strip_paths_cuts_absolute_paths_into_the_repo_only():
     text = "/a/b/main/scripts/gpu/x.sh: ok; /usr/lib/python3/site.py; /acc/report.md; rel build/y; /t/build/z"
     assert land.strip_paths(text) == "scripts/gpu/x.sh: ok; /usr/lib/python3/site.py; /acc/report.md; rel build/y; build/z"
+
+
+def test_repack_gives_the_same_bytes_a_second_later(tmp_path):
+    """A call's archive names acc/samples but not acc/ itself, so extracting it makes acc/ with the time of the
+    extraction; the repacked state must not carry it (or any time), or every landing changes the file in git."""
+    (tmp_path / "src" / "acc" / "samples" / "fp8").mkdir(parents=True)
+    (tmp_path / "src" / "acc" / "samples" / "fp8" / "t.jsonl").write_text('{"doc_id": "8192/0"}\n')
+    subprocess.run(["tar", "-C", str(tmp_path / "src"), "-czf", str(tmp_path / "call.tgz"), "acc/samples"], check=True)
+    land.repack(tmp_path / "call.tgz", tmp_path / "a.tgz")
+    time.sleep(1.1)
+    land.repack(tmp_path / "call.tgz", tmp_path / "b.tgz")
+    assert (tmp_path / "a.tgz").read_bytes() == (tmp_path / "b.tgz").read_bytes()
+    with tarfile.open(tmp_path / "a.tgz") as tar:
+        assert tar.getnames() == ["acc", "acc/samples", "acc/samples/fp8", "acc/samples/fp8/t.jsonl"]
+        assert {m.mtime for m in tar.getmembers()} == {0}

@@ -1,0 +1,67 @@
+"""scripts/gpu/call_timings.py on a hand-written call: a held machine's log keeps an earlier call's server, which
+is left out; launch to ready, capture, rounds and the prefill rate come from this call's server only."""
+
+import io
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu" / "call_timings.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import call_timings  # noqa: E402
+
+EARLIER_SERVER = """[2026-12-03 09:00:00] server_args=ServerArgs(model_path='m')
+[2026-12-03 09:01:10] Capture target decode CUDA graph end. elapsed=40.00 s, mem usage=0.06 GB
+[2026-12-03 09:01:30] The server is fired up and ready to roll!
+[2026-12-03 09:02:00] Prefill batch, #new-seq: 1, #new-token: 999999, #cached-token: 0
+[2026-12-03 09:02:09] Prefill batch, #new-seq: 1, #new-token: 999999, #cached-token: 0
+"""
+THIS_SERVER = """[2026-12-03 10:00:05] server_args=ServerArgs(model_path='m')
+[2026-12-03 10:00:30] Capture target decode CUDA graph end. elapsed=6.25 s, mem usage=0.06 GB
+noise without a stamp: Prefill batch, #new-token: 5
+[2026-12-03 10:00:44] The server is fired up and ready to roll!
+[2026-12-03 10:01:00] Prefill batch, #new-seq: 1, #new-token: 8192, #cached-token: 0, token usage: 0.02
+[2026-12-03 10:01:00] Decode batch, #running-req: 1, #token: 8200
+[2026-12-03 10:01:04] Prefill batch, #new-seq: 1, #new-token: 8192, #cached-token: 0, token usage: 0.02
+[2026-12-03 10:01:08] Prefill batch, #new-seq: 1, #new-token: 4096, #cached-token: 4096, token usage: 0.03
+"""
+CALL_LOG = """accuracy_h200: start 2026-12-03T10:00:00Z, model configs/msa-medium, budget 540s
+[resume] mxfp4: round of 64 prompts in 40.5 s (64 this time)
+[resume] mxfp4: round of 64 prompts in 28.25 s (128 this time)
+[resume] mxfp4: round of 64 prompts in 30.0 s (192 this time)
+GPU samples: 80 of 100 at >= 50% utilization: SM 1980 MHz
+"""
+
+
+def _call(tmp_path: Path) -> Path:
+    d = tmp_path / "7"
+    d.mkdir()
+    (d / "call.log").write_text(CALL_LOG)
+    with tarfile.open(d / "logs.tgz", "w:gz") as tar:
+        for name, text in [("logs/acc-server-mxfp4.log", EARLIER_SERVER + THIS_SERVER),
+                           ("logs/triton-kernels.txt", "k 1 2\n")]:
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return d
+
+
+def test_this_calls_server_only(tmp_path):
+    d = _call(tmp_path)
+    start, rounds, servers, gpu = call_timings.read_call(d)
+    assert rounds == {"mxfp4": [40.5, 28.25, 30.0]}
+    assert len(servers) == 1
+    s = servers[0]
+    assert (s.ready - s.launched).total_seconds() == 39 and s.capture_s == 6.25
+    assert s.prefill_tokens == 8192 + 8192 + 4096 and s.prefill_rate == (8192 + 8192 + 4096) / 8
+    table = call_timings.table([d], ["call 30"])
+    assert "| call 30 (10:00 UTC) | mxfp4 | 3 | 39 | 6.2 | 40.5; 28.2-30.0 | 2.6k |" in table
+    assert table.endswith("call 30: GPU samples: 80 of 100 at >= 50% utilization: SM 1980 MHz")
+
+
+def test_a_folder_without_call_log_is_named(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 2 and f"calls: {tmp_path} holds no call.log" in proc.stderr
