@@ -148,7 +148,8 @@ def test_repack_gives_the_same_bytes_a_second_later(tmp_path):
     extraction; the repacked state must not carry it (or any time), or every landing changes the file in git."""
     (tmp_path / "src" / "acc" / "samples" / "fp8").mkdir(parents=True)
     (tmp_path / "src" / "acc" / "samples" / "fp8" / "t.jsonl").write_text('{"doc_id": "8192/0"}\n')
-    subprocess.run(["tar", "-C", str(tmp_path / "src"), "-czf", str(tmp_path / "call.tgz"), "acc/samples"], check=True)
+    subprocess.run(["tar", "-C", str(tmp_path / "src"), "-czf", str(tmp_path / "call.tgz"), "acc/samples"],
+                   check=True)
     land.repack(tmp_path / "call.tgz", tmp_path / "a.tgz")
     time.sleep(1.1)
     land.repack(tmp_path / "call.tgz", tmp_path / "b.tgz")
