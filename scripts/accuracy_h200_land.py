@@ -172,7 +172,10 @@ def main(argv=None) -> int:
         overview = report.split("\n\n## ", 1)[0]  # the report's first section: every format against fp8
         print(f"report: {out['report']} and its plot\n\n{overview}")
     print("\n## Where each call's time went (scripts/gpu/call_timings.py)\n")
-    print(call_timings.table(args.call_dirs, [f"call {n}" for n in out["calls"]]))
+    try:
+        print(call_timings.table(args.call_dirs, [f"call {n}" for n in out["calls"]]))
+    except SystemExit as e:  # the calls are landed by now; a log the timings cannot read changes nothing
+        print(f"(not read: {e})")
     return 0
 
 

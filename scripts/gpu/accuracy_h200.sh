@@ -29,10 +29,10 @@
 #   state.tgz           acc/samples (the per-sample JSONL) and agreement/formats: the resume state
 #   results.json        m3-accuracy's summary (pairs, coverage, run settings)
 #   agreement.json      the agreement study's summary (when at least bf16 and one more format are done)
-#   logs.tgz            the servers' logs (last 2 MiB of each); where nvidia-smi runs, gpu-clocks-<start>.csv: the GPU's clocks,
-#                       power, utilization and clock-event reasons and the host's load every 5 s of each call
-#                       (scripts/gpu/gpu_clocks.py); triton-kernels.txt: each Triton kernel
-#                       compiled on the machine, its variants and cubin bytes (TRITON_CACHE_DIR, in $RUN_DIR);
+#   logs.tgz            the servers' logs (last 2 MiB of each); where nvidia-smi runs, gpu-clocks-<start>.csv:
+#                       the GPU's clocks, power, utilization and clock-event reasons and the host's load every 5 s
+#                       of each call (scripts/gpu/gpu_clocks.py); triton-kernels.txt: each Triton kernel compiled
+#                       on the machine, its variants and cubin bytes (TRITON_CACHE_DIR, in $RUN_DIR);
 #                       jit-modules.txt: the modules nvcc built (TVM_FFI_CACHE_DIR, in $RUN_DIR), bytes, time
 #   accuracy_vs_length.png
 #   report.md           written last
