@@ -53,9 +53,13 @@ def query(fields: list[str]) -> list[str] | None:
 
 
 def sample(path: Path, every: float) -> int:
-    """Append a row to ``path`` every ``every`` seconds until SIGTERM/SIGINT."""
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    """Append a row to ``path`` every ``every`` seconds until SIGTERM/SIGINT, which end it at once (mid-sleep):
+    the call that started it waits for it before packing its logs."""
+
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     fields = FIELDS + [REASONS]
     if query(fields) is None:  # an older driver without the reasons field
         fields = FIELDS
@@ -67,18 +71,14 @@ def sample(path: Path, every: float) -> int:
         w = csv.writer(f)
         if f.tell() == 0:
             w.writerow(COLUMNS)
-        try:
-            while not stop:
-                row = query(fields)
-                if row is not None:
-                    reasons = row[5] if len(row) > 5 else "-"
-                    load1 = os.getloadavg()[0]
-                    w.writerow([time.strftime("%H:%M:%S", time.gmtime()), *row[:5], reasons, f"{load1:.2f}", cores])
-                    f.flush()
-                time.sleep(every)
-        except KeyboardInterrupt:
-            pass
-    return 0
+        while True:
+            row = query(fields)
+            if row is not None:
+                reasons = row[5] if len(row) > 5 else "-"
+                load1 = os.getloadavg()[0]
+                w.writerow([time.strftime("%H:%M:%S", time.gmtime()), *row[:5], reasons, f"{load1:.2f}", cores])
+                f.flush()
+            time.sleep(every)
 
 
 def reason_names(mask: int) -> list[str]:
@@ -137,7 +137,10 @@ def main(argv=None) -> int:
     if args.cmd == "sample":
         if args.every <= 0:
             ap.error(f"--every must be > 0 seconds, got {args.every}")
-        return sample(args.csv, args.every)
+        try:
+            return sample(args.csv, args.every)
+        except KeyboardInterrupt:  # SIGTERM or SIGINT: the rows written so far are the result
+            return 0
     if not args.csv.is_file():
         ap.error(f"csv: no such file {args.csv}")
     print(summarize(args.csv, args.busy))

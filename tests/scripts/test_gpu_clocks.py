@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,21 +28,28 @@ esac
 """
 
 
-def _sample(tmp_path, every="0.1", seconds=1.0, **env):
+def _fake_path(tmp_path) -> str:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     smi = bin_dir / "nvidia-smi"
     smi.write_text(FAKE_SMI)
     smi.chmod(0o755)
+    return f"{bin_dir}:{os.environ['PATH']}"
+
+
+def _sample(tmp_path, every="0.1", rows=3, **env):
+    """Run the sampler on the stand-in until it has written ``rows`` rows (or exited by itself), then SIGTERM it."""
     out = tmp_path / "clocks.csv"
-    environ = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SM": "1755", **env}
+    environ = {**os.environ, "PATH": _fake_path(tmp_path), "FAKE_SM": "1755", **env}
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "sample", str(out), "--every", every], env=environ,
                             stderr=subprocess.PIPE, text=True)
-    try:
-        proc.wait(timeout=seconds)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=10)
+    deadline = time.monotonic() + 30
+    while proc.poll() is None and time.monotonic() < deadline:
+        if out.exists() and len(out.read_text().splitlines()) > rows:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=10)
     return proc, out
 
 
@@ -58,6 +66,15 @@ def test_sampler_writes_rows_until_terminated(tmp_path):
     assert int(r["reasons"], 16) == 0x4
     assert int(r["cores"]) == os.cpu_count()
     assert float(r["load1"]) >= 0
+
+
+def test_sampler_stops_at_once_mid_sleep(tmp_path):
+    """SIGTERM while it sleeps for 60 s after its first row: it exits within seconds, the row kept."""
+    t0 = time.monotonic()
+    proc, out = _sample(tmp_path, every="60", rows=1)
+    assert proc.returncode == 0 and time.monotonic() - t0 < 30
+    with open(out, newline="") as f:
+        assert len(list(csv.DictReader(f))) == 1
 
 
 def test_sampler_without_the_reasons_field_and_without_a_driver(tmp_path):
