@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 FIELDS = ["clocks.sm", "clocks.mem", "power.draw", "temperature.gpu", "utilization.gpu"]
@@ -61,11 +62,11 @@ def sample(path: Path, every: float) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     fields = FIELDS + [REASONS]
-    if query(fields) is None:  # an older driver without the reasons field
+    if query(fields) is None:  # an older driver without the reasons field, or none at all
         fields = FIELDS
-    if query(fields) is None:
-        print(f"gpu_clocks: nvidia-smi --query-gpu={','.join(fields)} fails: not sampling", file=sys.stderr)
-        return 1
+        if query(fields) is None:
+            print(f"gpu_clocks: nvidia-smi --query-gpu={','.join(fields)} fails: not sampling", file=sys.stderr)
+            return 1
     cores = os.cpu_count() or 0
     with open(path, "a", newline="") as f:
         w = csv.writer(f)
@@ -109,14 +110,12 @@ def summarize(path: Path, busy: float) -> str:
         values = [v for v in (number(r[key]) for r in hot) if not math.isnan(v)]
         return statistics.median(values) if values else math.nan
 
-    seen: dict[str, int] = {}
-    for r in hot:
-        if r["reasons"] != "-":
-            for name in reason_names(int(r["reasons"], 16)):
-                seen[name] = seen.get(name, 0) + 1
-    reasons = ", ".join(f"{k} {v}" for k, v in sorted(seen.items(), key=lambda kv: -kv[1])) or "none"
-    if all(r["reasons"] == "-" for r in hot):
+    reported = [r["reasons"] for r in hot if r["reasons"] != "-"]
+    seen = Counter(name for mask in reported for name in reason_names(int(mask, 16)))
+    if not reported:
         reasons = "not reported"
+    else:
+        reasons = ", ".join(f"{k} {v}" for k, v in seen.most_common()) or "none"
     cores = hot[0]["cores"]
     top_temp = max(number(r["temp_c"]) for r in hot)
     return (f"GPU samples: {len(hot)} of {len(rows)} at >= {busy:g}% utilization: SM {med('sm_mhz'):.0f} MHz, "
