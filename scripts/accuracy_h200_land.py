@@ -122,9 +122,9 @@ def _land(call_dirs: list[Path], archives: list[Path], perf_data: Path, date: st
     check_superset(dumped, new, new_name, SAMPLES)
     added = [k for k in new if k not in dumped]
 
-    saved = [p for p in perf_data.iterdir() if _CALL_LOG.search(p.name)]
-    n = max((int(_CALL_LOG.search(p.name)[1]) for p in saved), default=0)
-    landed = {strip_paths(p.read_text()): int(_CALL_LOG.search(p.name)[1]) for p in saved}
+    saved = {p: int(m[1]) for p in perf_data.iterdir() if (m := _CALL_LOG.search(p.name))}  # log -> call number
+    n = max(saved.values(), default=0)
+    landed = {strip_paths(p.read_text()): k for p, k in saved.items()}
     log_paths, call_numbers = [], []
     for d in call_dirs:
         text = strip_paths((d / "call.log").read_text())

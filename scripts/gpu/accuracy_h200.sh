@@ -29,7 +29,8 @@
 #   state.tgz           acc/samples (the per-sample JSONL) and agreement/formats: the resume state
 #   results.json        m3-accuracy's summary (pairs, coverage, run settings)
 #   agreement.json      the agreement study's summary (when at least bf16 and one more format are done)
-#   logs.tgz            the servers' logs (last 2 MiB of each); where nvidia-smi runs, gpu-clocks-<start>.csv:
+#   logs.tgz            the servers' logs (last 2 MiB of each); files-written.txt (on a GPU): every folder outside
+#                       the run directory this call wrote to (scripts/gpu/files_written.py); where nvidia-smi runs, gpu-clocks-<start>.csv:
 #                       the GPU's clocks, power, utilization and clock-event reasons and the host's load every 5 s
 #                       of each call (scripts/gpu/gpu_clocks.py); triton-kernels.txt: each Triton kernel compiled
 #                       on the machine, its variants and cubin bytes (TRITON_CACHE_DIR, in $RUN_DIR);
@@ -40,7 +41,7 @@
 # (e.g. .acc-state/, listed in .git/info/exclude and named in the call's carry) and set RESUME to it.
 # A fresh machine's first server start builds what a held one has cached (150 s against 34 s on an H200; 81 s
 # with the Triton and nvcc caches carried): CACHE_OUT=1 adds compile-cache.tar.xz to $OUT (the Triton kernels,
-# nvcc-built modules and Inductor graphs this machine built,
+# nvcc-built modules and Inductor graphs this machine built, and its CUDA driver and NVRTC caches,
 # scripts/gpu/compile_cache.py; CACHE_S more seconds are reserved for packing it), and CACHE_IN=<dir holding it>
 # unpacks it into the empty caches of the next fresh machine. Weights may travel xz-compressed (a bf16 shard
 # <name>.safetensors.xz in MODEL, 71% of its size for configs/msa-medium): they are decompressed beside it
@@ -56,6 +57,8 @@
 # radix cache prefills it once), CONCURRENCY (8), AGREE_FORMATS ("bf16 fp8 mxfp4
 # mxfp4_rot"), AGREE_SAMPLES (4), AGREE_LENGTHS (LENGTHS), LAUNCH_ARGS (replaces the server arguments below),
 # RUN_DIR, OUT, RESUME, FRESH=1 (drop $RUN_DIR's state first), CACHE_IN, CACHE_OUT, CACHE_S (30), PYTHON (python3),
+# WRITTEN_ROOTS (the folders searched for what the call wrote outside its own; on a GPU by default $HOME, /tmp, the
+# checkout and the interpreter's prefix, on the CPU none),
 # DEVICE (cuda; cpu: no bundle, the CPU server arguments, for the smoke test tests/scripts/test_accuracy_h200.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -87,9 +90,14 @@ AGREE_LENGTHS="${AGREE_LENGTHS:-$LENGTHS}"
 PYTHON="${PYTHON:-python3}"
 DEVICE="${DEVICE:-cuda}"
 mkdir -p "$OUT" "$RUN_DIR"
+touch "$RUN_DIR/.call-start"  # what this call writes outside its folders is listed against it at the end
 exec > >(tee -a "$OUT/call.log") 2>&1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# Triton's autotuner prints its pick into the server logs (not part of any cache key): SGLang's sparse prefill
+# attention picks one of 9 configurations at its first call in each server, and a server's prefill rate varied by
+# up to a fifth from one start to the next at the same clocks (scripts/gpu/call_timings.py puts them side by side)
+export TRITON_PRINT_AUTOTUNING=1
 echo "accuracy_h200: start $(date -u +%FT%TZ), model $MODEL, budget ${BUDGET_S}s, device $DEVICE," \
      "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 
@@ -120,10 +128,15 @@ export TVM_FFI_CACHE_DIR="${TVM_FFI_CACHE_DIR:-$run_dir_abs/jit-cache}"
 # and torch Inductor's (SGLang's torch.compile activations, compiled at the first capture: a fresh machine with the
 # other two caches carried spent 38 s in its first captured batch, a held one 2 s)
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$run_dir_abs/inductor-cache}"
+# and two caches a fresh machine may rebuild in that capture while a held one keeps them: the CUDA driver's (PTX
+# compiled for this GPU) and torch's NVRTC kernels (scripts/gpu/files_written.py shows what else is written)
+export CUDA_CACHE_PATH="${CUDA_CACHE_PATH:-$run_dir_abs/cuda-cache}"
+export PYTORCH_KERNEL_CACHE_PATH="${PYTORCH_KERNEL_CACHE_PATH:-$run_dir_abs/torch-kernels}"
+extra_caches=(--extra "cuda=$CUDA_CACHE_PATH" --extra "torch-kernels=$PYTORCH_KERNEL_CACHE_PATH")
 if [ -n "${CACHE_IN:-}" ]; then
     if [ -f "$CACHE_IN/compile-cache.tar.xz" ]; then
         python3 scripts/gpu/compile_cache.py unpack "$CACHE_IN/compile-cache.tar.xz" "$TRITON_CACHE_DIR" \
-            "$TVM_FFI_CACHE_DIR" --inductor-dir "$TORCHINDUCTOR_CACHE_DIR" \
+            "$TVM_FFI_CACHE_DIR" --inductor-dir "$TORCHINDUCTOR_CACHE_DIR" "${extra_caches[@]}" \
             || echo "compile caches not unpacked: building them as a fresh machine does"
     else
         echo "CACHE_IN=$CACHE_IN holds no compile-cache.tar.xz: building the caches as a fresh machine does"
@@ -270,19 +283,26 @@ if [ -d "${TVM_FFI_CACHE_DIR:-}" ]; then  # module file, bytes, build time (UTC)
     echo "nvcc-built modules in this machine's cache: $(wc -l < "$logs/logs/jit-modules.txt") (logs.tgz: jit-modules.txt)"
 fi
 # what this machine compiled itself: files unpacked from CACHE_IN carry the time 1970-01-01
-for d in TRITON_CACHE_DIR TVM_FFI_CACHE_DIR TORCHINDUCTOR_CACHE_DIR; do
+for d in TRITON_CACHE_DIR TVM_FFI_CACHE_DIR TORCHINDUCTOR_CACHE_DIR CUDA_CACHE_PATH PYTORCH_KERNEL_CACHE_PATH; do
     if [ -d "${!d}" ]; then
         local_files=$(find "${!d}" -type f -newermt 1971-01-01 | wc -l)
         echo "$d: $(find "${!d}" -type f | wc -l) files, $local_files written here"
     fi
 done
+if [ "$DEVICE" != cpu ]; then
+    WRITTEN_ROOTS="${WRITTEN_ROOTS:-${HOME:-$PWD} ${TMPDIR:-/tmp} $PWD $("$PYTHON" -c 'import sys; print(sys.prefix)')}"
+fi
+if [ -n "${WRITTEN_ROOTS:-}" ]; then
+    # shellcheck disable=SC2086
+    python3 scripts/gpu/files_written.py "$RUN_DIR/.call-start" $WRITTEN_ROOTS --skip "$RUN_DIR" --skip "$OUT" \
+        --skip "$logs" --out "$logs/logs/files-written.txt"
+fi
 tar -C "$logs" -czf "$OUT/logs.tgz" logs && rm -rf "$logs"
 if [ -n "${CACHE_OUT:-}" ]; then
-    # Inductor's cache can outgrow a returned file (a CPU server's C++ builds): then the other two go alone
-    python3 scripts/gpu/compile_cache.py pack "$TRITON_CACHE_DIR" "$TVM_FFI_CACHE_DIR" "$OUT/compile-cache.tar.xz" \
-        --inductor-dir "$TORCHINDUCTOR_CACHE_DIR" \
-        || python3 scripts/gpu/compile_cache.py pack "$TRITON_CACHE_DIR" "$TVM_FFI_CACHE_DIR" \
-            "$OUT/compile-cache.tar.xz" || echo "compile caches not packed"
+    # the CUDA driver's cache or Inductor's can outgrow a returned file (a CPU server's C++ builds): then they stay
+    pack=(python3 scripts/gpu/compile_cache.py pack "$TRITON_CACHE_DIR" "$TVM_FFI_CACHE_DIR" "$OUT/compile-cache.tar.xz")
+    "${pack[@]}" --inductor-dir "$TORCHINDUCTOR_CACHE_DIR" "${extra_caches[@]}" \
+        || "${pack[@]}" --inductor-dir "$TORCHINDUCTOR_CACHE_DIR" || "${pack[@]}" || echo "compile caches not packed"
 fi
 [ -f "$RUN_DIR/acc/results.json" ] && cp "$RUN_DIR/acc/results.json" "$OUT/results.json"
 [ -f "$RUN_DIR/acc/accuracy_vs_length.png" ] && cp "$RUN_DIR/acc/accuracy_vs_length.png" "$OUT/"

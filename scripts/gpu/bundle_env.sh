@@ -2,7 +2,8 @@
 # scripts/gpu/build_wheel_bundle.sh (.whl1/, .whl2/, ... if it was split) into $M3_SITE (default
 # build/m3-site, git-ignored; kept if already complete), registers this repo's SGLang plugin entry
 # point and the drivers' probes (m3_gpu_probe: decode inputs; m3_load_check: checkpoint coverage;
-# both idle unless their environment variable is set) with a small dist-info, exports PYTHONPATH
+# both idle unless their environment variable is set) with a small dist-info, writes the bytecode of the
+# bundle and of torch, triton, sympy and numpy once (scripts/gpu/precompile.py), exports PYTHONPATH
 # (bundle, repo, kernels/, scripts/gpu) and the NCCL settings (NVLink multicast off), prints the
 # GPUs and versions. Returns non-zero if the bundle or the imports fail.
 SITE="$(realpath -m "${M3_SITE:-build/m3-site}")"
@@ -25,6 +26,13 @@ with tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz') as t:
 " "$SITE" || { echo "bundle unpack failed" >&2; return 1; }
     touch "$SITE/.complete"
     echo "bundle unpacked into $SITE in $(( $(date +%s) - t0 )) s"
+fi
+
+# Bytecode, once per machine (scripts/gpu/precompile.py): every server start on an H200, on a held machine too,
+# compiled bundle modules from source; the bundle and the interpreter's largest packages, on all cores
+if [ ! -f "$SITE/.bytecode" ]; then
+    PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" python3 scripts/gpu/precompile.py "$SITE" torch triton sympy numpy \
+        && touch "$SITE/.bytecode"
 fi
 
 # Entry points: this repo's plugin (pyproject's sglang.srt.plugins) and the probes.

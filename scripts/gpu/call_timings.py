@@ -1,5 +1,7 @@
 """Where an accuracy call's time went, read from what it returned (``call.log`` and ``logs.tgz``): per server the
-call started, the seconds from launch to ready, the CUDA-graph capture, the rounds, and the prefill rate.
+call started, the seconds from launch to ready, the CUDA-graph capture, the rounds, the prefill rate, and the
+configurations Triton's autotuner picked (``TRITON_PRINT_AUTOTUNING=1``: SGLang's sparse prefill attention, 41-43%
+of a prefill, picks among 9 at its first call in each server process).
 
     python scripts/gpu/call_timings.py CALL_DIR [CALL_DIR ...]     # one markdown row per server
 
@@ -23,6 +25,8 @@ ROUND = re.compile(r"\[resume\] (\S+): round of (\d+) prompts in ([\d.]+) s")
 START = re.compile(r"accuracy_h200: start (\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)Z")
 CAPTURE = re.compile(r"Capture target decode CUDA graph end\. elapsed=([\d.]+) s")
 NEW_TOKENS = re.compile(r"Prefill batch.*#new-token: (\d+)")
+AUTOTUNED = re.compile(r"^Triton autotuning for function (\w+),")
+PICKED = re.compile(r"^best config selected: (.*);")
 
 
 @dataclass
@@ -33,6 +37,7 @@ class Server:
     capture_s: float | None = None
     prefill_tokens: int = 0
     prefill_stamps: list[datetime] = field(default_factory=list)
+    autotuned: list[tuple[str, str]] = field(default_factory=list)  # (kernel, "w<warps> s<stages>") in pick order
 
     @property
     def prefill_rate(self) -> float | None:
@@ -47,12 +52,25 @@ def _stamp(line: str) -> datetime | None:
     return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S") if m else None
 
 
+def _config(text: str) -> str:
+    """``w<num_warps> s<num_stages>`` and any block sizes, from Triton's printed ``Config``."""
+    fields = dict(kv.split(": ", 1) for kv in text.split(", ") if ": " in kv)
+    blocks = [f"{k}={v}" for k, v in fields.items() if k.startswith("BLOCK")]
+    return " ".join(blocks + [f"w{fields.get('num_warps', '?')}", f"s{fields.get('num_stages', '?')}"])
+
+
 def servers_in_log(fmt: str, text: str) -> list[Server]:
     """Every server a log holds, in launch order (a server begins at its ``server_args=`` line)."""
     servers: list[Server] = []
+    kernel = None
     for line in text.splitlines():
         t = _stamp(line)
-        if t is None:
+        if t is None:  # Triton's autotuning report: four lines, no stamp
+            if m := AUTOTUNED.match(line):
+                kernel = m.group(1)
+            elif (m := PICKED.match(line)) and kernel and servers:
+                servers[-1].autotuned.append((kernel, _config(m.group(1))))
+                kernel = None
             continue
         if "server_args=" in line:
             servers.append(Server(fmt, t))
@@ -98,7 +116,7 @@ def read_call(call_dir: Path) -> tuple[datetime, dict[str, list[float]], list[Se
 def table(call_dirs: list[Path], labels: list[str] | None = None) -> str:
     """A markdown row per server the calls launched (``labels``: the calls' names, default their folders')."""
     lines = ["| call | format | rounds | launch to ready s | CUDA-graph capture s | round s: first; later | "
-             "prefill new tokens/s |", "|---|---|---|---|---|---|---|"]
+             "prefill new tokens/s | autotuned |", "|---|---|---|---|---|---|---|---|"]
     notes = []
     for d, label in zip(call_dirs, labels or [d.name for d in call_dirs]):
         start, rounds, servers, gpu = read_call(d)
@@ -109,8 +127,12 @@ def table(call_dirs: list[Path], labels: list[str] | None = None) -> str:
             later = f"{min(r[1:]):.1f}-{max(r[1:]):.1f}" if len(r) > 1 else "-"
             first = f"{r[0]:.1f}" if r else "-"
             rate = f"{s.prefill_rate / 1000:.1f}k" if s.prefill_rate else "-"
+            picks: dict[str, list[str]] = {}
+            for kernel, config in s.autotuned:
+                picks.setdefault(kernel.strip("_").removesuffix("_kernel"), []).append(config)
+            tuned = "; ".join(f"{k} {', '.join(v)}" for k, v in picks.items()) or "-"
             lines.append(f"| {label} ({start:%H:%M} UTC) | {s.fmt} | {len(r)} | {ready} | {capture} | {first}; {later} "
-                         f"| {rate} |")
+                         f"| {rate} | {tuned} |")
         if gpu:
             notes.append(f"{label}: {gpu}")
     return "\n".join(lines + ([""] + notes if notes else []))

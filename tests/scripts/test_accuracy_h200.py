@@ -84,13 +84,17 @@ def test_calls_resume_and_leave_at_most_eight_files(tmp_path):
     fake_bin.mkdir()
     (fake_bin / "nvidia-smi").write_text("#!/bin/sh\necho 1755, 3201, 612.40, 61, 98, 0x0000000000000004\n")
     (fake_bin / "nvidia-smi").chmod(0o755)
-    rc, log = _call(tmp_path, "out2", "run", model=model, PATH=f"{fake_bin}:{os.environ['PATH']}")
+    rc, log = _call(tmp_path, "out2", "run", model=model, PATH=f"{fake_bin}:{os.environ['PATH']}",
+                    WRITTEN_ROOTS=f"{tmp_path} {model}")
     assert rc == 0, log
     files2 = _check_files(tmp_path / "out2")
+    # what the call wrote outside its run directory and $OUT (both under tmp_path, both written to): nothing
+    assert "written during this call outside its run directory: 0 files (0 .pyc), 0.0 MiB" in log, log
     assert re.search(r"GPU samples: (\d+) of \1 at >= 50% utilization: SM 1755 MHz, memory 3201 MHz, 612 W", log), log
     assert "clock-event reasons (samples): sw-power-cap" in log
     with tarfile.open(files2["logs.tgz"]) as tar:
         assert any(re.fullmatch(r"logs/gpu-clocks-\d{8}T\d{6}Z\.csv", n) for n in tar.getnames()), tar.getnames()
+        assert "logs/files-written.txt" in tar.getnames()
     assert "fp8: all 2 samples per task and length done" in log and "serving" not in log
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("server-*.log")} == servers
     assert _rows(run_dir) == {(f, t): 2 for f in ("fp8", "mxfp4") for t in TASKS}

@@ -1,5 +1,6 @@
 """scripts/gpu/call_timings.py on a hand-written call: a held machine's log keeps an earlier call's server, which
-is left out; launch to ready, capture, rounds and the prefill rate come from this call's server only."""
+is left out; launch to ready, capture, rounds, the prefill rate and Triton's autotuning picks (printed as Triton
+3.6 prints them) come from this call's server only."""
 
 import io
 import subprocess
@@ -13,15 +14,31 @@ sys.path.insert(0, str(SCRIPT.parent))
 import call_timings  # noqa: E402
 
 EARLIER_SERVER = """[2026-12-03 09:00:00] server_args=ServerArgs(model_path='m')
+Triton autotuning for function _gqa_share_sparse_fwd_kernel,
+with key as (64, 128, 128, 128, 2, 'torch.bfloat16'),
+finished after 2.00s,
+best config selected: num_warps: 8, num_ctas: 1, num_stages: 4, maxnreg: None;
 [2026-12-03 09:01:10] Capture target decode CUDA graph end. elapsed=40.00 s, mem usage=0.06 GB
 [2026-12-03 09:01:30] The server is fired up and ready to roll!
 [2026-12-03 09:02:00] Prefill batch, #new-seq: 1, #new-token: 999999, #cached-token: 0
 [2026-12-03 09:02:09] Prefill batch, #new-seq: 1, #new-token: 999999, #cached-token: 0
 """
 THIS_SERVER = """[2026-12-03 10:00:05] server_args=ServerArgs(model_path='m')
+Triton autotuning for function _gqa_share_sparse_decode_kernel,
+with key as (1, 128, 'torch.bfloat16'),
+finished after 0.50s,
+best config selected: BLOCK_SIZE_K: 64, num_warps: 2, num_ctas: 1, num_stages: 2, maxnreg: None;
+Triton autotuning for function _gqa_share_sparse_decode_kernel,
+with key as (8, 128, 'torch.bfloat16'),
+finished after 0.50s,
+best config selected: BLOCK_SIZE_K: 128, num_warps: 4, num_ctas: 1, num_stages: 2, maxnreg: None;
 [2026-12-03 10:00:30] Capture target decode CUDA graph end. elapsed=6.25 s, mem usage=0.06 GB
 noise without a stamp: Prefill batch, #new-token: 5
 [2026-12-03 10:00:44] The server is fired up and ready to roll!
+Triton autotuning for function _gqa_share_sparse_fwd_kernel,
+with key as (64, 128, 128, 128, 2, 'torch.bfloat16'),
+finished after 1.52s,
+best config selected: num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None;
 [2026-12-03 10:01:00] Prefill batch, #new-seq: 1, #new-token: 8192, #cached-token: 0, token usage: 0.02
 [2026-12-03 10:01:00] Decode batch, #running-req: 1, #token: 8200
 [2026-12-03 10:01:04] Prefill batch, #new-seq: 1, #new-token: 8192, #cached-token: 0, token usage: 0.02
@@ -57,8 +74,12 @@ def test_this_calls_server_only(tmp_path):
     s = servers[0]
     assert (s.ready - s.launched).total_seconds() == 39 and s.capture_s == 6.25
     assert s.prefill_tokens == 8192 + 8192 + 4096 and s.prefill_rate == (8192 + 8192 + 4096) / 8
+    assert s.autotuned == [("_gqa_share_sparse_decode_kernel", "BLOCK_SIZE_K=64 w2 s2"),
+                           ("_gqa_share_sparse_decode_kernel", "BLOCK_SIZE_K=128 w4 s2"),
+                           ("_gqa_share_sparse_fwd_kernel", "w4 s3")]
     table = call_timings.table([d], ["call 30"])
-    assert "| call 30 (10:00 UTC) | mxfp4 | 3 | 39 | 6.2 | 40.5; 28.2-30.0 | 2.6k |" in table
+    assert ("| call 30 (10:00 UTC) | mxfp4 | 3 | 39 | 6.2 | 40.5; 28.2-30.0 | 2.6k | gqa_share_sparse_decode "
+            "BLOCK_SIZE_K=64 w2 s2, BLOCK_SIZE_K=128 w4 s2; gqa_share_sparse_fwd w4 s3 |") in table
     assert table.endswith("call 30: GPU samples: 80 of 100 at >= 50% utilization: SM 1980 MHz")
 
 

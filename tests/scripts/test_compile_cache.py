@@ -55,7 +55,7 @@ def test_a_packed_triton_cache_is_a_hit_under_another_path(tmp_path, monkeypatch
 
     triton2, jit2 = tmp_path / "machine2" / "cache" / "triton", tmp_path / "machine2" / "jit"
     filled = compile_cache.unpack(archive, triton2, jit2)
-    assert filled == {"triton_files": stats["triton_files"], "jit_modules": 1, "inductor_files": 0}
+    assert filled == {"triton_files": stats["triton_files"], "jit_modules": 1, "inductor_files": 0, "extra_files": 0}
     kept = _files(triton2)
     assert {Path(n).suffix for n in kept} <= {".cubin", ".json"} and any(n.endswith(".cubin") for n in kept)
     for grp in triton2.glob("*/__grp__*.json"):
@@ -76,7 +76,8 @@ def test_a_packed_triton_cache_is_a_hit_under_another_path(tmp_path, monkeypatch
 
     # a machine's own caches are kept
     before = _files(empty)
-    assert compile_cache.unpack(archive, empty, jit2) == {"triton_files": 0, "jit_modules": 0, "inductor_files": 0}
+    assert compile_cache.unpack(archive, empty, jit2) == {"triton_files": 0, "jit_modules": 0, "inductor_files": 0,
+                                                          "extra_files": 0}
     assert _files(empty) == before
 
 
@@ -116,6 +117,51 @@ def _fake_triton(d: Path, cubin_kib: dict) -> Path:
         (entry / "__grp__k.json").write_text(json.dumps({"child_paths": {
             n: str(entry / n) for n in ("k.cubin", "k.ptx", "k.json")}}))
     return d
+
+
+def test_extra_caches_travel_whole_and_every_unpacked_file_keeps_the_archives_time(tmp_path):
+    """--extra NAME=DIR folders (the CUDA driver's PTX cache, torch's NVRTC kernels) come back byte for byte under
+    new folders; nothing unpacked, not even a rewritten group file, looks built on the new machine; a filled
+    folder is kept; trim keeps every Triton entry before an extra cache."""
+    cuda = tmp_path / "m1" / "cuda"
+    (cuda / "ComputeCache" / "a" / "b").mkdir(parents=True)
+    (cuda / "ComputeCache" / "index").write_bytes(os.urandom(300))
+    (cuda / "ComputeCache" / "a" / "b" / "c0ffee").write_bytes(os.urandom(5000))
+    kernels = tmp_path / "m1" / "torch-kernels"
+    kernels.mkdir()
+    (kernels / "nvrtc_abs_kernel").write_bytes(os.urandom(700))
+    triton = _fake_triton(tmp_path / "m1" / "triton", {"k1": 1, "k2": 2})
+    archive = tmp_path / "cc.tar.xz"
+    stats = compile_cache.pack(triton, tmp_path / "no-jit", archive, extra={"cuda": cuda, "torch-kernels": kernels})
+    assert stats["extra_files"] == 3 and stats["triton_files"] == 6
+
+    dst = {"cuda": tmp_path / "m2" / "cuda", "torch-kernels": tmp_path / "m2" / "tk"}
+    filled = compile_cache.unpack(archive, tmp_path / "m2" / "triton", tmp_path / "m2" / "jit", extra=dst)
+    assert filled == {"triton_files": 6, "jit_modules": 0, "inductor_files": 0, "extra_files": 3}
+    assert _files(dst["cuda"]) == _files(cuda) and _files(dst["torch-kernels"]) == _files(kernels)
+    unpacked = [f for f in (tmp_path / "m2").rglob("*") if f.is_file()]
+    assert len(unpacked) == 9 and all(f.stat().st_mtime < 365 * 86400 for f in unpacked)
+    assert all(str(tmp_path / "m2") in p for g in (tmp_path / "m2" / "triton").glob("*/__grp__*.json")
+               for p in json.loads(g.read_text())["child_paths"].values())
+
+    (tmp_path / "m3" / "cuda").mkdir(parents=True)
+    (tmp_path / "m3" / "cuda" / "own").write_bytes(b"built here")
+    again = compile_cache.unpack(archive, tmp_path / "m3" / "triton", tmp_path / "m3" / "jit",
+                                 extra={"cuda": tmp_path / "m3" / "cuda", "torch-kernels": tmp_path / "m3" / "tk"})
+    assert again["extra_files"] == 1 and _files(tmp_path / "m3" / "cuda") == {"own": b"built here"}
+
+    kib = archive.stat().st_size / 2**10
+    trimmed = compile_cache.trim(archive, tmp_path / "t.tar.xz", max_mib=(kib - 0.5) / 2**10)
+    assert trimmed["triton_files"] == 6 and trimmed["extra_files"] == 1 and trimmed["dropped_units"] == 1
+
+
+@pytest.mark.parametrize("bad", ["cuda", "=dir", "Cuda=dir", "cuda=", "../x=dir"])
+def test_extra_is_name_equals_folder(tmp_path, bad):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "compile_cache.py"), "pack",
+                           str(tmp_path / "t"), str(tmp_path / "j"), str(tmp_path / "o.tar.xz"), "--extra", bad],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "--extra" in proc.stderr and "NAME=DIR" in proc.stderr
+    assert not (tmp_path / "o.tar.xz").exists()
 
 
 def test_trim_keeps_jit_modules_then_the_smallest_triton_entries_that_fit(tmp_path):
@@ -261,7 +307,7 @@ def test_an_inductor_cache_is_a_graph_cache_hit_under_another_path(tmp_path):
     assert stats["inductor_files"] > 0 and stats["triton_files"] == stats["jit_modules"] == 0
     moved = tmp_path / "machine2" / "inductor"
     filled = compile_cache.unpack(archive, tmp_path / "t2", tmp_path / "j2", inductor_dir=moved)
-    assert filled == {"triton_files": 0, "jit_modules": 0, "inductor_files": stats["inductor_files"]}
+    assert filled == {"triton_files": 0, "jit_modules": 0, "inductor_files": stats["inductor_files"], "extra_files": 0}
     assert not any((moved / skipped).exists() for skipped in ("locks", "triton", "precompiled_headers"))
     assert _run_compiled(moved) == "hits 1 misses 0"
     # trim keeps Inductor's folders before any Triton entry, and a machine's own Inductor cache is kept
