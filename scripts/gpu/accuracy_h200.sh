@@ -57,6 +57,8 @@
 # radix cache prefills it once), CONCURRENCY (8), AGREE_FORMATS ("bf16 fp8 mxfp4
 # mxfp4_rot"), AGREE_SAMPLES (4), AGREE_LENGTHS (LENGTHS), LAUNCH_ARGS (replaces the server arguments below),
 # RUN_DIR, OUT, RESUME, FRESH=1 (drop $RUN_DIR's state first), CACHE_IN, CACHE_OUT, CACHE_S (30), PYTHON (python3),
+# BENCH_PREFILL=1 (time SGLang's sparse prefill attention under each autotune candidate first; the table in
+# call.log, its files in logs.tgz), M3_SPARSE_PREFILL_CONFIG (WARPS,STAGES: every server holds that candidate),
 # WRITTEN_ROOTS (the folders searched for what the call wrote outside its own; on a GPU by default $HOME, /tmp, the
 # checkout and the interpreter's prefix, on the CPU none),
 # DEVICE (cuda; cpu: no bundle, the CPU server arguments, for the smoke test tests/scripts/test_accuracy_h200.py).
@@ -164,6 +166,19 @@ if ! "$PYTHON" -c "import lm_eval, datasets, transformers, scipy, matplotlib" 2>
     exit 1
 fi
 
+# SGLang's sparse prefill attention: autotuned by each server at its first call (a 128-token warm-up), or held to one
+# candidate by M3_SPARSE_PREFILL_CONFIG=WARPS,STAGES (sglang_m3/sparse_attention.py); once held, hold it for the rest of
+# the run, since a call serves one format. BENCH_PREFILL=1 first times every candidate at the model's prefill shape.
+if [ -n "${BENCH_PREFILL:-}" ] && [ "$DEVICE" != cpu ]; then
+    echo "[$(elapsed)s] SGLang's sparse prefill attention under each candidate (scripts/gpu/bench_sparse_prefill.py):"
+    timeout 180 "$PYTHON" scripts/gpu/bench_sparse_prefill.py --out "$RUN_DIR/bench" || echo "bench_sparse_prefill failed"
+fi
+if [ -n "${M3_SPARSE_PREFILL_CONFIG:-}" ]; then
+    echo "sparse prefill attention: held to M3_SPARSE_PREFILL_CONFIG=$M3_SPARSE_PREFILL_CONFIG in every server"
+else
+    echo "sparse prefill attention: autotuned by each server at its first call"
+fi
+
 # The GPU's clocks, power, utilization and clock-event reasons and the host's load every 5 s through the call
 # (logs.tgz: gpu-clocks-*.csv), summed up in a line at the end: a slow call's prefill rate (67k against 84k tokens/s
 # on one machine, docs/accuracy.md section 5) is then read as a lower clock, a busy host, or neither
@@ -268,7 +283,7 @@ fi
 logs=$(mktemp -d)
 mkdir -p "$logs/logs"
 for f in "$RUN_DIR"/acc/server-*.log "$RUN_DIR"/agreement/server-*.log "$RUN_DIR"/agreement/*.out \
-         "$RUN_DIR"/gpu-clocks/*.csv; do
+         "$RUN_DIR"/gpu-clocks/*.csv "$RUN_DIR"/bench/bench_sparse_prefill.*; do
     [ -f "$f" ] && tail -c 2097152 "$f" > "$logs/logs/$(basename "$(dirname "$f")")-$(basename "$f")"
 done
 if [ -d "${TRITON_CACHE_DIR:-}" ]; then  # kernel name, compiled variants, cubin bytes
