@@ -30,6 +30,8 @@ def prefill_autotuner():
 
     fn = topk_sparse._gqa_share_sparse_fwd_kernel
     while not isinstance(fn, Autotuner):
+        if not hasattr(fn, "fn"):
+            raise RuntimeError(f"{PREFILL_CONFIG_ENV}: this SGLang's sparse prefill kernel is not autotuned; unset it")
         fn = fn.fn
     return fn
 
@@ -44,6 +46,7 @@ def pin_prefill_config(spec: str | None, autotuner=None) -> tuple[int, int] | No
     candidates = {(c.num_warps, c.num_stages): c for c in tuner.m3_candidates}
     if not spec:
         tuner.configs = list(tuner.m3_candidates)
+        tuner.cache.clear()  # the next call picks again
         return None
     try:
         warps, stages = (int(x) for x in spec.split(","))
@@ -59,9 +62,11 @@ def pin_prefill_config(spec: str | None, autotuner=None) -> tuple[int, int] | No
 
 @functools.cache
 def pin_prefill_from_env() -> None:
-    """``pin_prefill_config`` of ``M3_SPARSE_PREFILL_CONFIG``, once per process (logged when it holds one)."""
-    held = pin_prefill_config(os.environ.get(PREFILL_CONFIG_ENV))
-    if held:
+    """``pin_prefill_config`` of ``M3_SPARSE_PREFILL_CONFIG``, once per process, logged; unset, SGLang's kernel is
+    left as it is."""
+    spec = os.environ.get(PREFILL_CONFIG_ENV)
+    if spec:
+        held = pin_prefill_config(spec)
         logger.info("sglang-m3: sparse prefill attention held to %d warps, %d stages (%s)", *held, PREFILL_CONFIG_ENV)
 
 

@@ -30,9 +30,10 @@
 #   results.json        m3-accuracy's summary (pairs, coverage, run settings)
 #   agreement.json      the agreement study's summary (when at least bf16 and one more format are done)
 #   logs.tgz            the servers' logs (last 2 MiB of each); files-written.txt (on a GPU): every folder outside
-#                       the run directory this call wrote to (scripts/gpu/files_written.py); where nvidia-smi runs, gpu-clocks-<start>.csv:
-#                       the GPU's clocks, power, utilization and clock-event reasons and the host's load every 5 s
-#                       of each call (scripts/gpu/gpu_clocks.py); triton-kernels.txt: each Triton kernel compiled
+#                       the run directory this call wrote to (scripts/gpu/files_written.py);
+#                       bench-bench_sparse_prefill.* (BENCH_PREFILL=1); where nvidia-smi runs, gpu-clocks-<start>.csv: the GPU's clocks, power,
+#                       utilization and clock-event reasons and the host's load every 5 s of each call
+#                       (scripts/gpu/gpu_clocks.py); triton-kernels.txt: each Triton kernel compiled
 #                       on the machine, its variants and cubin bytes (TRITON_CACHE_DIR, in $RUN_DIR);
 #                       jit-modules.txt: the modules nvcc built (TVM_FFI_CACHE_DIR, in $RUN_DIR), bytes, time
 #   accuracy_vs_length.png
@@ -171,7 +172,8 @@ fi
 # the run, since a call serves one format. BENCH_PREFILL=1 first times every candidate at the model's prefill shape.
 if [ -n "${BENCH_PREFILL:-}" ] && [ "$DEVICE" != cpu ]; then
     echo "[$(elapsed)s] SGLang's sparse prefill attention under each candidate (scripts/gpu/bench_sparse_prefill.py):"
-    timeout 180 "$PYTHON" scripts/gpu/bench_sparse_prefill.py --out "$RUN_DIR/bench" || echo "bench_sparse_prefill failed"
+    timeout 180 "$PYTHON" scripts/gpu/bench_sparse_prefill.py --out "$RUN_DIR/bench" \
+        || echo "bench_sparse_prefill failed"
 fi
 if [ -n "${M3_SPARSE_PREFILL_CONFIG:-}" ]; then
     echo "sparse prefill attention: held to M3_SPARSE_PREFILL_CONFIG=$M3_SPARSE_PREFILL_CONFIG in every server"
@@ -315,7 +317,8 @@ fi
 tar -C "$logs" -czf "$OUT/logs.tgz" logs && rm -rf "$logs"
 if [ -n "${CACHE_OUT:-}" ]; then
     # the CUDA driver's cache or Inductor's can outgrow a returned file (a CPU server's C++ builds): then they stay
-    pack=(python3 scripts/gpu/compile_cache.py pack "$TRITON_CACHE_DIR" "$TVM_FFI_CACHE_DIR" "$OUT/compile-cache.tar.xz")
+    pack=(python3 scripts/gpu/compile_cache.py pack "$TRITON_CACHE_DIR" "$TVM_FFI_CACHE_DIR"
+          "$OUT/compile-cache.tar.xz")
     "${pack[@]}" --inductor-dir "$TORCHINDUCTOR_CACHE_DIR" "${extra_caches[@]}" \
         || "${pack[@]}" --inductor-dir "$TORCHINDUCTOR_CACHE_DIR" || "${pack[@]}" || echo "compile caches not packed"
 fi

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from m3_kernels.ops.attention.naive import sparse_attention_ref
-from sglang_m3.sparse_attention import (pin_prefill_config, prefill_autotuner, sparse_attention_decode,
-                                        sparse_attention_extend)
+from sglang_m3.sparse_attention import (pin_prefill_config, pin_prefill_from_env, prefill_autotuner,
+                                        sparse_attention_decode, sparse_attention_extend)
 
 BLOCK = 4
 
@@ -89,6 +89,32 @@ def test_a_prefill_config_that_is_no_candidate_is_refused_naming_the_variable(pr
     with pytest.raises(ValueError, match=rf"M3_SPARSE_PREFILL_CONFIG='{re.escape(spec)}'.*2,2, 2,3, 2,4, 4,2"):
         pin_prefill_config(spec, prefill_tuner)
     assert prefill_tuner.configs == before
+
+
+def test_the_environment_holds_a_candidate_and_unset_leaves_the_kernel_alone(prefill_tuner, monkeypatch):
+    before = list(prefill_tuner.configs)
+    for value, held in [(None, None), ("", None), ("2,4", (2, 4))]:
+        pin_prefill_config(None, prefill_tuner)
+        if value is None:
+            monkeypatch.delenv("M3_SPARSE_PREFILL_CONFIG", raising=False)
+        else:
+            monkeypatch.setenv("M3_SPARSE_PREFILL_CONFIG", value)
+        pin_prefill_from_env.cache_clear()
+        pin_prefill_from_env()
+        got = [(c.num_warps, c.num_stages) for c in prefill_tuner.configs]
+        assert got == ([held] if held else [(c.num_warps, c.num_stages) for c in before])
+    monkeypatch.setenv("M3_SPARSE_PREFILL_CONFIG", "16,2")
+    pin_prefill_from_env.cache_clear()
+    with pytest.raises(ValueError, match="M3_SPARSE_PREFILL_CONFIG='16,2'"):
+        pin_prefill_from_env()
+    # unset, the kernel is not even looked up (a later SGLang's kernel without an autotuner starts as before)
+    import sglang_m3.sparse_attention as sa
+
+    monkeypatch.delenv("M3_SPARSE_PREFILL_CONFIG")
+    monkeypatch.setattr(sa, "prefill_autotuner", lambda: pytest.fail("looked up with the variable unset"))
+    pin_prefill_from_env.cache_clear()
+    pin_prefill_from_env()
+    pin_prefill_from_env.cache_clear()
 
 
 @pytest.mark.gpu
