@@ -9,8 +9,9 @@ request), -1 pads the end of a list.
 
 SGLang's prefill kernel is ``triton.autotune``d over 9 (warps, stages) candidates on a key without the sequence
 length, so each process keeps the pick of its first call, a server's 128-token warm-up. ``M3_SPARSE_PREFILL_CONFIG``
-(``"WARPS,STAGES"``, e.g. ``"4,3"``) holds every process to one candidate instead (``pin_prefill_config``;
-``scripts/gpu/bench_sparse_prefill.py`` times them all at a model's prefill shape).
+(``"WARPS,STAGES"``, e.g. ``"4,3"``) holds every server process to one candidate instead (the backend calls
+``pin_prefill_from_env`` once at start-up; ``scripts/gpu/bench_sparse_prefill.py`` times them all at a model's
+prefill shape).
 """
 
 import functools
@@ -76,7 +77,6 @@ def sparse_attention_extend(q, k_cache, v_cache, req_to_token, req_pool_indices,
     if q.is_cuda:
         from sglang.kernels.ops.attention.minimax_sparse.prefill.topk_sparse import flash_prefill_with_gqa_share_sparse
 
-        pin_prefill_from_env()
         return flash_prefill_with_gqa_share_sparse(
             q=q, k_cache=k_cache, v_cache=v_cache, sink=None, req_to_token=req_to_token, slot_ids=req_pool_indices,
             topk_idx=topk_idx, block_size_q=1, block_size_k=block_size, cu_seqlens=cu_seqlens_q, seq_lens=seq_lens,

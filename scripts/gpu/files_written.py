@@ -35,7 +35,6 @@ def written_since(marker: Path, roots: list[Path], skip: list[Path]) -> dict[str
                 dirs[:] = []
                 continue
             seen.add(real)
-            dirs[:] = [d for d in dirs if os.path.realpath(os.path.join(folder, d)) not in skipped]
             for name in files:
                 try:
                     st = os.lstat(os.path.join(folder, name))
