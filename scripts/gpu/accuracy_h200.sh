@@ -186,6 +186,9 @@ fi
 # on one machine, docs/accuracy.md section 5) is then read as a lower clock, a busy host, or neither
 sampler=""
 if command -v nvidia-smi > /dev/null; then
+    # Which card ran this call (an H200 or, where one serves for it, an H100): the answers are compared per
+    # prompt across calls, so the log names the card beside them
+    echo "gpu: $(nvidia-smi -i 0 --query-gpu=name,memory.total,driver_version --format=csv,noheader 2> /dev/null)"
     mkdir -p "$RUN_DIR/gpu-clocks"
     clocks_csv="$RUN_DIR/gpu-clocks/$(date -u +%Y%m%dT%H%M%SZ).csv"
     python3 scripts/gpu/gpu_clocks.py sample "$clocks_csv" --every 5 &

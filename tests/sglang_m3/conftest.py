@@ -54,8 +54,13 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(self.log_path, "w")
+        # /health generates one token and answers 503 when that takes over SGLANG_HEALTH_CHECK_TIMEOUT (20 s by
+        # default): on a 2-core box running the suite in parallel, a CPU server's token right after a burst of
+        # long prompts has taken longer, so the test servers allow 120 s (and ``healthy`` waits for that answer)
+        env = cpu_launch_env()
+        env.setdefault("SGLANG_HEALTH_CHECK_TIMEOUT", "120")
         self.proc = prewarm.start(server_command(self.port, *self._extra, max_total_tokens=self._max_total_tokens),
-                                  env=cpu_launch_env(), cwd=REPO, log=self._log)
+                                  env=env, cwd=REPO, log=self._log)
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> "Server":
         deadline = time.monotonic() + timeout_s
@@ -102,7 +107,7 @@ class Server:
 
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=30) as r:
+            with urllib.request.urlopen(self.url + "/health", timeout=150) as r:
                 return r.status == 200
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
