@@ -14,11 +14,12 @@ as the plugin's own fork of the scheduler already is (``plugin.cpu_children_star
 handle with ``pid`` (also the process group), ``poll()``, ``wait(timeout)`` and ``returncode``.
 
 A request fits when it is ``[the same python, "-m", <the module>, ...]`` and its environment agrees with
-the one the prewarmed process started with on everything read while the launcher is imported or when a
-library loads (every ``OMP_*``, ``GOMP_*``, ``KMP_*``, ``MALLOC_*`` variable, ``PYTHONHOME``, ``LD_*``;
-``PYTHONPATH`` may add directories, which the child puts on ``sys.path``, unless one holds another copy of a
-module already imported); other variables (``SGLANG_*`` settings read at run time, for example) are set in
-the child.
+the one the prewarmed process started with on everything read while the launcher was imported or when a
+library loads: every variable a module's top level looked up during the import (kept as a module constant,
+as SGLang keeps ``SGLANG_HEALTH_CHECK_TIMEOUT``: a forked child would have the launcher's value), every
+``OMP_*``, ``GOMP_*``, ``KMP_*``, ``MALLOC_*`` variable, ``PYTHONHOME``, ``LD_*``; ``PYTHONPATH`` may add
+directories, which the child puts on ``sys.path``, unless one holds another copy of a module already
+imported. Other variables (``SGLANG_*`` settings read at run time, for example) are set in the child.
 """
 
 import argparse
@@ -133,11 +134,43 @@ def launch(path: str, log, env: dict | None = None, module: str = LAUNCHER) -> s
 
 # ---- the prewarmed launcher --------------------------------------------------------------------
 
+class _EnvReads:
+    """Within ``with``: the environment variables that a module's top-level code looks up
+    (``os.environ[...]``, ``.get``, ``in``, ``os.getenv``), collected in ``names``: what modules keep as
+    constants (SGLang's ``HEALTH_CHECK_TIMEOUT``, torch's compile config). Lookups inside functions are left
+    out: SGLang's ``envs`` settings, for one, are looked up again each time they are used."""
+
+    _LOOKUP_MODULES = ("os", "_collections_abc", "collections.abc")  # os.getenv -> Mapping.get -> __getitem__
+
+    def __init__(self):
+        self.names: set[str] = set()
+        self._getitem = None
+
+    def __enter__(self) -> "_EnvReads":
+        self._getitem = getitem = os._Environ.__getitem__
+        names, lookup_modules = self.names, self._LOOKUP_MODULES
+
+        def recording_getitem(environ, key):
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_globals.get("__name__") in lookup_modules:
+                frame = frame.f_back
+            if frame is not None and frame.f_code.co_name == "<module>":
+                names.add(key)
+            return getitem(environ, key)
+
+        os._Environ.__getitem__ = recording_getitem
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os._Environ.__getitem__ = self._getitem
+
+
 def _dirs(path_list: str | None) -> set[str]:
     return {os.path.realpath(p) for p in (path_list or "").split(os.pathsep) if p}
 
 
-def _refusal(request: dict, module: str, initial_env: dict, imported_env: dict) -> str | None:
+def _refusal(request: dict, module: str, initial_env: dict, imported_env: dict,
+             read_at_import: set[str]) -> str | None:
     argv = request.get("argv") or []
     if argv[:3] != [sys.executable, "-m", module]:
         return f"serves only [{sys.executable}, -m, {module}, ...]"
@@ -147,6 +180,9 @@ def _refusal(request: dict, module: str, initial_env: dict, imported_env: dict) 
     ours, theirs = fixed_env(initial_env), fixed_env(env)
     if {k: v for k, v in theirs.items() if k not in skip} != {k: v for k, v in ours.items() if k not in skip}:
         return "its environment differs in variables read at start-up"
+    changed = sorted(k for k in read_at_import - skip if env.get(k) != initial_env.get(k))
+    if changed:
+        return f"its environment changes {', '.join(changed)}, read while {module} was imported here"
     # PYTHONPATH only sets sys.path at start. The child adds the directories it names (a launcher script's
     # "$PWD:$PWD/kernels") unless one would hide a module already imported here behind another file.
     if not _dirs(initial_env.get("PYTHONPATH")) <= _dirs(env.get("PYTHONPATH")):
@@ -217,12 +253,13 @@ def serve(path: str, module: str = LAUNCHER) -> None:
     import importlib
 
     initial_env = dict(os.environ)
-    importlib.import_module(module)  # the expensive part, paid once
-    for name in PRELOAD.get(module, ()):
-        try:
-            importlib.import_module(name)
-        except ImportError as e:  # another SGLang release: the child imports what it needs itself
-            print(f"prewarm: not preloaded: {name}: {e}", file=sys.stderr, flush=True)
+    with _EnvReads() as reads:
+        importlib.import_module(module)  # the expensive part, paid once
+        for name in PRELOAD.get(module, ()):
+            try:
+                importlib.import_module(name)
+            except ImportError as e:  # another SGLang release: the child imports what it needs itself
+                print(f"prewarm: not preloaded: {name}: {e}", file=sys.stderr, flush=True)
     # What the import set (SGLang: KMP_DUPLICATE_LIB_OK, KMP_INIT_AT_FORK, TORCHINDUCTOR_CACHE_DIR): a
     # launcher started as its own process sets it too, so each child gets it over its requested environment.
     imported_env = {k: v for k, v in os.environ.items() if initial_env.get(k) != v}
@@ -249,7 +286,7 @@ def serve(path: str, module: str = LAUNCHER) -> None:
                     data += chunk
                 try:
                     request = json.loads(data)
-                    why = _refusal(request, module, initial_env, imported_env)
+                    why = _refusal(request, module, initial_env, imported_env, reads.names)
                 except ValueError as e:
                     request, why = None, f"bad request: {e}"
                 if why is not None:

@@ -12,14 +12,19 @@ import pytest
 
 from sglang_m3 import prewarm
 
+# A module the probe imports, keeping a variable as a constant (as SGLang's HTTP server keeps
+# SGLANG_HEALTH_CHECK_TIMEOUT): a forked run would see the launcher's value, so a request changing it is refused
+PROBE_DEP = 'import os\nAT_IMPORT = os.environ.get("M3_PROBE_AT_IMPORT", "unset")\n'
 PROBE = textwrap.dedent("""
     import json, os, sys, time
+    import m3_prewarm_probe_dep
     os.environ["KMP_M3_PROBE"] = "imported"  # as SGLang's import sets KMP_INIT_AT_FORK
     if __name__ == "__main__":  # as sglang.launch_server: importing it runs nothing else
         if sys.argv[1:2] == ["sleep"]:
             time.sleep(600)
         print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "probe": os.environ.get("M3_PROBE"),
-                          "kmp": os.environ.get("KMP_M3_PROBE"), "own_session": os.getsid(0) == os.getpid()}))
+                          "kmp": os.environ.get("KMP_M3_PROBE"), "own_session": os.getsid(0) == os.getpid(),
+                          "at_import": m3_prewarm_probe_dep.AT_IMPORT}))
         sys.exit(int(sys.argv[1]))
 """)
 
@@ -27,6 +32,8 @@ PROBE = textwrap.dedent("""
 @pytest.fixture
 def launcher(tmp_path, monkeypatch):
     (tmp_path / "m3_prewarm_probe.py").write_text(PROBE)
+    (tmp_path / "m3_prewarm_probe_dep.py").write_text(PROBE_DEP)
+    monkeypatch.delenv("M3_PROBE_AT_IMPORT", raising=False)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
     sock = str(tmp_path / "launcher.sock")
@@ -53,7 +60,8 @@ def test_a_forked_run_gets_its_arguments_environment_cwd_log_and_session(launche
     assert isinstance(handle, prewarm.Forked)
     assert handle.wait(timeout=60) == 3 and handle.poll() == 3
     out = json.loads(log_path.read_text().strip().splitlines()[-1])
-    assert out == {"argv": ["3", "x"], "cwd": str(tmp_path), "probe": "seen", "kmp": "imported", "own_session": True}
+    assert out == {"argv": ["3", "x"], "cwd": str(tmp_path), "probe": "seen", "kmp": "imported", "own_session": True,
+                   "at_import": "unset"}
     # a client that imported the module itself carries what the import set: still the same start-up
     handle, _ = _run(tmp_path, "0", env=dict(env, KMP_M3_PROBE="imported"), name="imported")
     assert isinstance(handle, prewarm.Forked) and handle.wait(timeout=60) == 0
@@ -77,6 +85,18 @@ def test_requests_that_do_not_fit_fall_back_to_a_subprocess(launcher, tmp_path):
     with open(tmp_path / "other.log", "w") as log:  # another module
         handle = prewarm.start([sys.executable, "-c", "raise SystemExit(4)"], log=log)
     assert isinstance(handle, subprocess.Popen) and handle.wait(timeout=60) == 4
+
+
+def test_a_variable_read_while_importing_is_not_changed_under_a_forked_run(launcher, tmp_path):
+    import json
+
+    handle, log_path = _run(tmp_path, "0", env=dict(os.environ, M3_PROBE_AT_IMPORT="120"), name="at_import")
+    assert isinstance(handle, subprocess.Popen) and handle.wait(timeout=60) == 0  # a fresh interpreter
+    assert json.loads(log_path.read_text().strip().splitlines()[-1])["at_import"] == "120"
+    handle, _ = _run(tmp_path, "0", env=dict(os.environ, M3_PROBE="run time only"), name="run_time")
+    assert isinstance(handle, prewarm.Forked) and handle.wait(timeout=60) == 0
+    log = (tmp_path / "launcher.log").read_text()
+    assert "M3_PROBE_AT_IMPORT, read while m3_prewarm_probe was imported" in log and "M3_PROBE," not in log
 
 
 def test_without_a_launcher_start_is_popen(tmp_path, monkeypatch):
