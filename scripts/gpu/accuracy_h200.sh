@@ -60,8 +60,8 @@
 # RUN_DIR, OUT, RESUME, FRESH=1 (drop $RUN_DIR's state first), CACHE_IN, CACHE_OUT, CACHE_S (30), PYTHON (python3),
 # BENCH_PREFILL=1 (time SGLang's sparse prefill attention under each autotune candidate first; the table in
 # call.log, its files in logs.tgz), M3_SPARSE_PREFILL_CONFIG (WARPS,STAGES: every server holds that candidate),
-# WRITTEN_ROOTS (the folders searched for what the call wrote outside its own; on a GPU by default $HOME, /tmp, the
-# checkout and the interpreter's prefix, on the CPU none),
+# WRITTEN_ROOTS (the folders searched for what the call wrote outside its own, each PATH or NAME=PATH, printed as
+# $NAME/...; on a GPU by default $HOME, /tmp, the checkout and the interpreter's prefix, named; on the CPU none),
 # DEVICE (cuda; cpu: no bundle, the CPU server arguments, for the smoke test tests/scripts/test_accuracy_h200.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -310,7 +310,8 @@ for d in TRITON_CACHE_DIR TVM_FFI_CACHE_DIR TORCHINDUCTOR_CACHE_DIR CUDA_CACHE_P
     fi
 done
 if [ "$DEVICE" != cpu ]; then
-    WRITTEN_ROOTS="${WRITTEN_ROOTS:-${HOME:-$PWD} ${TMPDIR:-/tmp} $PWD $("$PYTHON" -c 'import sys; print(sys.prefix)')}"
+    prefix=$("$PYTHON" -c 'import sys; print(sys.prefix)')
+    WRITTEN_ROOTS="${WRITTEN_ROOTS:-HOME=${HOME:-$PWD} TMPDIR=${TMPDIR:-/tmp} CHECKOUT=$PWD PREFIX=$prefix}"
 fi
 if [ -n "${WRITTEN_ROOTS:-}" ]; then
     # shellcheck disable=SC2086

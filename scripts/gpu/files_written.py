@@ -5,12 +5,13 @@ the Triton, nvcc and Inductor caches carried. What a held machine keeps between 
 written somewhere: the CUDA driver's PTX cache, torch's NVRTC kernels, Python bytecode, a library's own cache.
 This lists it.
 
-    python scripts/gpu/files_written.py MARKER ROOT [ROOT ...] [--skip DIR ...] [--depth 2] [--top 8] [--out FILE]
+    python scripts/gpu/files_written.py MARKER [NAME=]ROOT ... [--skip DIR ...] [--depth 2] [--top 8] [--out FILE]
 
 MARKER: a file touched when the call started; a file counts if it was modified after it. Each ROOT is walked
 without following links, the ``--skip`` folders (the run directory, ``$OUT``) left out, a folder reached from
 two roots counted once. Prints the total and the ``--top`` folders, cut ``--depth`` levels below their root,
-with their files, ``.pyc`` files among them, and bytes; ``--out`` gets every folder, one a line.
+with their files, ``.pyc`` files among them, and bytes; ``--out`` gets every folder, one a line. A folder under
+a root given as ``NAME=ROOT`` is printed as ``$NAME/...``, so the log names no machine's paths.
 """
 
 from __future__ import annotations
@@ -64,10 +65,24 @@ def _line(folder: str, row: list[int]) -> str:
     return f"{folder}: {row[0]} files ({row[1]} .pyc), {row[2] / 2**20:.1f} MiB"
 
 
+def _named_root(arg: str) -> tuple[str | None, Path]:
+    """``NAME=ROOT`` -> (NAME, ROOT); a bare ``ROOT`` -> (None, ROOT)."""
+    name, sep, path = arg.partition("=")
+    return (name, Path(path)) if sep and name.isidentifier() else (None, Path(arg))
+
+
+def shown(folder: str, names: dict[str, str]) -> str:
+    """``folder`` as ``$NAME/rest`` under the deepest named root holding it (``names``: real root -> NAME)."""
+    for root in sorted(names, key=len, reverse=True):
+        if folder == root or folder.startswith(root.rstrip("/") + "/"):
+            return f"${names[root]}{folder[len(root.rstrip('/')):]}"
+    return folder
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("marker", type=Path)
-    ap.add_argument("roots", type=Path, nargs="+")
+    ap.add_argument("roots", nargs="+", help="folders to search, each ROOT or NAME=ROOT")
     ap.add_argument("--skip", type=Path, action="append", default=[])
     ap.add_argument("--depth", type=int, default=2)
     ap.add_argument("--top", type=int, default=8)
@@ -75,15 +90,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not args.marker.is_file():
         ap.error(f"marker {args.marker} is not a file (touch it when the call starts)")
-    roots = [r for r in args.roots if r.is_dir()]
+    named = [_named_root(a) for a in args.roots]
+    roots = [r for _, r in named if r.is_dir()]
+    names = {os.path.realpath(r): name for name, r in named if name}
     rows = written_since(args.marker, roots, args.skip)
     total = [sum(r[i] for r in rows.values()) for i in range(3)]
     print(_line("written during this call outside its run directory", total))
     merged = summarize(rows, roots, args.depth)
     for folder, row in sorted(merged.items(), key=lambda kv: (-kv[1][0], kv[0]))[: args.top]:
-        print("  " + _line(folder, row))
+        print("  " + _line(shown(folder, names), row))
     if args.out:
-        args.out.write_text("".join(_line(f, r) + "\n" for f, r in sorted(rows.items())))
+        args.out.write_text("".join(_line(shown(f, names), r) + "\n" for f, r in sorted(rows.items())))
     return 0
 
 

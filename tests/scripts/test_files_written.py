@@ -51,6 +51,22 @@ def test_counts_what_was_written_after_the_marker(tmp_path):
     assert len(out.read_text().splitlines()) == 4
 
 
+def test_named_roots_print_their_folders_without_the_machine_path(tmp_path):
+    home, prefix = tmp_path / "home", tmp_path / "home" / "venv"
+    marker = tmp_path / "marker"
+    marker.touch()
+    os.utime(marker, (2_000_000, 2_000_000))
+    _write(home / ".cache" / "lib" / "a", 10)
+    _write(prefix / "lib" / "python3.12" / "b.pyc", 20)  # under both: the deeper root names it
+    out = tmp_path / "all.txt"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "files_written.py"), str(marker),
+                           f"HOME={home}", f"PREFIX={prefix}", "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[1:] == ["  $HOME/.cache/lib: 1 files (0 .pyc), 0.0 MiB",
+                                            "  $PREFIX/lib/python3.12: 1 files (1 .pyc), 0.0 MiB"]
+    assert str(tmp_path) not in proc.stdout + out.read_text()
+
+
 def test_a_missing_marker_is_an_error_naming_it(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "files_written.py"),
                            str(tmp_path / "nope"), str(tmp_path)], capture_output=True, text=True)
