@@ -37,7 +37,8 @@ sys.path.insert(0, str(REPO / "scripts" / "gpu"))
 import call_timings  # noqa: E402
 STATE = Path("accuracy_h200_resume") / "state.tgz"
 SAMPLES = "accuracy_h200_2026-12-02_q4_samples.jsonl"
-_CALL_LOG = re.compile(r"accuracy_h200_\d{4}-\d{2}-\d{2}_q4_call(\d+)\.log$")
+# A kept log with a suffix (``call30_repeat.log``: served, not landed) still takes its number.
+_CALL_LOG = re.compile(r"accuracy_h200_\d{4}-\d{2}-\d{2}_q4_call(\d+)(?:_[a-z]+)?\.log$")
 # An absolute path up to one of the repo's top-level folders: /any/where/main/build/x -> build/x.
 _REPO_PATH = re.compile(r"(?<![\w.])/(?:[\w.+@-]+/)+?(?=(?:build|scripts|configs|accuracy|sglang_m3|kernels|"
                         r"training|tests|docs|out)/)")

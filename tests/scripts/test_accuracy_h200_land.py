@@ -104,6 +104,15 @@ def test_two_calls_land_as_state_appended_rows_and_numbered_logs(tmp_path, commi
     assert (perf / land.STATE).read_bytes() == state
 
 
+def test_a_kept_log_with_a_suffix_takes_its_number(tmp_path, committed):
+    """A served-but-not-landed call kept as ``call17_repeat.log`` holds number 17: the next call lands as 18."""
+    rng, rows, perf = committed
+    (perf / "accuracy_h200_2026-12-04_q4_call17_repeat.log").write_text("call 17, not landed\n")
+    call = _call(tmp_path, "8", {**rows, **_rows(rng, "fp8", 8, 12)}, "call 8\n")
+    out = land.land([call], perf, "2026-12-05", report=False)
+    assert out["logs"] == ["accuracy_h200_2026-12-05_q4_call18.log"] and out["calls"] == [18]
+
+
 @pytest.mark.parametrize("fault", ["lost", "changed", "out_of_order"])
 def test_a_call_that_loses_or_changes_a_committed_row_lands_nothing(tmp_path, committed, fault):
     rng, rows, perf = committed
