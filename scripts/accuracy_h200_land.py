@@ -148,7 +148,8 @@ def _land(call_dirs: list[Path], archives: list[Path], perf_data: Path, date: st
                 raise SystemExit("accuracy_h200_report.sh failed (its log's tail above); the state, rows and logs are "
                                  "landed: fix the report and rerun this command, which appends nothing twice")
             shutil.copy(Path(tmp) / "report.md", perf_data / f"accuracy_h200_{date}_q4_report.md")
-            shutil.copy(Path(tmp) / "accuracy_vs_length.png", perf_data / f"accuracy_h200_{date}_q4_accuracy_vs_length.png")
+            plot = perf_data / f"accuracy_h200_{date}_q4_accuracy_vs_length.png"
+            shutil.copy(Path(tmp) / "accuracy_vs_length.png", plot)
         out["report"] = f"accuracy_h200_{date}_q4_report.md"
     return out
 
