@@ -34,7 +34,7 @@ from sglang.srt.runtime_context import get_parallel
 from .compat import setting
 from .config import IndexKSettings
 from .debug import SelectionRecorder
-from .sparse_attention import pin_prefill_from_env, sparse_attention_decode, sparse_attention_extend
+from .sparse_attention import pin_from_env, sparse_attention_decode, sparse_attention_extend
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
         self.recorder = SelectionRecorder.from_config(runner.model_config.hf_config, self.sparse_layer_ids)
         self.decode_scorer = prepare_decode(self.device, settings.fmt.is_mxfp4)  # JIT builds now, not mid-capture
         if self.device.type == "cuda":
-            pin_prefill_from_env()  # a bad M3_SPARSE_PREFILL_CONFIG fails the start, not the first prefill
+            pin_from_env()  # a bad M3_SPARSE_{PREFILL,DECODE}_CONFIG fails the start, not the first call
         logger.info("sglang-m3: %s index-K cache, decode scorer %s", settings.fmt.value, self.decode_scorer)
 
     # ---- plan --------------------------------------------------------------------------------

@@ -139,7 +139,8 @@ class MiniMaxM31SparseKVPool(MiniMaxSparseKVPool):
     def _index_layer(self, layer_id: int) -> int:
         mapped = self.index_k_layer_id_mapping.get(layer_id)
         if mapped is None:
-            raise ValueError(f"layer_id={layer_id} is not a sparse layer; sparse layers: {list(self.index_k_layer_id_mapping)}")
+            raise ValueError(f"layer_id={layer_id} is not a sparse layer; sparse layers: "
+                             f"{list(self.index_k_layer_id_mapping)}")
         return mapped
 
     def get_index_k_buffer(self, layer_id: int):

@@ -7,68 +7,105 @@ masked whole-context reference beside them (``naive.sparse_attention_ref``). Blo
 request-relative (block ``p`` = tokens ``p*block_size .. p*block_size + block_size - 1`` of the
 request), -1 pads the end of a list.
 
-SGLang's prefill kernel is ``triton.autotune``d over 9 (warps, stages) candidates on a key without the sequence
-length, so each process keeps the pick of its first call, a server's 128-token warm-up. ``M3_SPARSE_PREFILL_CONFIG``
-(``"WARPS,STAGES"``, e.g. ``"4,3"``) holds every server process to one candidate instead (the backend calls
-``pin_prefill_from_env`` once at start-up; ``scripts/gpu/bench_sparse_prefill.py`` times them all at a model's
-prefill shape).
+SGLang's two sparse-attention kernels are ``triton.autotune``d over (warps, stages) candidates: prefill over 9 on a
+key without the sequence length, so each process keeps the pick of its first call, a server's 128-token warm-up;
+decode over 8 per batch-size bucket, picked during CUDA-graph capture. Candidates with different warps need not round
+alike, so two servers of one model can differ in their last bits. ``M3_SPARSE_PREFILL_CONFIG`` and
+``M3_SPARSE_DECODE_CONFIG`` (``"WARPS,STAGES"``, e.g. ``"4,3"``) hold every server process to one candidate instead
+(the backend calls ``pin_from_env`` once at start-up; ``scripts/gpu/bench_sparse_prefill.py`` and
+``scripts/gpu/bench_sparse_decode.py`` time them all at a model's shapes).
 """
 
 import functools
+import importlib
 import logging
 import os
 
 from m3_kernels.ops.attention import sparse_attention_decode_cpu, sparse_attention_extend_cpu
 
 PREFILL_CONFIG_ENV = "M3_SPARSE_PREFILL_CONFIG"
+DECODE_CONFIG_ENV = "M3_SPARSE_DECODE_CONFIG"
+_SPARSE = "sglang.kernels.ops.attention.minimax_sparse"
+# which kernel: (the variable that holds it, SGLang's module, the autotuned kernel in it)
+KERNELS = {
+    "prefill": (PREFILL_CONFIG_ENV, f"{_SPARSE}.prefill.topk_sparse", "_gqa_share_sparse_fwd_kernel"),
+    "decode": (DECODE_CONFIG_ENV, f"{_SPARSE}.decode.topk_sparse", "_gqa_share_sparse_decode_kernel"),
+}
 logger = logging.getLogger(__name__)
 
 
-def prefill_autotuner():
-    """The ``triton.runtime.Autotuner`` inside SGLang's sparse prefill kernel (under its ``heuristics``)."""
-    from sglang.kernels.ops.attention.minimax_sparse.prefill import topk_sparse
+def autotuner(which: str):
+    """The ``triton.runtime.Autotuner`` inside SGLang's sparse ``which`` ("prefill" or "decode") kernel, under its
+    ``heuristics``."""
     from triton.runtime.autotuner import Autotuner
 
-    fn = topk_sparse._gqa_share_sparse_fwd_kernel
+    env, module, name = KERNELS[which]
+    fn = getattr(importlib.import_module(module), name)
     while not isinstance(fn, Autotuner):
         if not hasattr(fn, "fn"):
-            raise RuntimeError(f"{PREFILL_CONFIG_ENV}: this SGLang's sparse prefill kernel is not autotuned; unset it")
+            raise RuntimeError(f"{env}: this SGLang's sparse {which} kernel is not autotuned; unset it")
         fn = fn.fn
     return fn
 
 
-def pin_prefill_config(spec: str | None, autotuner=None) -> tuple[int, int] | None:
-    """Hold SGLang's sparse prefill kernel to the candidate ``spec`` names (``"WARPS,STAGES"``); None or ``""``
-    gives the autotuner back all its candidates. Returns the (warps, stages) held, or None. ValueError names
-    ``M3_SPARSE_PREFILL_CONFIG`` and the candidates when ``spec`` is none of them."""
-    tuner = prefill_autotuner() if autotuner is None else autotuner
+def prefill_autotuner():
+    return autotuner("prefill")
+
+
+def decode_autotuner():
+    return autotuner("decode")
+
+
+def _candidate(which: str, spec: str, tuner):
+    """The candidate of ``tuner`` that ``spec`` ("WARPS,STAGES") names; ValueError naming the kernel's variable
+    (``KERNELS``) and its candidates when it names none."""
     if not hasattr(tuner, "m3_candidates"):
-        tuner.m3_candidates = list(tuner.configs)
+        tuner.m3_candidates = list(tuner.configs)  # all of them, before any hold
     candidates = {(c.num_warps, c.num_stages): c for c in tuner.m3_candidates}
-    if not spec:
-        tuner.configs = list(tuner.m3_candidates)
-        tuner.cache.clear()  # the next call picks again
-        return None
     try:
         warps, stages = (int(x) for x in spec.split(","))
     except ValueError:
         warps = stages = None
     if (warps, stages) not in candidates:
-        raise ValueError(f"{PREFILL_CONFIG_ENV}={spec!r}: expected WARPS,STAGES, one of the kernel's candidates "
+        raise ValueError(f"{KERNELS[which][0]}={spec!r}: expected WARPS,STAGES, one of the kernel's candidates "
                          f"{', '.join(f'{w},{s}' for w, s in sorted(candidates))}")
-    tuner.configs = [candidates[(warps, stages)]]
+    return candidates[(warps, stages)]
+
+
+def pin_config(which: str, spec: str | None, tuner=None) -> tuple[int, int] | None:
+    """Hold SGLang's sparse ``which`` kernel to the candidate ``spec`` names (``"WARPS,STAGES"``); None or ``""``
+    gives the autotuner back all its candidates. Returns the (warps, stages) held, or None. A ``spec`` that names no
+    candidate raises ValueError (``_candidate``) and leaves the kernel as it was."""
+    tuner = autotuner(which) if tuner is None else tuner
+    if not spec:
+        tuner.configs = list(getattr(tuner, "m3_candidates", tuner.configs))
+        tuner.cache.clear()  # the next call picks again
+        return None
+    config = _candidate(which, spec, tuner)
+    tuner.configs = [config]
     tuner.cache.clear()  # a pick made before is not kept
-    return warps, stages
+    return config.num_warps, config.num_stages
+
+
+def pin_prefill_config(spec: str | None, tuner=None) -> tuple[int, int] | None:
+    return pin_config("prefill", spec, tuner)
+
+
+def pin_decode_config(spec: str | None, tuner=None) -> tuple[int, int] | None:
+    return pin_config("decode", spec, tuner)
 
 
 @functools.cache
-def pin_prefill_from_env() -> None:
-    """``pin_prefill_config`` of ``M3_SPARSE_PREFILL_CONFIG``, once per process, logged; unset, SGLang's kernel is
-    left as it is."""
-    spec = os.environ.get(PREFILL_CONFIG_ENV)
-    if spec:
-        held = pin_prefill_config(spec)
-        logger.info("sglang-m3: sparse prefill attention held to %d warps, %d stages (%s)", *held, PREFILL_CONFIG_ENV)
+def pin_from_env() -> None:
+    """``pin_config`` of each kernel whose variable is set, once per process, logged; a kernel whose variable is
+    unset is left as SGLang has it (not even looked up). Both variables are checked before either kernel is held."""
+    specs = {which: spec for which, (env, _, _) in KERNELS.items() if (spec := os.environ.get(env))}
+    tuners = {which: autotuner(which) for which in specs}
+    for which, spec in specs.items():
+        _candidate(which, spec, tuners[which])
+    for which, spec in specs.items():
+        held = pin_config(which, spec, tuners[which])
+        logger.info("sglang-m3: sparse %s attention held to %d warps, %d stages (%s)", which, *held, KERNELS[which][0])
 
 
 def sparse_attention_extend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, prefix_lens, cu_seqlens_q,

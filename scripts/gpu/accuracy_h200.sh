@@ -31,8 +31,8 @@
 #   agreement.json      the agreement study's summary (when at least bf16 and one more format are done)
 #   logs.tgz            the servers' logs (last 2 MiB of each); files-written.txt (on a GPU): every folder outside
 #                       the run directory this call wrote to (scripts/gpu/files_written.py);
-#                       bench-bench_sparse_prefill.* (BENCH_PREFILL=1); where nvidia-smi runs, gpu-clocks-<start>.csv: the GPU's clocks, power,
-#                       utilization and clock-event reasons and the host's load every 5 s of each call
+#                       bench-bench_sparse_{prefill,decode}.* (BENCH_PREFILL=1, BENCH_DECODE=1); where nvidia-smi
+#                       runs, gpu-clocks-<start>.csv: the GPU's clocks, power, utilization and clock-event reasons and the host's load every 5 s of each call
 #                       (scripts/gpu/gpu_clocks.py); triton-kernels.txt: each Triton kernel compiled
 #                       on the machine, its variants and cubin bytes (TRITON_CACHE_DIR, in $RUN_DIR);
 #                       jit-modules.txt: the modules nvcc built (TVM_FFI_CACHE_DIR, in $RUN_DIR), bytes, time
@@ -58,8 +58,9 @@
 # radix cache prefills it once), CONCURRENCY (8), AGREE_FORMATS ("bf16 fp8 mxfp4
 # mxfp4_rot"), AGREE_SAMPLES (4), AGREE_LENGTHS (LENGTHS), LAUNCH_ARGS (replaces the server arguments below),
 # RUN_DIR, OUT, RESUME, FRESH=1 (drop $RUN_DIR's state first), CACHE_IN, CACHE_OUT, CACHE_S (30), PYTHON (python3),
-# BENCH_PREFILL=1 (time SGLang's sparse prefill attention under each autotune candidate first; the table in
-# call.log, its files in logs.tgz), M3_SPARSE_PREFILL_CONFIG (WARPS,STAGES: every server holds that candidate),
+# BENCH_PREFILL=1 / BENCH_DECODE=1 (time SGLang's sparse prefill / decode attention under each autotune candidate
+# first; the tables in call.log, their files in logs.tgz), M3_SPARSE_PREFILL_CONFIG / M3_SPARSE_DECODE_CONFIG
+# (WARPS,STAGES: every server holds that candidate),
 # WRITTEN_ROOTS (the folders searched for what the call wrote outside its own, each PATH or NAME=PATH, printed as
 # $NAME/...; on a GPU by default $HOME, /tmp, the checkout and the interpreter's prefix, named; on the CPU none),
 # DEVICE (cuda; cpu: no bundle, the CPU server arguments, for the smoke test tests/scripts/test_accuracy_h200.py).
@@ -167,19 +168,28 @@ if ! "$PYTHON" -c "import lm_eval, datasets, transformers, scipy, matplotlib" 2>
     exit 1
 fi
 
-# SGLang's sparse prefill attention: autotuned by each server at its first call (a 128-token warm-up), or held to one
-# candidate by M3_SPARSE_PREFILL_CONFIG=WARPS,STAGES (sglang_m3/sparse_attention.py); once held, hold it for the rest of
-# the run, since a call serves one format. BENCH_PREFILL=1 first times every candidate at the model's prefill shape.
+# SGLang's sparse attention kernels: autotuned by each server (prefill at its first call, a 128-token warm-up; decode
+# at each batch bucket while it captures its CUDA graphs), or held to one candidate by M3_SPARSE_PREFILL_CONFIG and
+# M3_SPARSE_DECODE_CONFIG=WARPS,STAGES (sglang_m3/sparse_attention.py); once held, hold them for the rest of the run,
+# since a call serves one format. BENCH_PREFILL=1 / BENCH_DECODE=1 first time every candidate at the model's shapes.
 if [ -n "${BENCH_PREFILL:-}" ] && [ "$DEVICE" != cpu ]; then
     echo "[$(elapsed)s] SGLang's sparse prefill attention under each candidate (scripts/gpu/bench_sparse_prefill.py):"
     timeout 180 "$PYTHON" scripts/gpu/bench_sparse_prefill.py --out "$RUN_DIR/bench" \
         || echo "bench_sparse_prefill failed"
 fi
-if [ -n "${M3_SPARSE_PREFILL_CONFIG:-}" ]; then
-    echo "sparse prefill attention: held to M3_SPARSE_PREFILL_CONFIG=$M3_SPARSE_PREFILL_CONFIG in every server"
-else
-    echo "sparse prefill attention: autotuned by each server at its first call"
+if [ -n "${BENCH_DECODE:-}" ] && [ "$DEVICE" != cpu ]; then
+    echo "[$(elapsed)s] SGLang's sparse decode attention under each candidate (scripts/gpu/bench_sparse_decode.py):"
+    timeout 240 "$PYTHON" scripts/gpu/bench_sparse_decode.py --out "$RUN_DIR/bench" \
+        || echo "bench_sparse_decode failed"
 fi
+for kernel in prefill decode; do
+    var="M3_SPARSE_${kernel^^}_CONFIG"
+    if [ -n "${!var:-}" ]; then
+        echo "sparse $kernel attention: held to $var=${!var} in every server"
+    else
+        echo "sparse $kernel attention: autotuned by each server"
+    fi
+done
 
 # The GPU's clocks, power, utilization and clock-event reasons and the host's load every 5 s through the call
 # (logs.tgz: gpu-clocks-*.csv), summed up in a line at the end: a slow call's prefill rate (67k against 84k tokens/s
@@ -288,7 +298,7 @@ fi
 logs=$(mktemp -d)
 mkdir -p "$logs/logs"
 for f in "$RUN_DIR"/acc/server-*.log "$RUN_DIR"/agreement/server-*.log "$RUN_DIR"/agreement/*.out \
-         "$RUN_DIR"/gpu-clocks/*.csv "$RUN_DIR"/bench/bench_sparse_prefill.*; do
+         "$RUN_DIR"/gpu-clocks/*.csv "$RUN_DIR"/bench/bench_sparse_*.*; do
     [ -f "$f" ] && tail -c 2097152 "$f" > "$logs/logs/$(basename "$(dirname "$f")")-$(basename "$f")"
 done
 if [ -d "${TRITON_CACHE_DIR:-}" ]; then  # kernel name, compiled variants, cubin bytes

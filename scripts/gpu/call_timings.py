@@ -1,7 +1,8 @@
 """Where an accuracy call's time went, read from what it returned (``call.log`` and ``logs.tgz``): per server the
 call started, the seconds from launch to ready, the CUDA-graph capture, the rounds, the prefill rate, and the
 configurations Triton's autotuner picked (``TRITON_PRINT_AUTOTUNING=1``: SGLang's sparse prefill attention, 41-43%
-of a prefill, picks among 9 at its first call in each server process) or the one ``M3_SPARSE_PREFILL_CONFIG`` held.
+of a prefill, picks among 9 at its first call in each server process; its decode attention, among 8 at each batch
+bucket) or the one ``M3_SPARSE_PREFILL_CONFIG`` / ``M3_SPARSE_DECODE_CONFIG`` held.
 
     python scripts/gpu/call_timings.py CALL_DIR [CALL_DIR ...]     # one markdown row per server
 
@@ -27,7 +28,8 @@ CAPTURE = re.compile(r"Capture target decode CUDA graph end\. elapsed=([\d.]+) s
 NEW_TOKENS = re.compile(r"Prefill batch.*#new-token: (\d+)")
 AUTOTUNED = re.compile(r"^Triton autotuning for function (\w+),")
 PICKED = re.compile(r"^best config selected: (.*);")
-HELD = re.compile(r"sparse prefill attention held to (\d+) warps, (\d+) stages")  # M3_SPARSE_PREFILL_CONFIG
+HELD = re.compile(r"sparse (prefill|decode) attention held to (\d+) warps, (\d+) stages")  # M3_SPARSE_*_CONFIG
+HELD_KERNEL = {"prefill": "_gqa_share_sparse_fwd_kernel", "decode": "_gqa_share_sparse_decode_kernel"}
 
 
 @dataclass
@@ -82,7 +84,7 @@ def servers_in_log(fmt: str, text: str) -> list[Server]:
         if s.ready is None and "The server is fired up" in line:
             s.ready = t
         elif m := HELD.search(line):
-            s.autotuned.append(("_gqa_share_sparse_fwd_kernel", f"w{m.group(1)} s{m.group(2)} held"))
+            s.autotuned.append((HELD_KERNEL[m.group(1)], f"w{m.group(2)} s{m.group(3)} held"))
         elif (m := CAPTURE.search(line)) and s.capture_s is None:
             s.capture_s = float(m.group(1))
         elif m := NEW_TOKENS.search(line):

@@ -23,7 +23,8 @@ def _pairs_from_dump() -> dict:
         if fmt == "fp8":
             continue
         both = scores.keys() & rows["fp8"].keys()
-        out[fmt] = (len(both), sum(rows["fp8"][k] > scores[k] for k in both), sum(rows["fp8"][k] < scores[k] for k in both))
+        base = rows["fp8"]
+        out[fmt] = (len(both), sum(base[k] > scores[k] for k in both), sum(base[k] < scores[k] for k in both))
     return out
 
 

@@ -26,6 +26,7 @@ best config selected: num_warps: 8, num_ctas: 1, num_stages: 4, maxnreg: None;
 """
 THIS_SERVER = """[2026-12-03 10:00:05] server_args=ServerArgs(model_path='m')
 [2026-12-03 10:00:20] sglang-m3: sparse prefill attention held to 8 warps, 4 stages (M3_SPARSE_PREFILL_CONFIG)
+[2026-12-03 10:00:20] sglang-m3: sparse decode attention held to 4 warps, 5 stages (M3_SPARSE_DECODE_CONFIG)
 Triton autotuning for function _gqa_share_sparse_decode_kernel,
 with key as (1, 128, 'torch.bfloat16'),
 finished after 0.50s,
@@ -77,12 +78,13 @@ def test_this_calls_server_only(tmp_path):
     assert (s.ready - s.launched).total_seconds() == 39 and s.capture_s == 6.25
     assert s.prefill_tokens == 8192 + 8192 + 4096 and s.prefill_rate == (8192 + 8192 + 4096) / 8
     assert s.autotuned == [("_gqa_share_sparse_fwd_kernel", "w8 s4 held"),
+                           ("_gqa_share_sparse_decode_kernel", "w4 s5 held"),
                            ("_gqa_share_sparse_decode_kernel", "BLOCK_SIZE_K=64 w2 s2"),
                            ("_gqa_share_sparse_decode_kernel", "BLOCK_SIZE_K=128 w4 s2"),
                            ("_gqa_share_sparse_fwd_kernel", "w4 s3")]
     table = call_timings.table([d], ["call 30"])
     assert ("| call 30 (10:00 UTC) | mxfp4 | 3 | 39 | 6.2 | 40.5; 28.2-30.0 | 2.6k | gqa_share_sparse_fwd w8 s4 held, "
-            "w4 s3; gqa_share_sparse_decode BLOCK_SIZE_K=64 w2 s2, BLOCK_SIZE_K=128 w4 s2 |") in table
+            "w4 s3; gqa_share_sparse_decode w4 s5 held, BLOCK_SIZE_K=64 w2 s2, BLOCK_SIZE_K=128 w4 s2 |") in table
     assert table.endswith("call 30: GPU samples: 80 of 100 at >= 50% utilization: SM 1980 MHz")
 
 

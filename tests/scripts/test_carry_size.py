@@ -26,7 +26,8 @@ def test_the_tree_as_it_travels_plus_the_carry(tmp_path):
     _write(repo / "code.py", 3000)
     _write(repo / "parked" / "weights.bin", 5000)
     subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo), "commit", "-qm", "x"], check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo), "commit", "-qm", "x"],
+                   check=True)
     (repo / "parked" / "weights.bin").unlink()  # a tracked file moved out for the call: not carried
     _write(repo / "new.py", 700)  # untracked, not ignored: carried
     _write(repo / "big" / "part", 2**20)  # ignored: only when named

@@ -1,6 +1,7 @@
 """The plugin's attention entry points: on the CPU the kernels of ``m3_kernels.ops.attention`` (tested against
 their float64 oracles in ``tests/kernels/ops/attention``) with SGLang's argument layout; the one-candidate hold
-on SGLang's autotuned prefill kernel; on CUDA (marked gpu) that kernel under each candidate against the oracle."""
+on SGLang's autotuned prefill and decode kernels; on CUDA (marked gpu) those kernels under each candidate against the
+oracle."""
 
 import math
 import os
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from m3_kernels.ops.attention.naive import sparse_attention_ref
-from sglang_m3.sparse_attention import (pin_prefill_config, pin_prefill_from_env, prefill_autotuner,
+import sglang_m3.sparse_attention as sa
+from sglang_m3.sparse_attention import (autotuner, pin_config, pin_decode_config, pin_from_env, pin_prefill_config,
                                         sparse_attention_decode, sparse_attention_extend)
 
 BLOCK = 4
@@ -64,57 +66,102 @@ def test_decode_entry_point_on_cpu(gen):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+# SGLang 0.5.16's candidates: prefill 2, 4 or 8 warps x 2, 3 or 4 stages; decode 4 or 8 warps x 2, 3, 4 or 5 stages
+CANDIDATES = {"prefill": [(w, s) for w in (2, 4, 8) for s in (2, 3, 4)],
+              "decode": [(w, s) for w in (4, 8) for s in (2, 3, 4, 5)]}
+ENV = {"prefill": "M3_SPARSE_PREFILL_CONFIG", "decode": "M3_SPARSE_DECODE_CONFIG"}
+
+
+def _held(tuner) -> list:
+    return [(c.num_warps, c.num_stages) for c in tuner.configs]
+
+
 @pytest.fixture
-def prefill_tuner():
-    """SGLang's sparse prefill autotuner, given back all its candidates afterwards."""
-    tuner = prefill_autotuner()
-    yield tuner
-    pin_prefill_config(None, tuner)
+def tuners():
+    """SGLang's sparse prefill and decode autotuners, given back all their candidates afterwards."""
+    found = {which: autotuner(which) for which in CANDIDATES}
+    yield found
+    for which, tuner in found.items():
+        pin_config(which, None, tuner)
+    pin_from_env.cache_clear()
 
 
-def test_prefill_config_is_held_to_one_candidate_and_given_back(prefill_tuner):
-    candidates = [(c.num_warps, c.num_stages) for c in prefill_tuner.configs]
-    assert len(candidates) == 9 and (4, 3) in candidates  # SGLang 0.5.16: 2, 4 or 8 warps x 2, 3 or 4 stages
-    prefill_tuner.cache[("poisoned-key",)] = prefill_tuner.configs[0]  # a pick made before the pin
-    assert pin_prefill_config("8,2", prefill_tuner) == (8, 2)
-    assert [(c.num_warps, c.num_stages) for c in prefill_tuner.configs] == [(8, 2)] and not prefill_tuner.cache
-    assert pin_prefill_config(" 4, 3 ", prefill_tuner) == (4, 3)  # held again: chosen among all, not among one
-    assert pin_prefill_config("", prefill_tuner) is None
-    assert [(c.num_warps, c.num_stages) for c in prefill_tuner.configs] == candidates
+@pytest.fixture
+def prefill_tuner(tuners):
+    return tuners["prefill"]
 
 
-@pytest.mark.parametrize("spec", ["3,3", "4", "4,3,1", "four,3", "4;3"])
-def test_a_prefill_config_that_is_no_candidate_is_refused_naming_the_variable(prefill_tuner, spec):
-    before = list(prefill_tuner.configs)
-    with pytest.raises(ValueError, match=rf"M3_SPARSE_PREFILL_CONFIG='{re.escape(spec)}'.*2,2, 2,3, 2,4, 4,2"):
-        pin_prefill_config(spec, prefill_tuner)
-    assert prefill_tuner.configs == before
+@pytest.mark.parametrize("which", CANDIDATES)
+def test_a_config_is_held_to_one_candidate_and_given_back(tuners, which):
+    tuner = tuners[which]
+    assert sorted(_held(tuner)) == CANDIDATES[which]
+    before = _held(tuner)
+    tuner.cache[("poisoned-key",)] = tuner.configs[0]  # a pick made before the pin
+    assert pin_config(which, "8,2", tuner) == (8, 2)
+    assert _held(tuner) == [(8, 2)] and not tuner.cache
+    assert pin_config(which, " 4, 3 ", tuner) == (4, 3)  # held again: chosen among all, not among one
+    assert _held(tuner) == [(4, 3)]
+    tuner.cache[("poisoned-key",)] = tuner.configs[0]
+    assert pin_config(which, "", tuner) is None
+    assert _held(tuner) == before and not tuner.cache
+    pin = {"prefill": pin_prefill_config, "decode": pin_decode_config}[which]
+    assert pin("4,4") == (4, 4) and _held(tuner) == [(4, 4)]  # the module's own lookup finds the same autotuner
 
 
-def test_the_environment_holds_a_candidate_and_unset_leaves_the_kernel_alone(prefill_tuner, monkeypatch):
-    before = list(prefill_tuner.configs)
-    for value, held in [(None, None), ("", None), ("2,4", (2, 4))]:
-        pin_prefill_config(None, prefill_tuner)
+@pytest.mark.parametrize("which, spec", [("prefill", s) for s in ["3,3", "4", "4,3,1", "four,3", "4;3", "2,5"]]
+                         + [("decode", s) for s in ["2,2", "8", "4,6", " , "]])
+def test_a_config_that_is_no_candidate_is_refused_naming_the_variable(tuners, which, spec):
+    tuner = tuners[which]
+    pin_config(which, "8,4", tuner)
+    listed = ", ".join(f"{w},{s}" for w, s in CANDIDATES[which])
+    with pytest.raises(ValueError, match=rf"{ENV[which]}='{re.escape(spec)}'.*{re.escape(listed)}$"):
+        pin_config(which, spec, tuner)
+    assert _held(tuner) == [(8, 4)]  # the hold before stands
+
+
+def _from_env(monkeypatch, prefill, decode):
+    for env, value in ((ENV["prefill"], prefill), (ENV["decode"], decode)):
         if value is None:
-            monkeypatch.delenv("M3_SPARSE_PREFILL_CONFIG", raising=False)
+            monkeypatch.delenv(env, raising=False)
         else:
-            monkeypatch.setenv("M3_SPARSE_PREFILL_CONFIG", value)
-        pin_prefill_from_env.cache_clear()
-        pin_prefill_from_env()
-        got = [(c.num_warps, c.num_stages) for c in prefill_tuner.configs]
-        assert got == ([held] if held else [(c.num_warps, c.num_stages) for c in before])
-    monkeypatch.setenv("M3_SPARSE_PREFILL_CONFIG", "16,2")
-    pin_prefill_from_env.cache_clear()
-    with pytest.raises(ValueError, match="M3_SPARSE_PREFILL_CONFIG='16,2'"):
-        pin_prefill_from_env()
-    # unset, the kernel is not even looked up (a later SGLang's kernel without an autotuner starts as before)
-    import sglang_m3.sparse_attention as sa
+            monkeypatch.setenv(env, value)
+    pin_from_env.cache_clear()
+    pin_from_env()
 
-    monkeypatch.delenv("M3_SPARSE_PREFILL_CONFIG")
-    monkeypatch.setattr(sa, "prefill_autotuner", lambda: pytest.fail("looked up with the variable unset"))
-    pin_prefill_from_env.cache_clear()
-    pin_prefill_from_env()
-    pin_prefill_from_env.cache_clear()
+
+def test_the_environment_holds_each_kernel_and_unset_leaves_it_alone(tuners, monkeypatch, caplog):
+    every = {which: _held(t) for which, t in tuners.items()}
+    for prefill, decode in [(None, None), ("", ""), ("2,4", None), (None, "8,5"), ("8,3", "4,2")]:
+        for which, tuner in tuners.items():
+            pin_config(which, None, tuner)
+        with caplog.at_level("INFO", logger="sglang_m3.sparse_attention"):
+            caplog.clear()
+            _from_env(monkeypatch, prefill, decode)
+        for which, value in (("prefill", prefill), ("decode", decode)):
+            want = [tuple(int(x) for x in value.split(","))] if value else every[which]
+            assert _held(tuners[which]) == want, (which, value)
+        logged = [r.getMessage() for r in caplog.records]
+        assert len(logged) == bool(prefill) + bool(decode)
+        if prefill:  # the line scripts/gpu/call_timings.py reads
+            assert f"sparse prefill attention held to {prefill.replace(',', ' warps, ')} stages" in logged[0]
+
+
+def test_a_bad_variable_fails_before_either_kernel_is_held(tuners, monkeypatch):
+    for prefill, decode, bad in [("16,2", "4,3", "M3_SPARSE_PREFILL_CONFIG='16,2'"),
+                                 ("4,3", "4,1", "M3_SPARSE_DECODE_CONFIG='4,1'")]:
+        for which, tuner in tuners.items():
+            pin_config(which, None, tuner)
+        before = {which: _held(t) for which, t in tuners.items()}
+        with pytest.raises(ValueError, match=re.escape(bad)):
+            _from_env(monkeypatch, prefill, decode)
+        assert {which: _held(t) for which, t in tuners.items()} == before
+
+
+def test_unset_the_kernels_are_not_looked_up(monkeypatch):
+    """A later SGLang whose kernels are not autotuned starts as before while neither variable is set."""
+    monkeypatch.setattr(sa, "autotuner", lambda which: pytest.fail(f"{which} looked up with its variable unset"))
+    _from_env(monkeypatch, None, "")
+    pin_from_env.cache_clear()
 
 
 @pytest.mark.gpu
@@ -149,3 +196,41 @@ def test_every_prefill_candidate_equals_the_reference_on_cuda(prefill_tuner):
         got = sparse_attention_extend(*cuda, max(new), positions.cuda(), sel.cuda(), block, scale)
         torch.testing.assert_close(got.double().cpu(), want, rtol=0.0, atol=4 * 2.0**-9 * float(v_cache.abs().max()),
                                    msg=lambda m, c=c: f"{c.num_warps} warps, {c.num_stages} stages: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_every_decode_candidate_equals_the_reference_on_cuda(tuners):
+    """SGLang's sparse decode kernel as the plugin calls it, held to each candidate in turn: requests of 1, 127, 128,
+    129 and 3,000 tokens (one row each, at seq_len - 1), bf16 cache, block 128, up to 16 picked blocks; each
+    candidate against the float64 oracle, and whether it gives the first candidate's bits (printed, not asserted:
+    rounding may differ between candidates)."""
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    block, hq, hkv, d, topk = 128, 8, 4, 128, 16
+    lens = [1, 127, 128, 129, 3000]
+    batch, slots, width = len(lens), 8192, 3072
+    k_cache = torch.randn(slots, hkv, d, generator=gen).bfloat16()
+    v_cache = torch.randn(slots, hkv, d, generator=gen).bfloat16()
+    req_to_token = torch.randperm(slots, generator=gen)[: batch * width].view(batch, width).int()
+    req_pool = torch.randperm(batch, generator=gen)
+    sel = torch.full((hkv, batch, topk), -1, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        own = (n - 1) // block
+        for h in range(hkv):
+            earlier = torch.randperm(own, generator=gen)[: topk - 1].tolist() if own else []
+            sel[h, b, : len(earlier) + 1] = torch.tensor([*earlier, own], dtype=torch.int32)
+    q = torch.randn(batch, hq, d, generator=gen).bfloat16()
+    seq = torch.tensor(lens, dtype=torch.int32)
+    scale = 1 / math.sqrt(d)
+    want = sparse_attention_ref(q, k_cache, v_cache, req_to_token, req_pool, seq, torch.arange(batch + 1), seq - 1,
+                                sel, block, scale)
+    cuda = [t.cuda() for t in (q, k_cache, v_cache, req_to_token, req_pool, seq, sel)]
+    first, same = None, []
+    for c in list(tuners["decode"].configs):
+        pin_decode_config(f"{c.num_warps},{c.num_stages}", tuners["decode"])
+        got = sparse_attention_decode(*cuda, block, scale)
+        torch.testing.assert_close(got.double().cpu(), want, rtol=0.0, atol=4 * 2.0**-9 * float(v_cache.abs().max()),
+                                   msg=lambda m, c=c: f"{c.num_warps} warps, {c.num_stages} stages: {m}")
+        first = got if first is None else first
+        same.append(f"{c.num_warps},{c.num_stages}: {'equal' if torch.equal(got, first) else 'differs'}")
+    print("decode candidates against the first:", "; ".join(same))
