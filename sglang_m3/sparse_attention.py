@@ -9,8 +9,9 @@ request), -1 pads the end of a list.
 
 SGLang's two sparse-attention kernels are ``triton.autotune``d over (warps, stages) candidates: prefill over 9 on a
 key without the sequence length, so each process keeps the pick of its first call, a server's 128-token warm-up;
-decode over 8 per batch-size bucket, picked during CUDA-graph capture. Candidates with different warps need not round
-alike, so two servers of one model can differ in their last bits. ``M3_SPARSE_PREFILL_CONFIG`` and
+decode over 8 per batch-size bucket, picked during CUDA-graph capture (SGLang 0.5.23 launches its paged decode on
+Hopper with a fixed 8 warps, 2 stages instead, which no variable here reaches). Candidates with different warps need
+not round alike, so two servers of one model can differ in their last bits. ``M3_SPARSE_PREFILL_CONFIG`` and
 ``M3_SPARSE_DECODE_CONFIG`` (``"WARPS,STAGES"``, e.g. ``"4,3"``) hold every server process to one candidate instead
 (the backend calls ``pin_from_env`` once at start-up; ``scripts/gpu/bench_sparse_prefill.py`` and
 ``scripts/gpu/bench_sparse_decode.py`` time them all at a model's shapes).
@@ -106,6 +107,9 @@ def pin_from_env() -> None:
     for which, spec in specs.items():
         held = pin_config(which, spec, tuners[which])
         logger.info("sglang-m3: sparse %s attention held to %d warps, %d stages (%s)", which, *held, KERNELS[which][0])
+    if "decode" in specs and hasattr(importlib.import_module(KERNELS["decode"][1]), "_gqa_share_sparse_decode_pinned"):
+        logger.warning("sglang-m3: this SGLang launches its paged decode attention on Hopper with a fixed config of "
+                       "its own, not the autotuned kernel: %s holds only its other launches", DECODE_CONFIG_ENV)
 
 
 def sparse_attention_extend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, prefix_lens, cu_seqlens_q,

@@ -32,7 +32,8 @@
 #   logs.tgz            the servers' logs (last 2 MiB of each); files-written.txt (on a GPU): every folder outside
 #                       the run directory this call wrote to (scripts/gpu/files_written.py);
 #                       bench-bench_sparse_{prefill,decode}.* (BENCH_PREFILL=1, BENCH_DECODE=1); where nvidia-smi
-#                       runs, gpu-clocks-<start>.csv: the GPU's clocks, power, utilization and clock-event reasons and the host's load every 5 s of each call
+#                       runs, gpu-clocks-<start>.csv: the GPU's clocks, power, utilization and clock-event reasons
+#                       and the host's load every 5 s of each call
 #                       (scripts/gpu/gpu_clocks.py); triton-kernels.txt: each Triton kernel compiled
 #                       on the machine, its variants and cubin bytes (TRITON_CACHE_DIR, in $RUN_DIR);
 #                       jit-modules.txt: the modules nvcc built (TVM_FFI_CACHE_DIR, in $RUN_DIR), bytes, time
