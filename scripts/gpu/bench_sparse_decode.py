@@ -10,9 +10,10 @@ holds the batch's power-of-two bucket; a server picks while it captures its CUDA
 
 Each request decodes its row at position ``context - 1`` over its own (last, partial when ``context`` is not a
 multiple of 128) block and ``topk - 1`` distinct earlier ones per KV head; requests' tokens lie in disjoint random
-slots. The defaults are configs/msa-medium's geometry (block 128). The last line names the candidate with the least
-geometric mean of its time over the fastest's, to hold with ``M3_SPARSE_DECODE_CONFIG``
-(sglang_m3/sparse_attention.py). ``--out`` gets the table as markdown and JSON.
+slots. The defaults are configs/msa-medium's geometry (block 128). Replays read the same blocks, so a cell whose K
+and V read fit in the GPU's L2 cache (batch 1 and 8 at these sizes) is timed from it: its GB/s are marked "L2" and are
+not HBM's. The last line names the candidate with the least geometric mean of its time over the fastest's, to hold
+with ``M3_SPARSE_DECODE_CONFIG`` (sglang_m3/sparse_attention.py). ``--out`` gets the table as markdown and JSON.
 """
 
 from __future__ import annotations
@@ -90,6 +91,36 @@ def reference_error(out: torch.Tensor, want: dict[int, torch.Tensor]) -> float:
     return max(float((out[b:b + 1].double().cpu() - w).abs().max()) for b, w in want.items())
 
 
+def summarize(rows: list[dict]) -> tuple[dict, tuple[int, int]]:
+    """Adds ``x_fastest`` (time over the cell's fastest) to every row; returns {(warps, stages): geometric mean of
+    it over the cells} and the candidate with the least."""
+    cells = {(r["batch"], r["context"]) for r in rows}
+    fastest = {cell: min(r["us"] for r in rows if (r["batch"], r["context"]) == cell) for cell in cells}
+    for r in rows:
+        r["x_fastest"] = r["us"] / fastest[(r["batch"], r["context"])]
+    candidates = {(r["warps"], r["stages"]) for r in rows}
+    gmean = {c: math.exp(sum(math.log(r["x_fastest"]) for r in rows if (r["warps"], r["stages"]) == c) / len(cells))
+             for c in sorted(candidates)}
+    return gmean, min(gmean, key=gmean.get)
+
+
+def render(rows: list[dict], picks: dict, gmean: dict, best: tuple[int, int], copy_gbs: tuple[float, float],
+           l2_bytes: int) -> str:
+    """The markdown table, then the autotuner's picks and the candidate to hold."""
+    head = [f"Copy bandwidth {copy_gbs[0]:.0f} GB/s at the start, {copy_gbs[1]:.0f} at the end; % of copy uses the "
+            f"first. L2: the K and V read fit in the {l2_bytes / 2**20:.0f} MiB L2 cache; replays read them from it.",
+            "", "| batch | context | warps, stages | us | GB/s | % of copy | x fastest | equals the first | "
+            "max abs err vs float64 |", "|---|---|---|---|---|---|---|---|---|"]
+    body = [f"| {r['batch']} | {r['context']} | {r['warps']}, {r['stages']} | {r['us']:.1f} | {r['gbs']:.0f} | "
+            f"{r['pct_copy']:.0f}{' L2' if r['in_l2'] else ''} | {r['x_fastest']:.2f} | "
+            f"{'yes' if r['equals_first'] else 'no'} | {r['max_err']:.2e} |" for r in rows]
+    tail = ["Autotuner picks, " + "; ".join(f"batch {b}: " + ", ".join(f"{w},{s}" for w, s in p)
+                                           for b, p in picks.items()),
+            f"Least geometric mean of time over the fastest: {best[0]} warps, {best[1]} stages, {gmean[best]:.3f} "
+            f"(the worst candidate {max(gmean.values()):.3f}): M3_SPARSE_DECODE_CONFIG={best[0]},{best[1]}"]
+    return "\n".join(head + body + [""] + tail)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,8,32,64")
@@ -121,6 +152,7 @@ def main(argv=None) -> int:
     pin_decode_config(None, tuner)
     candidates = [(c.num_warps, c.num_stages) for c in tuner.configs]
     copy_start = copy_bandwidth()
+    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     call = lambda req: sparse_attention_decode(**req)  # noqa: E731
     rows = []
@@ -133,22 +165,17 @@ def main(argv=None) -> int:
                 pin_decode_config(f"{warps},{stages}", tuner)
                 out = call(req)
                 torch.cuda.synchronize()
-                us = 1e3 * triton.testing.do_bench_cudagraph(lambda: call(req), rep=100, return_mode="median")
+                us = 1e3 * triton.testing.do_bench_cudagraph(lambda: call(req), rep=50, return_mode="median")
                 first = out if first is None else first
                 rows.append({"batch": batch, "context": context, "warps": warps, "stages": stages, "us": us,
                              "gbs": nbytes / us / 1e3, "pct_copy": 100 * nbytes / us / 1e3 / copy_start,
+                             "in_l2": nbytes <= l2_bytes,
                              "equals_first": bool(torch.equal(out, first)),
                              "max_err": reference_error(out, want)})
             req = first = out = want = None  # this cell's tensors freed before the next one's
             torch.cuda.empty_cache()
     copy_end = copy_bandwidth()
-    cells = {(r["batch"], r["context"]) for r in rows}
-    fastest = {cell: min(r["us"] for r in rows if (r["batch"], r["context"]) == cell) for cell in cells}
-    for r in rows:
-        r["x_fastest"] = r["us"] / fastest[(r["batch"], r["context"])]
-    gmean = {(w, s): math.exp(sum(math.log(r["x_fastest"]) for r in rows if (r["warps"], r["stages"]) == (w, s))
-                              / len(cells)) for w, s in candidates}
-    best = min(gmean, key=gmean.get)
+    gmean, best = summarize(rows)
 
     # what a server does: the autotuner's own pick at each batch's bucket (a short context: the pick's key holds
     # no length)
@@ -162,23 +189,14 @@ def main(argv=None) -> int:
             call(req)
             picks[batch].append((tuner.best_config.num_warps, tuner.best_config.num_stages))
 
-    head = [f"Copy bandwidth {copy_start:.0f} GB/s at the start, {copy_end:.0f} at the end; % of copy uses the first.",
-            "", "| batch | context | warps, stages | us | GB/s | % of copy | x fastest | equals the first | "
-            "max abs err vs float64 |", "|---|---|---|---|---|---|---|---|---|"]
-    body = [f"| {r['batch']} | {r['context']} | {r['warps']}, {r['stages']} | {r['us']:.1f} | {r['gbs']:.0f} | "
-            f"{r['pct_copy']:.0f} | {r['x_fastest']:.2f} | {'yes' if r['equals_first'] else 'no'} | "
-            f"{r['max_err']:.2e} |" for r in rows]
-    tail = ["Autotuner picks, " + "; ".join(f"batch {b}: " + ", ".join(f"{w},{s}" for w, s in p)
-                                           for b, p in picks.items()),
-            f"Least geometric mean of time over the fastest: {best[0]} warps, {best[1]} stages, {gmean[best]:.3f} "
-            f"(the worst candidate {max(gmean.values()):.3f}): M3_SPARSE_DECODE_CONFIG={best[0]},{best[1]}"]
-    text = "\n".join(head + body + [""] + tail)
+    text = render(rows, picks, gmean, best, (copy_start, copy_end), l2_bytes)
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_sparse_decode.md").write_text(text + "\n")
         (args.out / "bench_sparse_decode.json").write_text(json.dumps(
             {"args": vars(args) | {"out": str(args.out)}, "rows": rows, "copy_gbs": [copy_start, copy_end],
+             "l2_bytes": l2_bytes,
              "picks": {str(b): p for b, p in picks.items()}, "best": list(best),
              "gmean_x_fastest": {f"{w},{s}": g for (w, s), g in gmean.items()},
              "device": torch.cuda.get_device_name()}, indent=1))

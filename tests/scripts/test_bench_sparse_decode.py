@@ -73,3 +73,24 @@ def test_every_candidate_is_timed_and_right(tmp_path):
     assert all(r["max_err"] < 0.05 and r["us"] > 0 for r in data["rows"])  # bf16 output of randn values, |v| < 6
     assert tuple(data["best"]) in {(r["warps"], r["stages"]) for r in data["rows"]}
     assert "M3_SPARSE_DECODE_CONFIG=" in (tmp_path / "bench_sparse_decode.md").read_text()
+
+
+def test_the_summary_ranks_candidates_by_geometric_mean_and_the_table_names_the_one_to_hold():
+    """Two cells, three candidates: (4, 2) fastest in one cell and 4x slower in the other, (8, 3) 1.5x in both,
+    (4, 3) fastest in the second and 2x in the first: geometric means 2, 1.5 and 1.414, so (4, 3) is named."""
+    times = {(4, 2): (10.0, 40.0), (8, 3): (15.0, 15.0), (4, 3): (20.0, 10.0)}
+    rows = [{"batch": b, "context": 8192, "warps": w, "stages": s, "us": us[i], "gbs": 1.0, "pct_copy": 1.0,
+             "in_l2": b == 1, "equals_first": (w, s) == (4, 2), "max_err": 1e-3}
+            for i, b in enumerate((1, 32)) for (w, s), us in times.items()]
+    gmean, best = bench.summarize(rows)
+    assert best == (4, 3)
+    assert gmean[(4, 2)] == pytest.approx(2.0) and gmean[(8, 3)] == pytest.approx(1.5)
+    assert gmean[(4, 3)] == pytest.approx(2 ** 0.5)
+    assert [r["x_fastest"] for r in rows] == pytest.approx([1.0, 1.5, 2.0, 4.0, 1.5, 1.0])
+    text = bench.render(rows, {1: [(4, 2), (8, 3)], 32: [(4, 3), (4, 3)]}, gmean, best, (4200.0, 4150.0), 50 * 2**20)
+    lines = text.splitlines()
+    assert lines[0].startswith("Copy bandwidth 4200 GB/s at the start, 4150 at the end") and "50 MiB L2" in lines[0]
+    assert "| 1 | 8192 | 4, 2 | 10.0 | 1 | 1 L2 | 1.00 | yes | 1.00e-03 |" in lines
+    assert "| 32 | 8192 | 4, 2 | 40.0 | 1 | 1 | 4.00 | yes | 1.00e-03 |" in lines
+    assert lines[-2] == "Autotuner picks, batch 1: 4,2, 8,3; batch 32: 4,3, 4,3"
+    assert lines[-1].endswith("4 warps, 3 stages, 1.414 (the worst candidate 2.000): M3_SPARSE_DECODE_CONFIG=4,3")
