@@ -29,7 +29,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/ops/write/test_triton.py \
     tests/kernels/ops/score/test_triton.py tests/kernels/ops/score/backends/test_cuda.py \
     tests/kernels/ops/select/test_triton.py tests/kernels/ops/test_pdl.py tests/sglang_m3/test_sparse_attention.py \
-    tests/scripts/test_bench_sparse_prefill.py \
+    tests/scripts/test_bench_sparse_prefill.py tests/scripts/test_bench_sparse_decode.py \
     ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
 tests_rc=${PIPESTATUS[0]}
 echo "gpu tests exit code: $tests_rc" | tee -a "$OUT/pytest_gpu.log"

@@ -60,7 +60,8 @@
 # mxfp4_rot"), AGREE_SAMPLES (4), AGREE_LENGTHS (LENGTHS), LAUNCH_ARGS (replaces the server arguments below),
 # RUN_DIR, OUT, RESUME, FRESH=1 (drop $RUN_DIR's state first), CACHE_IN, CACHE_OUT, CACHE_S (30), PYTHON (python3),
 # BENCH_PREFILL=1 / BENCH_DECODE=1 (time SGLang's sparse prefill / decode attention under each autotune candidate
-# first; the tables in call.log, their files in logs.tgz), M3_SPARSE_PREFILL_CONFIG / M3_SPARSE_DECODE_CONFIG
+# first, BENCH_DECODE after the kernels' GPU tests; the tables in call.log, their files in logs.tgz),
+# M3_SPARSE_PREFILL_CONFIG / M3_SPARSE_DECODE_CONFIG
 # (WARPS,STAGES: every server holds that candidate),
 # WRITTEN_ROOTS (the folders searched for what the call wrote outside its own, each PATH or NAME=PATH, printed as
 # $NAME/...; on a GPU by default $HOME, /tmp, the checkout and the interpreter's prefix, named; on the CPU none),
@@ -179,6 +180,13 @@ if [ -n "${BENCH_PREFILL:-}" ] && [ "$DEVICE" != cpu ]; then
         || echo "bench_sparse_prefill failed"
 fi
 if [ -n "${BENCH_DECODE:-}" ] && [ "$DEVICE" != cpu ]; then
+    # correctness first: every candidate of both kernels against the float64 oracle (lengths 1, 127, 128, 129, ...)
+    mkdir -p "$RUN_DIR/bench"
+    echo "[$(elapsed)s] the sparse attention kernels' GPU tests:"
+    timeout 180 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -s tests/sglang_m3/test_sparse_attention.py \
+        tests/scripts/test_bench_sparse_decode.py > "$RUN_DIR/bench/pytest_gpu.log" 2>&1 \
+        || echo "the GPU tests failed (logs.tgz: bench-pytest_gpu.log)"
+    grep -E "candidates against the first|passed|failed|Error" "$RUN_DIR/bench/pytest_gpu.log" | tail -12
     echo "[$(elapsed)s] SGLang's sparse decode attention under each candidate (scripts/gpu/bench_sparse_decode.py):"
     timeout 240 "$PYTHON" scripts/gpu/bench_sparse_decode.py --out "$RUN_DIR/bench" \
         || echo "bench_sparse_decode failed"
@@ -299,7 +307,7 @@ fi
 logs=$(mktemp -d)
 mkdir -p "$logs/logs"
 for f in "$RUN_DIR"/acc/server-*.log "$RUN_DIR"/agreement/server-*.log "$RUN_DIR"/agreement/*.out \
-         "$RUN_DIR"/gpu-clocks/*.csv "$RUN_DIR"/bench/bench_sparse_*.*; do
+         "$RUN_DIR"/gpu-clocks/*.csv "$RUN_DIR"/bench/bench_sparse_*.* "$RUN_DIR"/bench/pytest_gpu.log; do
     [ -f "$f" ] && tail -c 2097152 "$f" > "$logs/logs/$(basename "$(dirname "$f")")-$(basename "$f")"
 done
 if [ -d "${TRITON_CACHE_DIR:-}" ]; then  # kernel name, compiled variants, cubin bytes
