@@ -212,7 +212,7 @@ def test_every_decode_candidate_equals_the_reference_on_cuda(tuners):
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     block, hq, hkv, d, topk = 128, 8, 4, 128, 16
     lens = [1, 127, 128, 129, 3000]
-    batch, slots, width = len(lens), 8192, 3072
+    batch, slots, width = len(lens), 16384, 3072
     k_cache = torch.randn(slots, hkv, d, generator=gen).bfloat16()
     v_cache = torch.randn(slots, hkv, d, generator=gen).bfloat16()
     req_to_token = torch.randperm(slots, generator=gen)[: batch * width].view(batch, width).int()
