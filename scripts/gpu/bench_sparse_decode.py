@@ -26,24 +26,19 @@ from pathlib import Path
 
 import torch
 
-BLOCK = 128  # M3's sparse block, the index cache's page
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sparse_prefill import BLOCK, select_blocks  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_batch(batch: int, context: int, hq: int, hkv: int, d: int, topk: int, gen: torch.Generator,
                dev: str = "cuda") -> dict:
-    """The plugin's decode arguments for ``batch`` requests of ``context`` tokens each: ``topk_idx``
-    ``[hkv, batch, topk]`` int32 holds each request's own block, then up to ``topk - 1`` distinct earlier ones,
-    descending, -1 after them (as the selector leaves a request that sees fewer than ``topk`` blocks)."""
+    """The plugin's decode arguments for ``batch`` requests of ``context`` tokens each, one row each at
+    ``context - 1``, its blocks from ``bench_sparse_prefill.select_blocks`` (``topk_idx`` ``[hkv, batch, topk]``)."""
     n_blocks = -(-context // BLOCK)
-    own = n_blocks - 1
-    earlier = torch.rand(hkv, batch, n_blocks, generator=gen, device=dev)
-    earlier[..., own] = -1.0  # only blocks before the own one
-    score, pick = earlier.topk(min(topk - 1, n_blocks), dim=-1)
-    pick = pick.int().masked_fill(score < 0, -1)
-    pick = torch.nn.functional.pad(pick, (0, topk - 1 - pick.shape[-1]), value=-1)
-    own_col = torch.full((hkv, batch, 1), own, dtype=torch.int32, device=dev)
-    sel = torch.cat([own_col, pick], dim=-1).sort(dim=-1, descending=True).values
+    own = torch.full((batch,), n_blocks - 1, device=dev)
+    sel = select_blocks(own, n_blocks, hkv, topk, gen, dev)
     slots = batch * context
     return {
         "q": torch.randn(batch, hq, d, generator=gen, device=dev).bfloat16(),

@@ -25,23 +25,29 @@ import torch
 BLOCK = 128  # M3's sparse block, the index cache's page
 
 
-def make_request(context: int, chunk: int, hq: int, hkv: int, d: int, topk: int, gen: torch.Generator,
-                 dev: str = "cuda") -> dict:
-    """The plugin's arguments for one request whose last ``chunk`` tokens extend a ``context``-token sequence:
-    ``topk_idx`` ``[hkv, rows, topk]`` int32 holds each row's own block, then up to ``topk - 1`` distinct earlier
-    ones, descending, -1 after them (as the selector leaves a row that sees fewer than ``topk`` blocks)."""
-    n = min(chunk, context)
-    prefix = context - n
-    positions = torch.arange(prefix, context, device=dev)
-    own = positions // BLOCK
-    n_blocks = -(-context // BLOCK)
-    earlier = torch.rand(hkv, n, n_blocks, generator=gen, device=dev)
+def select_blocks(own: torch.Tensor, n_blocks: int, hkv: int, topk: int, gen: torch.Generator,
+                  dev: str = "cuda") -> torch.Tensor:
+    """``topk_idx`` ``[hkv, rows, topk]`` int32 for rows whose own blocks are ``own`` ``[rows]``: each row's own
+    block, then up to ``topk - 1`` distinct earlier ones drawn at random, descending, -1 after them (as the selector
+    leaves a row that sees fewer than ``topk`` blocks)."""
+    rows = own.shape[0]
+    earlier = torch.rand(hkv, rows, n_blocks, generator=gen, device=dev)
     blocks = torch.arange(n_blocks, device=dev)
     earlier.masked_fill_(blocks >= own[:, None], -1.0)  # only blocks before the row's own
     score, pick = earlier.topk(min(topk - 1, n_blocks), dim=-1)
     pick = pick.int().masked_fill(score < 0, -1)
     pick = torch.nn.functional.pad(pick, (0, topk - 1 - pick.shape[-1]), value=-1)
-    sel = torch.cat([own.int().expand(hkv, n)[..., None], pick], dim=-1).sort(dim=-1, descending=True).values
+    return torch.cat([own.int().expand(hkv, rows)[..., None], pick], dim=-1).sort(dim=-1, descending=True).values
+
+
+def make_request(context: int, chunk: int, hq: int, hkv: int, d: int, topk: int, gen: torch.Generator,
+                 dev: str = "cuda") -> dict:
+    """The plugin's arguments for one request whose last ``chunk`` tokens extend a ``context``-token sequence,
+    its rows' blocks from ``select_blocks``."""
+    n = min(chunk, context)
+    prefix = context - n
+    positions = torch.arange(prefix, context, device=dev)
+    sel = select_blocks(positions // BLOCK, -(-context // BLOCK), hkv, topk, gen, dev)
     return {
         "q": torch.randn(n, hq, d, generator=gen, device=dev).bfloat16(),
         "k_cache": torch.randn(context, hkv, d, generator=gen, device=dev).bfloat16(),

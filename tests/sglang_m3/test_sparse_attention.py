@@ -19,6 +19,17 @@ from sglang_m3.sparse_attention import (autotuner, pin_config, pin_decode_config
 BLOCK = 4
 
 
+def _selection(own_blocks: torch.Tensor, hkv: int, topk: int, gen) -> torch.Tensor:
+    """``[hkv, rows, topk]`` int32: per row and KV head up to ``topk - 1`` distinct random blocks before the row's
+    own (``own_blocks[row]``), then the own one, -1 after them."""
+    sel = torch.full((hkv, len(own_blocks), topk), -1, dtype=torch.int32)
+    for r, own in enumerate(own_blocks.tolist()):
+        for h in range(hkv):
+            earlier = torch.randperm(own, generator=gen)[: topk - 1].tolist() if own else []
+            sel[h, r, : len(earlier) + 1] = torch.tensor([*earlier, own], dtype=torch.int32)
+    return sel
+
+
 def test_extend_entry_point_on_cpu(gen):
     """Two requests (one extending a cached prefix), bf16 cache; SGLang's extra arguments (prefix lengths, the
     longest extension) are accepted and the result equals the reference within bf16 rounding."""
@@ -30,12 +41,7 @@ def test_extend_entry_point_on_cpu(gen):
     req_pool = torch.tensor([1, 0])
     positions = torch.cat([torch.arange(n - m, n) for n, m in zip(lens, new)])
     cu = torch.tensor([0, 23, 32], dtype=torch.int32)
-    sel = torch.full((hkv, 32, topk), -1, dtype=torch.int32)
-    for r in range(32):
-        own = int(positions[r]) // BLOCK
-        for h in range(hkv):
-            earlier = torch.randperm(own, generator=gen)[: topk - 1].tolist() if own else []
-            sel[h, r, : len(earlier) + 1] = torch.tensor([*earlier, own], dtype=torch.int32)
+    sel = _selection(positions // BLOCK, hkv, topk, gen)
     q = torch.randn(32, hq, d, generator=gen).bfloat16()
     seq = torch.tensor(lens, dtype=torch.int32)
     got = sparse_attention_extend(q, k_cache, v_cache, req_to_token, req_pool, seq, seq - torch.tensor(new), cu, 23,
@@ -184,12 +190,7 @@ def test_every_prefill_candidate_equals_the_reference_on_cuda(prefill_tuner):
     positions = torch.cat([torch.arange(n - m, n) for n, m in zip(lens, new)])
     rows = len(positions)
     cu = torch.tensor([0, new[0], rows], dtype=torch.int32)
-    sel = torch.full((hkv, rows, topk), -1, dtype=torch.int32)
-    for r in range(rows):
-        own = int(positions[r]) // block
-        for h in range(hkv):
-            earlier = torch.randperm(own, generator=gen)[: topk - 1].tolist() if own else []
-            sel[h, r, : len(earlier) + 1] = torch.tensor([*earlier, own], dtype=torch.int32)
+    sel = _selection(positions // block, hkv, topk, gen)
     q = torch.randn(rows, hq, d, generator=gen).bfloat16()
     seq = torch.tensor(lens, dtype=torch.int32)
     scale = 1 / math.sqrt(d)
@@ -217,12 +218,7 @@ def test_every_decode_candidate_equals_the_reference_on_cuda(tuners):
     v_cache = torch.randn(slots, hkv, d, generator=gen).bfloat16()
     req_to_token = torch.randperm(slots, generator=gen)[: batch * width].view(batch, width).int()
     req_pool = torch.randperm(batch, generator=gen)
-    sel = torch.full((hkv, batch, topk), -1, dtype=torch.int32)
-    for b, n in enumerate(lens):
-        own = (n - 1) // block
-        for h in range(hkv):
-            earlier = torch.randperm(own, generator=gen)[: topk - 1].tolist() if own else []
-            sel[h, b, : len(earlier) + 1] = torch.tensor([*earlier, own], dtype=torch.int32)
+    sel = _selection((torch.tensor(lens) - 1) // block, hkv, topk, gen)
     q = torch.randn(batch, hq, d, generator=gen).bfloat16()
     seq = torch.tensor(lens, dtype=torch.int32)
     scale = 1 / math.sqrt(d)
