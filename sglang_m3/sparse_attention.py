@@ -49,14 +49,6 @@ def autotuner(which: str):
     return fn
 
 
-def prefill_autotuner():
-    return autotuner("prefill")
-
-
-def decode_autotuner():
-    return autotuner("decode")
-
-
 def _candidate(which: str, spec: str, tuner):
     """The candidate of ``tuner`` that ``spec`` ("WARPS,STAGES") names; ValueError naming the kernel's variable
     (``KERNELS``) and its candidates when it names none."""

@@ -106,9 +106,9 @@ def main(argv=None) -> int:
         ap.error("--contexts and --chunk must be positive, --q-heads a multiple of --kv-heads")
 
     import triton
-    from sglang_m3.sparse_attention import pin_prefill_config, prefill_autotuner, sparse_attention_extend
+    from sglang_m3.sparse_attention import autotuner, pin_prefill_config, sparse_attention_extend
 
-    tuner = prefill_autotuner()
+    tuner = autotuner("prefill")
     pin_prefill_config(None, tuner)
     candidates = [(c.num_warps, c.num_stages) for c in tuner.configs]
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
