@@ -56,6 +56,23 @@ def discordant_pairs(base_rows: list[dict], cand_rows: list[dict], task: str, fm
             for b, c in _matched(base_rows, cand_rows, task, fmt) if c["score"] != b["score"]]
 
 
+NOT_RECORDED = "not recorded"
+
+
+def served_on_pairs(base_rows: list[dict], cand_rows: list[dict], task: str, fmt: str) -> dict:
+    """Pairs counted by where their two answers were served (the rows' ``served_on``, ``NOT_RECORDED`` where a row
+    lacks it): ``{"<base's> / <cand's>": [pairs, right in base only, right in cand only]}``. Discordance that
+    gathers in the pairs mixing two machines is the machines', not the formats'. Matched as ``_matched`` does."""
+    counts = {}
+    for b, c in _matched(base_rows, cand_rows, task, fmt):
+        key = f"{b.get('served_on', NOT_RECORDED)} / {c.get('served_on', NOT_RECORDED)}"
+        n = counts.setdefault(key, [0, 0, 0])
+        n[0] += 1
+        if b["score"] != c["score"]:
+            n[1 if b["score"] > c["score"] else 2] += 1
+    return counts
+
+
 def cluster(row: dict) -> str:
     """The cluster of a sample row: its context (``<length>/c<context>``) when it is one of several
     questions on one context, else the row alone (its ``doc_id``)."""
@@ -75,16 +92,21 @@ def build(per_format: dict, formats: list[str], n_boot: int = 10000, seed: int =
     ``"discordant": {fmt: discordant_pairs(...)}`` lists every pair the two formats score differently. The
     interval of a (task, format) is Tango's score interval when both formats scored every sample of
     the task 0 or 1, else the paired bootstrap (``n_boot`` resamples, ``seed``), the same for all of
-    the task's groups; ``ci_method`` says which.
+    the task's groups; ``ci_method`` says which. ``"served_on": {fmt: counts}`` (``served_on_pairs`` over every
+    task) is there when any row says where it was served.
     """
     base = formats[0] if baseline is None else baseline
     if base not in formats:
         raise ValueError(f"baseline {base!r} must be one of formats {formats}")
     tasks, discordant = {}, {fmt: [] for fmt in formats if fmt != base}
+    served_on = {fmt: {} for fmt in discordant}
     for task in per_format[base]:
         rows = per_format[base][task]
         for fmt in discordant:
             discordant[fmt] += discordant_pairs(rows, per_format[fmt].get(task, []), task, fmt)
+            for key, n in served_on_pairs(rows, per_format[fmt].get(task, []), task, fmt).items():
+                total = served_on[fmt].setdefault(key, [0, 0, 0])
+                total[:] = [a + b for a, b in zip(total, n)]
         lengths = sorted({r["length"] for r in rows if r["length"] is not None})
         groups = []
         interval = {fmt: "tango" if is_binary([r["score"] for r in rows],
@@ -104,7 +126,9 @@ def build(per_format: dict, formats: list[str], n_boot: int = 10000, seed: int =
                     group["paired"][fmt] = dataclasses.asdict(result)
             groups.append(group)
         tasks[task] = groups
-    return {"baseline": base, "formats": formats, "tasks": tasks, "discordant": discordant}
+    summary = {"baseline": base, "formats": formats, "tasks": tasks, "discordant": discordant}
+    recorded = any("served_on" in r for f in formats for task_rows in per_format[f].values() for r in task_rows)
+    return {**summary, "served_on": served_on} if recorded else summary
 
 
 def build_pairs(per_format: dict, formats: list[str], n_boot: int = 10000, seed: int = 0,
@@ -252,6 +276,7 @@ def markdown_table(summary: dict, notes: bool = True) -> str:
         lines.append("")
     for f in others:
         lines += _markdown_discordant(summary.get("discordant", {}).get(f), base, f)
+        lines += _markdown_served_on(summary.get("served_on", {}).get(f), base, f)
     text = "\n".join(lines) + "\n"
     return text + _notes(base, _used_kinds(summary)) if notes else text
 
@@ -291,6 +316,18 @@ def _markdown_discordant(pairs: list[dict] | None, base: str, cand: str) -> list
     lines += [f"| {t} | {L} | {a}/{b} |" for (t, L), (a, b) in sorted(cells.items())]
     lines += ["", "| needle depth % | pairs |", "|---|---|"]
     lines += [f"| {10 * i}-{10 * i + 10} | {a}/{b} |" for i, (a, b) in sorted(deciles.items())]
+    return lines + [""]
+
+
+def _markdown_served_on(counts: dict | None, base: str, cand: str) -> list[str]:
+    """``served_on_pairs``'s counts as a table, most pairs first (nothing for results without them)."""
+    if not counts:
+        return []
+    lines = [f"### Pairs by where they were served, {cand} vs {base}", "",
+             f"| served on ({base} / {cand}) | pairs | discordant (right in {base} / right in {cand}) | discordant % |",
+             "|---|---|---|---|"]
+    for key, (n, a, b) in sorted(counts.items(), key=lambda kv: (-kv[1][0], kv[0])):
+        lines.append(f"| {key} | {n} | {a}/{b} | {100 * (a + b) / n:.2f} |")
     return lines + [""]
 
 

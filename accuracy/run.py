@@ -345,7 +345,8 @@ def run_lm_eval(base_url: str, model_id: str, tokenizer: str, tasks: list[str], 
                 sample_ids=None) -> dict:
     """Per-sample rows ``{task: [{doc_id, length, depth, target, response, score}]}`` of one server:
     samples ``0 .. args.samples - 1`` of each length, or the indices ``sample_ids``; ``doc_id`` is
-    ``doc_key`` (rows ordered by length, then sample)."""
+    ``doc_key`` (rows ordered by length, then sample). Rows of a question asked with others of its
+    context carry ``context``; with ``args.served_on``, every row carries it as ``served_on``."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -391,6 +392,7 @@ def run_lm_eval(base_url: str, model_id: str, tokenizer: str, tasks: list[str], 
                     "score": float(s["acc"]),
                     "_order": (s["doc"].get("length") or 0, s["doc"].get("sample", s["doc_id"])),
                     **({"context": s["doc"]["context"]} if s["doc"].get("context") is not None else {}),
+                    **({"served_on": args.served_on} if args.served_on else {}),
                 }
                 for s in out["samples"][task]
             ),
@@ -787,6 +789,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="paired-bootstrap resamples (used only for tasks whose scores are not all 0/1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/accuracy"))
+    p.add_argument("--served-on", default=None, metavar="LABEL",
+                   help="where this run's servers run (say, the GPU's name): stamped on every sample row as served_on, "
+                        "so that the report can count pairs whose two answers came from different machines")
     p.add_argument("--reuse", action="store_true",
                    help="load formats already evaluated into --out/samples (same settings) instead of running them "
                         "again: one format per call, then all of them for the report")

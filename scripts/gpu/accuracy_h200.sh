@@ -204,10 +204,13 @@ done
 # (logs.tgz: gpu-clocks-*.csv), summed up in a line at the end: a slow call's prefill rate (67k against 84k tokens/s
 # on one machine, docs/accuracy.md section 5) is then read as a lower clock, a busy host, or neither
 sampler=""
+served_on=()
 if command -v nvidia-smi > /dev/null; then
     # Which card ran this call (an H200 or, where one serves for it, an H100): the answers are compared per
-    # prompt across calls, so the log names the card beside them
+    # prompt across calls, so the log names the card, and every sample row it adds does (served_on), from which
+    # the report counts the pairs whose two answers came from different cards
     echo "gpu: $(nvidia-smi -i 0 --query-gpu=name,memory.total,driver_version --format=csv,noheader 2> /dev/null)"
+    served_on=(--served-on "$(nvidia-smi -i 0 --query-gpu=name --format=csv,noheader 2> /dev/null)")
     mkdir -p "$RUN_DIR/gpu-clocks"
     clocks_csv="$RUN_DIR/gpu-clocks/$(date -u +%Y%m%dT%H%M%SZ).csv"
     python3 scripts/gpu/gpu_clocks.py sample "$clocks_csv" --every 5 &
@@ -251,7 +254,7 @@ done
 ACC=("$PYTHON" -m accuracy.run --model "$MODEL" --formats $FORMATS --baseline fp8 --tasks $TASKS
      --lengths $LENGTHS --samples "$N_SMALL" --format-samples "${format_samples[@]}" --chunk "$CHUNK"
      --questions "$QUESTIONS"
-     --concurrency "$CONCURRENCY" --max-formats "$MAX_FORMATS" --resume --out "$RUN_DIR/acc")
+     --concurrency "$CONCURRENCY" --max-formats "$MAX_FORMATS" --resume --out "$RUN_DIR/acc" "${served_on[@]}")
 acc_s=$(( $(left) - $(agreement_done && echo 0 || echo "$AGREE_S") ))
 acc_rc=0
 if [ "$acc_s" -ge 60 ]; then

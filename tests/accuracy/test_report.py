@@ -201,3 +201,26 @@ def test_pairs_plot_adds_a_row_of_paired_differences(tmp_path):
     (w1, h1), (w2, h2) = png_size(single), png_size(both)
     assert w2 == w1 and h2 == 2 * h1
     assert report.plot(report.build_pairs({"fp8": base}, ["fp8"]), tmp_path / "none.png") is None
+
+
+def test_pairs_are_counted_by_where_each_answer_was_served():
+    base = _rows({1024: [1, 1, 0, 0, 1, 1]})
+    cand = _rows({1024: [1, 0, 1, 0, 1, 0]})
+    for i, (b, c) in enumerate(zip(base, cand)):
+        b["served_on"] = "H200"
+        if i < 4:
+            c["served_on"] = "H200" if i < 2 else "H100"
+    counts = report.served_on_pairs(base, cand, "m3_kv_64", "mxfp4")
+    # pairs 0-1: H200 both (1 right in base only); 2-3: mixed (1 right in cand only); 4-5: cand unrecorded (1/0)
+    assert counts == {"H200 / H200": [2, 1, 0], "H200 / H100": [2, 0, 1], f"H200 / {report.NOT_RECORDED}": [2, 1, 0]}
+    summary = report.build({"fp8": {"m3_kv_64": base, "m3_vt": base}, "mxfp4": {"m3_kv_64": cand, "m3_vt": cand}},
+                           ["fp8", "mxfp4"])
+    assert summary["served_on"]["mxfp4"]["H200 / H100"] == [4, 0, 2]  # summed over tasks
+    text = report.markdown(summary)
+    assert "### Pairs by where they were served, mxfp4 vs fp8" in text
+    assert "| H200 / H100 | 4 | 0/2 | 50.00 |" in text
+    # Rows that never say where they were served add no such table.
+    for r in base + cand:
+        r.pop("served_on", None)
+    plain = report.build({"fp8": {"m3_kv_64": base}, "mxfp4": {"m3_kv_64": cand}}, ["fp8", "mxfp4"])
+    assert "served_on" not in plain and "Pairs by where" not in report.markdown(plain)

@@ -309,3 +309,22 @@ def test_a_run_refuses_other_server_arguments_and_adopts_them_once(tmp_path, fak
         assert json.loads(meta.read_text())["launch_args"] == ["--attention-backend", "fa3"]
         with pytest.raises(ValueError, match="launch_args"):
             compare("triton")
+
+
+def test_each_row_says_where_it_was_served_and_the_report_counts_the_pairs_so(tmp_path, fake_completions, wrong_rule):
+    out = tmp_path / "acc"
+    with fake_completions() as a, fake_completions(wrong=wrong_rule(3)) as b:
+        urls = {"fp8": a.url, "mxfp4": b.url}
+        run.compare_formats(_argv(out, urls, "--samples", "2", "--served-on", "card A"))
+        # A later call on another machine continues the same run (where it runs is no part of its identity).
+        summary = run.compare_formats(_argv(out, urls, "--samples", "3", "--served-on", "card B"))
+    for fmt in urls:
+        for task in TASKS:
+            served = {r["doc_id"]: r["served_on"] for r in _rows(out, fmt, task)}
+            assert served == {f"{n}/{i}": "card A" if i < 2 else "card B" for n in (1024, 2048) for i in range(3)}
+    counts = summary["pairs"]["mxfp4"]["served_on"]["mxfp4"]
+    assert sorted(counts) == ["card A / card A", "card B / card B"]
+    assert counts["card A / card A"][0] == 4 * 2 * 2 and counts["card B / card B"][0] == 4 * 2
+    wrong = sum(1 for task in TASKS for r in _rows(out, "mxfp4", task) if r["score"] == 0.0)
+    assert counts["card A / card A"][1] + counts["card B / card B"][1] == wrong
+    assert "### Pairs by where they were served, mxfp4 vs fp8" in (out / "report.md").read_text()
