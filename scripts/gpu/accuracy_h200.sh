@@ -62,7 +62,7 @@
 # BENCH_PREFILL=1 / BENCH_DECODE=1 (time SGLang's sparse prefill / decode attention under each autotune candidate
 # first, BENCH_DECODE after the kernels' GPU tests; the tables in call.log, their files in logs.tgz),
 # M3_SPARSE_PREFILL_CONFIG / M3_SPARSE_DECODE_CONFIG
-# (WARPS,STAGES: every server holds that candidate),
+# (WARPS,STAGES: every server holds that candidate; on a GPU 4,3 and 4,4 unless set, empty: each server autotunes),
 # WRITTEN_ROOTS (the folders searched for what the call wrote outside its own, each PATH or NAME=PATH, printed as
 # $NAME/...; on a GPU by default $HOME, /tmp, the checkout and the interpreter's prefix, named; on the CPU none),
 # DEVICE (cuda; cpu: no bundle, the CPU server arguments, for the smoke test tests/scripts/test_accuracy_h200.py).
@@ -190,6 +190,11 @@ if [ -n "${BENCH_DECODE:-}" ] && [ "$DEVICE" != cpu ]; then
     echo "[$(elapsed)s] SGLang's sparse decode attention under each candidate (scripts/gpu/bench_sparse_decode.py):"
     timeout 240 "$PYTHON" scripts/gpu/bench_sparse_decode.py --out "$RUN_DIR/bench" \
         || echo "bench_sparse_decode failed"
+fi
+# The comparison's own settings from call 35 on (docs/perf.md: the fastest candidates on an H100; those of 4 warps
+# round alike): held unless set, and an empty value lets each server autotune again
+if [ "$DEVICE" != cpu ]; then
+    export M3_SPARSE_PREFILL_CONFIG="${M3_SPARSE_PREFILL_CONFIG-4,3}" M3_SPARSE_DECODE_CONFIG="${M3_SPARSE_DECODE_CONFIG-4,4}"
 fi
 for kernel in prefill decode; do
     var="M3_SPARSE_${kernel^^}_CONFIG"
