@@ -80,14 +80,6 @@ def pin_config(which: str, spec: str | None, tuner=None) -> tuple[int, int] | No
     return config.num_warps, config.num_stages
 
 
-def pin_prefill_config(spec: str | None, tuner=None) -> tuple[int, int] | None:
-    return pin_config("prefill", spec, tuner)
-
-
-def pin_decode_config(spec: str | None, tuner=None) -> tuple[int, int] | None:
-    return pin_config("decode", spec, tuner)
-
-
 @functools.cache
 def pin_from_env() -> None:
     """``pin_config`` of each kernel whose variable is set, once per process, logged; a kernel whose variable is

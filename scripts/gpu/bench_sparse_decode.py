@@ -141,10 +141,10 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT / "tests" / "benchmarks"))
     from bench_score import copy_bandwidth
 
-    from sglang_m3.sparse_attention import autotuner, pin_decode_config, sparse_attention_decode
+    from sglang_m3.sparse_attention import autotuner, pin_config, sparse_attention_decode
 
     tuner = autotuner("decode")
-    pin_decode_config(None, tuner)
+    pin_config("decode", None, tuner)
     candidates = [(c.num_warps, c.num_stages) for c in tuner.configs]
     copy_start = copy_bandwidth()
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
             nbytes, want = bytes_read(req), references(req, args.ref_requests)
             first = None
             for warps, stages in candidates:
-                pin_decode_config(f"{warps},{stages}", tuner)
+                pin_config("decode", f"{warps},{stages}", tuner)
                 out = call(req)
                 torch.cuda.synchronize()
                 us = 1e3 * triton.testing.do_bench_cudagraph(lambda: call(req), rep=50, return_mode="median")
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     # what a server does: the autotuner's own pick at each batch's bucket (a short context: the pick's key holds
     # no length)
     picks = {}
-    pin_decode_config(None, tuner)
+    pin_config("decode", None, tuner)
     for batch in batches:
         req = make_batch(batch, 1024, args.q_heads, args.kv_heads, args.head_dim, args.topk, gen)
         picks[batch] = []

@@ -106,10 +106,10 @@ def main(argv=None) -> int:
         ap.error("--contexts and --chunk must be positive, --q-heads a multiple of --kv-heads")
 
     import triton
-    from sglang_m3.sparse_attention import autotuner, pin_prefill_config, sparse_attention_extend
+    from sglang_m3.sparse_attention import autotuner, pin_config, sparse_attention_extend
 
     tuner = autotuner("prefill")
-    pin_prefill_config(None, tuner)
+    pin_config("prefill", None, tuner)
     candidates = [(c.num_warps, c.num_stages) for c in tuner.configs]
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     cpu_gen = torch.Generator().manual_seed(args.seed)
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
         req = make_request(context, args.chunk, args.q_heads, args.kv_heads, args.head_dim, args.topk, gen)
         first = None
         for warps, stages in candidates:
-            pin_prefill_config(f"{warps},{stages}", tuner)
+            pin_config("prefill", f"{warps},{stages}", tuner)
             out = call(req)
             torch.cuda.synchronize()
             ms = triton.testing.do_bench(lambda: call(req), warmup=25, rep=200, return_mode="median")
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
 
     # what a server does: the autotuner's own pick, at its first call, on a 128-token warm-up
     picks = []
-    pin_prefill_config(None, tuner)
+    pin_config("prefill", None, tuner)
     for _ in range(args.warmup_picks):
         tuner.cache.clear()
         call(make_request(128, 128, args.q_heads, args.kv_heads, args.head_dim, args.topk, gen))

@@ -13,8 +13,8 @@ import torch
 
 from m3_kernels.ops.attention.naive import sparse_attention_ref
 import sglang_m3.sparse_attention as sa
-from sglang_m3.sparse_attention import (autotuner, pin_config, pin_decode_config, pin_from_env, pin_prefill_config,
-                                        sparse_attention_decode, sparse_attention_extend)
+from sglang_m3.sparse_attention import (autotuner, pin_config, pin_from_env, sparse_attention_decode,
+                                        sparse_attention_extend)
 
 BLOCK = 4
 
@@ -111,8 +111,8 @@ def test_a_config_is_held_to_one_candidate_and_given_back(tuners, which):
     tuner.cache[("poisoned-key",)] = tuner.configs[0]
     assert pin_config(which, "", tuner) is None
     assert _held(tuner) == before and not tuner.cache
-    pin = {"prefill": pin_prefill_config, "decode": pin_decode_config}[which]
-    assert pin("4,4") == (4, 4) and _held(tuner) == [(4, 4)]  # the module's own lookup finds the same autotuner
+    # without a tuner given, the module's own lookup finds the same autotuner
+    assert pin_config(which, "4,4") == (4, 4) and _held(tuner) == [(4, 4)]
 
 
 @pytest.mark.parametrize("which, spec", [("prefill", s) for s in ["3,3", "4", "4,3,1", "four,3", "4;3", "2,5"]]
@@ -197,7 +197,7 @@ def test_every_prefill_candidate_equals_the_reference_on_cuda(prefill_tuner):
     want = sparse_attention_ref(q, k_cache, v_cache, req_to_token, req_pool, seq, cu, positions, sel, block, scale)
     cuda = [t.cuda() for t in (q, k_cache, v_cache, req_to_token, req_pool, seq, seq - torch.tensor(new), cu)]
     for c in list(prefill_tuner.configs):
-        pin_prefill_config(f"{c.num_warps},{c.num_stages}", prefill_tuner)
+        pin_config("prefill", f"{c.num_warps},{c.num_stages}", prefill_tuner)
         got = sparse_attention_extend(*cuda, max(new), positions.cuda(), sel.cuda(), block, scale)
         torch.testing.assert_close(got.double().cpu(), want, rtol=0.0, atol=4 * 2.0**-9 * float(v_cache.abs().max()),
                                    msg=lambda m, c=c: f"{c.num_warps} warps, {c.num_stages} stages: {m}")
@@ -227,7 +227,7 @@ def test_every_decode_candidate_equals_the_reference_on_cuda(tuners):
     cuda = [t.cuda() for t in (q, k_cache, v_cache, req_to_token, req_pool, seq, sel)]
     first, same = None, []
     for c in list(tuners["decode"].configs):
-        pin_decode_config(f"{c.num_warps},{c.num_stages}", tuners["decode"])
+        pin_config("decode", f"{c.num_warps},{c.num_stages}", tuners["decode"])
         got = sparse_attention_decode(*cuda, block, scale)
         torch.testing.assert_close(got.double().cpu(), want, rtol=0.0, atol=4 * 2.0**-9 * float(v_cache.abs().max()),
                                    msg=lambda m, c=c: f"{c.num_warps} warps, {c.num_stages} stages: {m}")
