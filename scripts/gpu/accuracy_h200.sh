@@ -214,8 +214,9 @@ if command -v nvidia-smi > /dev/null; then
     # Which card ran this call (an H200 or, where one serves for it, an H100): the answers are compared per
     # prompt across calls, so the log names the card, and every sample row it adds does (served_on), from which
     # the report counts the pairs whose two answers came from different cards
-    echo "gpu: $(nvidia-smi -i 0 --query-gpu=name,memory.total,driver_version --format=csv,noheader 2> /dev/null)"
-    served_on=(--served-on "$(nvidia-smi -i 0 --query-gpu=name --format=csv,noheader 2> /dev/null)")
+    gpu=$(nvidia-smi -i 0 --query-gpu=name,memory.total,driver_version --format=csv,noheader 2> /dev/null)
+    echo "gpu: $gpu"
+    served_on=(--served-on "${gpu%%,*}")
     mkdir -p "$RUN_DIR/gpu-clocks"
     clocks_csv="$RUN_DIR/gpu-clocks/$(date -u +%Y%m%dT%H%M%SZ).csv"
     python3 scripts/gpu/gpu_clocks.py sample "$clocks_csv" --every 5 &
