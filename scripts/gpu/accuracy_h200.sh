@@ -156,7 +156,7 @@ else
     source scripts/gpu/bundle_env.sh || exit 1
     PYTHON=python3
     # CUDA graphs on for decode (the plugin keeps prefill eager); batch sizes up to the concurrency (each
-    # captured size costs start-up: 36-98 s for 1, 2, 4, 8 on an H200, docs/accuracy.md section 5).
+    # captured size costs start-up: 36-98 s for 1, 2, 4, 8 on an H200, docs/accuracy-h200-log.md).
     default_launch="--attention-backend triton --sampling-backend pytorch --grammar-backend none
                     --disable-piecewise-cuda-graph --cuda-graph-max-bs $CONCURRENCY
                     --context-length $context --mem-fraction-static 0.85 --random-seed 0"
@@ -207,7 +207,7 @@ done
 
 # The GPU's clocks, power, utilization and clock-event reasons and the host's load every 5 s through the call
 # (logs.tgz: gpu-clocks-*.csv), summed up in a line at the end: a slow call's prefill rate (67k against 84k tokens/s
-# on one machine, docs/accuracy.md section 5) is then read as a lower clock, a busy host, or neither
+# on one machine, docs/accuracy-h200-log.md) is then read as a lower clock, a busy host, or neither
 sampler=""
 served_on=()
 if command -v nvidia-smi > /dev/null; then

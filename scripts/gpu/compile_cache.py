@@ -3,7 +3,7 @@ torch Inductor's compiled graphs that a server built on one machine, packed so t
 server start loads them instead of building them again. On an H200 a fresh start took 150 s, a held machine's
 34 s, and a fresh one with the Triton and nvcc caches carried 81 s, 38 s of it in the first CUDA-graph capture
 (6 s held), where Inductor compiles SGLang's ``torch.compile`` activations: hence its cache too, which saved 8 s
-of the 43; other caches a fresh machine may rebuild travel as ``--extra`` (docs/accuracy.md section 5).
+of the 43; other caches a fresh machine may rebuild travel as ``--extra`` (docs/accuracy-h200-log.md).
 
     python scripts/gpu/compile_cache.py pack TRITON_DIR JIT_DIR OUT.tar.xz [--inductor-dir DIR] [--extra NAME=DIR ...]
         [--max-mib 15]
