@@ -65,7 +65,8 @@ def pytest_configure(config):
     """``M3_TEST_TIMELINE=<file>``: one line per test, ``worker start end nodeid`` (wall-clock seconds, from its
     setup's start to its teardown's end), appended by each process that runs tests (the workers, not their
     controller): where the suite's wall time goes. In an xdist worker, torch runs on the worker's share of the
-    cores (``worker_threads``): 5 min 09 s against 6 min 05 s for the suite on a 2-core box (docs/perf.md)."""
+    cores (``worker_threads``): 5 min 09 s against 6 min 05 s for the suite on a 2-core box
+    (docs/perf-cpu-log.md, twelfth round)."""
     runs_tests = hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
     _timeline["path"] = os.environ.get("M3_TEST_TIMELINE") if runs_tests else None
     if hasattr(config, "workerinput") and "OMP_NUM_THREADS" not in os.environ:
@@ -97,7 +98,7 @@ def gen():
 # this order only breaks ties among files with equal test counts there, and holds fully with -n 0. Turning the
 # reordering off to hand these out first was measured on 2026-12-02: 6 min 47 s quiet but 8 min 00 s in a
 # fresh-clone CI run (the long server tests then run side by side, each slower), against 7 min 22-28 s with
-# xdist's order; not kept (docs/perf.md, ninth round).
+# xdist's order; not kept (docs/perf-cpu-log.md, ninth round).
 LONG_FILES = ("scripts/test_accuracy_h200.py", "training/test_trained_checkpoint.py", "sglang_m3/test_tp.py",
               "training/test_model.py", "sglang_m3/test_server.py", "accuracy/test_run_e2e.py",
               "accuracy/test_agreement_e2e.py")
