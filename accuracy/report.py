@@ -17,7 +17,7 @@ from .stats import compare_counts, compare_paired, is_binary
 
 ALL = "all"
 INTERVAL_LABELS = {"tango": "Tango score", "tango_rao_scott": "Tango score, Rao-Scott clustered",
-                   "bootstrap": "paired bootstrap"}
+                   "bootstrap": "paired bootstrap", "bootstrap_clustered": "bootstrap over contexts"}
 
 
 def _matched(base: list[dict], other: list[dict], task: str, fmt: str) -> list[tuple[dict, dict]]:
@@ -170,10 +170,14 @@ _INTERVAL_NOTES = {
     "tango_rao_scott": "Tango score, Rao-Scott clustered: several questions share a context, so their pairs are "
                        "correlated; Tango's interval on the counts divided by the design effect (between-context "
                        "over independent-pairs variance, 1 to the questions per context; the latter when fewer "
-                       "than 10 pairs are discordant), McNemar p clustered (Durkalski 2003). results.json holds "
-                       "the contexts and the design effect of each cell.",
+                       "than 10 pairs are discordant). Its McNemar p is the exact sign-flip test on the contexts' "
+                       "totals of candidate minus baseline (McNemar's exact test when no context holds two "
+                       "discordant pairs). results.json holds the contexts and the design effect of each cell.",
     "bootstrap": "paired bootstrap: percentile interval over resampled pairs, for scores other than 0/1; it has zero "
                  "width when every pair has the same difference.",
+    "bootstrap_clustered": "bootstrap over contexts: the paired bootstrap resampling whole contexts (several "
+                           "questions share one), for scores other than 0/1; zero width when every pair has the "
+                           "same difference.",
 }
 
 

@@ -16,7 +16,8 @@ The interval of ``diff = mean(b) - mean(a)``:
   interval on the Rao-Scott effective counts (Rao and Scott 1992, Biometrics 48:577-585): every
   count divided by the design effect of the difference (``design_effect``: between-cluster over
   independent-pairs variance, at least 1, at most the largest cluster, and the largest cluster when
-  there are too few discordant pairs to estimate it), with Durkalski's clustered McNemar p.
+  there are too few discordant pairs to estimate it), with the exact sign-flip test on the clusters'
+  totals as the McNemar p (``mcnemar_clustered``).
 - Other scores: the paired percentile bootstrap (which has zero width whenever every pair has the
   same difference, e.g. no discordant pair).
 
@@ -29,7 +30,7 @@ import math
 
 import numpy as np
 from scipy.optimize import brentq
-from scipy.stats import binomtest, chi2, norm
+from scipy.stats import binomtest, norm
 
 _BOOT_CHUNK_ELEMENTS = 1 << 22  # resampled indices held at once
 INTERVALS = ("auto", "tango", "bootstrap")
@@ -181,9 +182,12 @@ def newcombe_interval(n11: int, n10: int, n01: int, n00: int, confidence: float 
     return lo, hi
 
 
-def paired_bootstrap(a, b, n_boot: int = 10000, confidence: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
+def paired_bootstrap(a, b, n_boot: int = 10000, confidence: float = 0.95, seed: int = 0,
+                     clusters=None) -> tuple[float, float, float]:
     """``(diff, lo, hi)``: ``diff = mean(b) - mean(a)`` and the percentile interval of that
-    difference over ``n_boot`` resamples of sample indices (with replacement, pairs kept together).
+    difference over ``n_boot`` resamples of sample indices (with replacement, pairs kept together), or,
+    with ``clusters`` (one label per pair), of whole clusters: a resample's difference is its clusters'
+    summed ``b - a`` over their summed pairs, so a context's correlated questions move together.
 
     The interval ends are the order statistics ``floor(lo_q * (n_boot - 1))`` and
     ``ceil(hi_q * (n_boot - 1))`` of the sorted resampled differences, ``lo_q, hi_q =
@@ -193,16 +197,21 @@ def paired_bootstrap(a, b, n_boot: int = 10000, confidence: float = 0.95, seed: 
     a, b = _check_pair(a, b)
     if n_boot < 1 or not (0.0 < confidence < 1.0):
         raise ValueError(f"need n_boot >= 1 and 0 < confidence < 1, got n_boot={n_boot}, confidence={confidence}")
-    n = len(a)
-    if n == 0:
+    if len(a) == 0:
         return 0.0, 0.0, 0.0
     d = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)
+    if clusters is None:
+        totals, sizes = d, np.ones_like(d)
+    else:
+        _, totals, sizes = _cluster_totals(a, b, clusters)
+    n = len(totals)
     rng = np.random.default_rng(seed)
     means = np.empty(n_boot)
     step = max(1, _BOOT_CHUNK_ELEMENTS // n)
     for i in range(0, n_boot, step):
         m = min(step, n_boot - i)
-        means[i : i + m] = d[rng.integers(0, n, size=(m, n))].mean(1)
+        pick = rng.integers(0, n, size=(m, n))
+        means[i : i + m] = totals[pick].sum(1) / sizes[pick].sum(1)
     means.sort()
     lo_q, hi_q = (1 - confidence) / 2, (1 + confidence) / 2
     return float(d.mean()), float(means[math.floor(lo_q * (n_boot - 1))]), float(means[math.ceil(hi_q * (n_boot - 1))])
@@ -240,20 +249,34 @@ def _cluster_totals(a, b, clusters) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def mcnemar_clustered(a, b, clusters) -> float:
-    """Two-sided p of Durkalski et al.'s (2003, Statistics in Medicine 22:2417-2428) McNemar test for
-    clustered pairs: ``(sum_c (n01_c - n10_c))^2 / sum_c (n01_c - n10_c)^2`` against chi-square(1); 1
-    when no cluster has a discordance difference."""
+    """Exact two-sided p of the sign-flip (randomization) test on the clusters' totals ``D_c = sum_c (b - a)``
+    (integers for 0/1 scores): under no format effect each cluster's pairs are exchangeable between the
+    formats, so every ``D_c`` is as likely as ``-D_c``; p is the share of the ``2^k`` sign patterns of the
+    ``k`` non-zero totals whose sum is at least ``|sum_c D_c|`` in size. With at most one discordant pair a
+    cluster it is McNemar's exact test (``mcnemar_exact``); 1 when no cluster's total is non-zero. Exact at
+    any count, unlike Durkalski's chi-square version of the clustered McNemar test, which is optimistic at a
+    few discordant pairs."""
     _, totals, _ = _cluster_totals(a, b, clusters)
-    denominator = float((totals**2).sum())
-    if denominator == 0.0:
+    if not np.allclose(totals, np.round(totals)):
+        raise ValueError("mcnemar_clustered needs 0/1 scores: the clusters' totals of b - a must be integers")
+    steps = [abs(int(t)) for t in np.round(totals) if t != 0]
+    observed = abs(sum(int(t) for t in np.round(totals)))
+    if not steps:
         return 1.0
-    return float(chi2.sf(float(totals.sum()) ** 2 / denominator, 1))
+    # Distribution of sum_c s_c |D_c| over independent fair signs s_c, on the integers -span..span.
+    span = sum(steps)
+    dist = np.zeros(2 * span + 1)
+    dist[span] = 1.0
+    for step in steps:
+        dist = 0.5 * (np.roll(dist, step) + np.roll(dist, -step))  # no wrap: |partial sums| <= span
+    sums = np.arange(-span, span + 1)
+    return float(min(1.0, dist[np.abs(sums) >= observed].sum()))
 
 
 def compare_clustered(a, b, clusters, confidence: float = 0.95) -> "PairedResult":
     """Paired statistics of 0/1 scores whose pairs come in clusters (several questions on one context):
     Tango's interval on the Rao-Scott effective counts (each count divided by ``design_effect``), the
-    clustered McNemar p (``mcnemar_clustered``); ``ci_method`` "tango_rao_scott"."""
+    clustered exact McNemar p (``mcnemar_clustered``); ``ci_method`` "tango_rao_scott"."""
     a, b = _check_pair(a, b)
     if not is_binary(a, b):
         raise ValueError("compare_clustered needs 0/1 scores")
@@ -280,11 +303,11 @@ class PairedResult:
     diff: float  # mean(b) - mean(a)
     ci_lo: float  # interval of diff, of the kind ci_method names
     ci_hi: float
-    ci_method: str = "tango"  # "tango" (0/1 scores) or "bootstrap" (percentile, other scores)
+    ci_method: str = "tango"  # "tango", "tango_rao_scott" (0/1 scores); "bootstrap", "bootstrap_clustered"
     confidence: float = 0.95
     newcombe_lo: float | None = None  # Newcombe's method 10 beside Tango's (0/1 scores only)
     newcombe_hi: float | None = None
-    clusters: int | None = None  # tango_rao_scott: the clusters (contexts) the pairs come in
+    clusters: int | None = None  # *_clustered, tango_rao_scott: the clusters (contexts) the pairs come in
     design_effect: float | None = None  # tango_rao_scott: the counts' divisor (design_effect)
 
 
@@ -307,8 +330,9 @@ def compare_paired(a, b, n_boot: int = 10000, seed: int = 0, confidence: float =
 
     ``interval``: "tango" (scores must be 0/1; ``compare_counts``), "bootstrap" (``paired_bootstrap``
     with ``n_boot`` and ``seed``), or "auto": tango when every score is 0 or 1, else bootstrap.
-    ``clusters`` (one label per pair, or None): with 0/1 scores and some cluster of two or more pairs,
-    "tango" becomes ``compare_clustered``.
+    ``clusters`` (one label per pair, or None), when some cluster holds two or more pairs: with 0/1 scores
+    "tango" becomes ``compare_clustered``; the bootstrap resamples whole clusters (``ci_method``
+    "bootstrap_clustered").
     """
     if interval not in INTERVALS:
         raise ValueError(f"interval must be one of {INTERVALS}, got {interval!r}")
@@ -318,17 +342,21 @@ def compare_paired(a, b, n_boot: int = 10000, seed: int = 0, confidence: float =
     if interval == "tango" and not binary:
         raise ValueError("interval='tango' needs 0/1 scores; use 'bootstrap' (or 'auto') for partial scores")
     n10, n01 = discordant(a, b)
-    if binary and interval != "bootstrap" and clusters is not None:
+    labels = None
+    if clusters is not None:
         labels = [str(c) for c in clusters]
         if len(labels) != len(a):
             raise ValueError(f"clusters must name one cluster per pair, got {len(labels)} for {len(a)} pairs")
-        if len(set(labels)) < len(labels):
-            return compare_clustered(a, b, labels, confidence)
+        if len(set(labels)) == len(labels):
+            labels = None  # every cluster one pair: the plain statistics
     if binary and interval != "bootstrap":
+        if labels is not None:
+            return compare_clustered(a, b, labels, confidence)
         n11 = sum(1 for x, y in zip(a, b) if x == 1.0 and y == 1.0)
         return compare_counts(n11, n10, n01, len(a) - n11 - n10 - n01, confidence)
-    diff, lo, hi = paired_bootstrap(a, b, n_boot, confidence, seed=seed)
+    diff, lo, hi = paired_bootstrap(a, b, n_boot, confidence, seed=seed, clusters=labels)
     n = len(a)
+    kind, n_clusters = ("bootstrap", None) if labels is None else ("bootstrap_clustered", len(set(labels)))
     return PairedResult(n=n, acc_a=sum(a) / n if n else 0.0, acc_b=sum(b) / n if n else 0.0,
                         agreement=agreement(a, b), n10=n10, n01=n01, p_mcnemar=mcnemar_exact(n10, n01),
-                        diff=diff, ci_lo=lo, ci_hi=hi, ci_method="bootstrap", confidence=confidence)
+                        diff=diff, ci_lo=lo, ci_hi=hi, ci_method=kind, confidence=confidence, clusters=n_clusters)

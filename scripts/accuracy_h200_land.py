@@ -9,7 +9,10 @@ state it resumed from, so the last one is the new state. Each state must hold ev
 it and the last every committed row, unchanged, or nothing is written (a call resumed from the wrong state,
 or not at all, would lose rows). Landing calls again adds nothing. Writes, under
 docs/perf_data/:
-- accuracy_h200_resume/state.tgz: the last call's state, repacked with sorted names and no owners;
+- accuracy_h200_resume/state.tgz: the last call's state, its sample rows (``acc/``) only, repacked with sorted
+  names and no owners (a call's agreement selections, ``agreement/``, are not landed: the committed ones are
+  accuracy_h200_resume/agreement_formats.tgz, packed by hand; so a call resumed from this state with
+  ``AGREE_FORMATS`` left at its default serves the agreement study again);
 - accuracy_h200_2026-12-02_q4_samples.jsonl: the rows not yet in it appended (``format`` and ``task``
   first), the rows already there left in place;
 - accuracy_h200_<date>_q4_call<N>.log for each call, N counting on from the highest already there, the

@@ -3,8 +3,8 @@
 # docs/perf_data/accuracy_h200_resume/state.tgz holds every sample row the H200 calls returned
 # (scripts/gpu/accuracy_h200.sh, docs/accuracy.md section 5). Writes OUT (default out/accuracy-h200-report):
 # report.md (every format the state holds, replicas included, against fp8 on the prompts both have; Tango /
-# Rao-Scott intervals, exact McNemar, the discordant pairs with task, length and needle depth), results.json,
-# accuracy_vs_length.png.
+# Rao-Scott intervals, exact McNemar (clustered cells: the exact sign-flip test on the contexts), the discordant
+# pairs with task, length and needle depth), results.json, accuracy_vs_length.png.
 #
 #   scripts/accuracy_h200_report.sh [OUT]
 #

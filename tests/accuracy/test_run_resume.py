@@ -119,6 +119,8 @@ def test_questions_per_context_are_pinned_and_clustered(tmp_path, fake_completio
             assert group["ci_method"] == method, task
             if method == "tango_rao_scott":
                 assert group["clusters"] == 1 and group["design_effect"] == 4.0  # one context: 4 alike
+                pooled = pairs[task][-1]["paired"]["mxfp4"]  # over both lengths: context 0 of each is its own
+                assert pairs[task][-1]["length"] == "all" and pooled["clusters"] == 2, task
         assert "Rao-Scott clustered" in (out / "report.md").read_text()
         with pytest.raises(ValueError, match="questions"):  # the prompts differ: the state is another run's
             run.compare_formats(_argv(out, urls, "--samples", "4", "--questions", "2"))

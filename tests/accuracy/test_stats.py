@@ -1,14 +1,14 @@
 """Paired statistics against hand-computed cases, published worked examples, a brute-force oracle
 and exact coverage at small n."""
 
+import itertools
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
 from scipy.optimize import minimize_scalar
 from scipy.stats import binomtest, multinomial, norm
-
-from scipy.stats import chi2
 
 from accuracy.stats import (agreement, compare_clustered, compare_counts, compare_paired, design_effect, discordant,
                             is_binary, mcnemar_clustered, mcnemar_exact, newcombe_interval, paired_bootstrap,
@@ -84,6 +84,27 @@ def test_bootstrap_is_seeded_and_contains_the_difference():
     first = paired_bootstrap(a, b, n_boot=500, seed=7)
     assert first == paired_bootstrap(a, b, n_boot=500, seed=7)
     assert first[1] <= first[0] <= first[2]
+
+
+def test_bootstrap_over_clusters_resamples_whole_contexts():
+    # Each context holds 4 copies of one pair: resampling contexts is resampling the distinct pairs (the same
+    # draws, same seed), while resampling pairs would take the 4 copies for 4 independent samples.
+    a = [0.5, 0.0, 1.0, 0.25, 0.0, 1.0, 0.5, 0.75]
+    b = [0.5, 1.0, 0.0, 0.75, 0.5, 1.0, 0.0, 0.75]
+    copies = 4
+    a4, b4 = np.repeat(a, copies), np.repeat(b, copies)
+    contexts = np.repeat(np.arange(len(a)), copies)
+    plain = paired_bootstrap(a, b, n_boot=4000, seed=5)
+    clustered = paired_bootstrap(a4, b4, n_boot=4000, seed=5, clusters=contexts)
+    assert clustered == pytest.approx(plain, abs=1e-12)
+    naive = paired_bootstrap(a4, b4, n_boot=4000, seed=5)
+    assert naive[2] - naive[1] < 0.7 * (clustered[2] - clustered[1])
+    r = compare_paired(a4, b4, n_boot=4000, seed=5, clusters=contexts)
+    assert (r.ci_method, r.clusters) == ("bootstrap_clustered", len(a))
+    assert (r.ci_lo, r.ci_hi) == pytest.approx(clustered[1:], abs=1e-12)
+    assert compare_paired(a, b, n_boot=100, clusters=range(len(a))).ci_method == "bootstrap"  # one pair a context
+    with pytest.raises(ValueError, match="one cluster per pair"):
+        compare_paired(a, b, n_boot=100, clusters=[0, 1])
 
 
 def test_compare_paired_fields():
@@ -329,14 +350,15 @@ def _design_effect_oracle(a, b, clusters):
 
 
 def test_design_effect_hand_cases():
-    rng = np.random.default_rng()
+    seed = int(np.random.default_rng().integers(1 << 31))
+    rng = np.random.default_rng(seed)
     a = rng.integers(0, 2, 20)
     b = np.where(rng.random(20) < 0.6, 1 - a, a)  # many discordant pairs
     while np.count_nonzero(b - a) < 10:
         b = 1 - a
     twice_a, twice_b = np.repeat(a, 2), np.repeat(b, 2)  # each context's two questions alike
     clusters = np.repeat(np.arange(20), 2)
-    assert design_effect(twice_a, twice_b, clusters) == 2.0  # (2C - 1) / (C - 1) > 2: clamped to the size
+    assert design_effect(twice_a, twice_b, clusters) == 2.0, f"seed {seed}"  # (2C-1)/(C-1) > 2: clamped
     # Opposite answers within every context: the totals cancel, the ratio falls below 1 and is clamped up.
     a2, b2 = np.tile([0.0, 1.0], 20), np.tile([1.0, 0.0], 20)
     assert design_effect(a2, b2, clusters) == 1.0
@@ -348,7 +370,8 @@ def test_design_effect_hand_cases():
 
 
 def test_design_effect_matches_the_oracle_on_fresh_clustered_data():
-    rng = np.random.default_rng()
+    seed = int(np.random.default_rng().integers(1 << 31))
+    rng = np.random.default_rng(seed)
     for _ in range(20):
         sizes = rng.integers(1, 9, 25)
         clusters = np.repeat(np.arange(25), sizes)
@@ -358,16 +381,48 @@ def test_design_effect_matches_the_oracle_on_fresh_clustered_data():
         if np.count_nonzero(b - a) < 10:
             continue
         want = min(max(_design_effect_oracle(a, b, list(clusters)), 1.0), float(sizes.max()))
-        assert design_effect(a, b, clusters) == pytest.approx(want, rel=1e-12)
+        assert design_effect(a, b, clusters) == pytest.approx(want, rel=1e-12), f"seed {seed}"
+
+
+def _sign_flip_oracle(totals) -> Fraction:
+    """Every sign pattern of the non-zero totals, counted in exact integers."""
+    steps = [abs(t) for t in totals if t]
+    observed = abs(sum(totals))
+    hits = sum(abs(sum(s * t for s, t in zip(signs, steps))) >= observed
+               for signs in itertools.product((1, -1), repeat=len(steps)))
+    return Fraction(hits, 2 ** len(steps))
 
 
 def test_clustered_mcnemar_hand_computed():
-    # Context differences (b - a summed): +1, +1, -1, +2, 0: statistic 3^2 / (1 + 1 + 1 + 4).
+    # Context totals (b - a summed): +1, +1, -1, +2, 0, observed sum 3. Of the 16 sign patterns of (1, 1, 1, 2),
+    # those with |sum| >= 3: 5 (once), 3 (three times), -3 (three times), -5 (once): p = 8 / 16.
     a = [0, 0, 1, 0, 0, 1, 1]
     b = [1, 1, 0, 1, 1, 1, 1]
     clusters = ["p", "q", "r", "s", "s", "t", "t"]
-    assert mcnemar_clustered(a, b, clusters) == pytest.approx(float(chi2.sf(9 / 7, 1)), rel=1e-12)
+    assert mcnemar_clustered(a, b, clusters) == pytest.approx(0.5, abs=1e-15)
     assert mcnemar_clustered([1, 0], [1, 0], ["x", "x"]) == 1.0
+    # Five losses in five contexts of four questions: McNemar's exact p, 2 / 2^5 (chi-square would say 0.025).
+    a, b = [1] * 20, [0, 1, 1, 1] * 5
+    assert mcnemar_clustered(a, b, [i // 4 for i in range(20)]) == pytest.approx(0.0625, abs=1e-15)
+    with pytest.raises(ValueError, match="0/1 scores"):
+        mcnemar_clustered([0.5, 0], [0, 0], ["x", "x"])
+
+
+def test_clustered_mcnemar_is_the_exact_sign_flip_test():
+    seed = int(np.random.default_rng().integers(1 << 31))
+    rng = np.random.default_rng(seed)
+    for _ in range(60):
+        sizes = rng.integers(1, 5, int(rng.integers(1, 13)))
+        clusters = np.repeat(np.arange(len(sizes)), sizes)
+        a = (rng.random(len(clusters)) < 0.6).astype(int)
+        b = np.where(rng.random(len(clusters)) < rng.uniform(0, 0.6), 1 - a, a)
+        totals = [int((b - a)[clusters == c].sum()) for c in range(len(sizes))]
+        want = float(_sign_flip_oracle(totals))
+        assert mcnemar_clustered(a, b, clusters) == pytest.approx(want, abs=1e-12), f"seed {seed}: {totals}"
+        # With at most one discordant pair a context it is McNemar's exact test on the plain counts.
+        single = [c for c in range(len(sizes)) if np.count_nonzero((b - a)[clusters == c]) <= 1]
+        if len(single) == len(sizes):
+            assert want == pytest.approx(mcnemar_exact(*discordant(a, b)), abs=1e-12), f"seed {seed}"
 
 
 def test_clustered_interval_is_tango_on_the_effective_counts():
@@ -392,7 +447,8 @@ def test_clustered_coverage_holds_where_the_plain_interval_fails():
     # discordant with probability 0.6, all in the context's own direction (+-1 at random, so the true
     # difference is 0). The plain Tango interval treats the 320 pairs as independent and misses 0 far
     # more often than 5% of the time; the Rao-Scott one stays near its 95%.
-    rng = np.random.default_rng()
+    seed = int(np.random.default_rng().integers(1 << 31))
+    rng = np.random.default_rng(seed)
     reps, cover_plain, cover_rs = 300, 0, 0
     clusters = np.repeat(np.arange(40), 8)
     for _ in range(reps):
@@ -408,5 +464,5 @@ def test_clustered_coverage_holds_where_the_plain_interval_fails():
         cover_plain += lo <= 0.0 <= hi
         r = compare_clustered(a, b, clusters)
         cover_rs += r.ci_lo <= 0.0 <= r.ci_hi
-    assert cover_rs / reps >= 0.90
-    assert cover_plain / reps <= 0.80
+    assert cover_rs / reps >= 0.90, f"seed {seed}: {cover_rs} of {reps}"
+    assert cover_plain / reps <= 0.80, f"seed {seed}: {cover_plain} of {reps}"

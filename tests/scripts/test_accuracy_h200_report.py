@@ -1,6 +1,7 @@
-"""scripts/accuracy_h200_report.sh rebuilds the H200 comparison's report from the committed resume state, and that
-state agrees with the committed per-sample dump (docs/perf_data/accuracy_h200_2026-12-02_q4_samples.jsonl): the
-same pairs and the same discordant pairs for every format against fp8."""
+"""scripts/accuracy_h200_report.sh rebuilds the H200 comparison's report from the committed resume state, byte for
+byte the committed report (the newest docs/perf_data/accuracy_h200_<date>_q4_report.md, which the land script writes),
+and that state agrees with the committed per-sample dump (docs/perf_data/accuracy_h200_2026-12-02_q4_samples.jsonl):
+the same pairs and the same discordant pairs for every format against fp8."""
 
 import json
 import os
@@ -49,3 +50,7 @@ def test_report_rebuilds_from_the_committed_state_and_matches_the_dump(tmp_path)
     for fmt, (n, base_only, cand_only) in want.items():  # the overview's row of each format
         assert f"\n| {fmt} | {n} | {base_only} / {cand_only} | " in text, fmt
     assert (out / "accuracy_vs_length.png").stat().st_size > 1000
+    # The committed report is what this code makes of the committed state: a change to the statistics or the
+    # report's text shows here until the report is rebuilt and committed with it.
+    committed = max((ROOT / "docs" / "perf_data").glob("accuracy_h200_????-??-??_q4_report.md"))
+    assert text == committed.read_text(), f"{committed.name} differs from the report rebuilt from the state"
