@@ -19,7 +19,7 @@ The interval of ``diff = mean(b) - mean(a)``:
   there are too few discordant pairs to estimate it), with the exact sign-flip test on the clusters'
   totals as the McNemar p (``mcnemar_clustered``).
 - Other scores: the paired percentile bootstrap (which has zero width whenever every pair has the
-  same difference, e.g. no discordant pair).
+  same difference, e.g. no discordant pair), over whole clusters when the pairs come in clusters.
 
 scipy provides the Wilson interval and the normal quantile; neither scipy 1.17 nor statsmodels 0.15
 has a paired-difference interval, so the two formulas are written out here.
