@@ -10,9 +10,18 @@ the dense backend for layers 0-2) and replaces its index path. Per sparse layer 
 4. attend over the picked blocks (``sparse_attention``: SGLang's Triton kernels on CUDA, torch
    elsewhere).
 
-Plan, then run: host work (block tables for prefill, per-batch-size buffers) happens in
+Plan, then run: host work (block tables for prefill, decode buffer views) happens in
 ``init_forward_metadata_out_graph``; decode metadata is refreshed by device ops in
 ``init_forward_metadata_in_graph`` into buffers that CUDA-graph capture and replay share.
+
+Decode buffers in CUDA-graph mode: ``init_cuda_graph_state(max_bs)`` allocates one set for
+``max_bs`` rows and every batch size up to it gets leading views of that set (``scores`` as the first
+``H_idx * bs * max_blocks`` elements, so each view is contiguous), so memory follows the largest
+captured size, not their sum. Sharing is safe because graphs replay one at a time on one stream and
+each replay rewrites its rows in-graph (``block_table``, ``seq_lens``, ``n_visible`` copied in
+``init_forward_metadata_in_graph``; ``scores`` written by the scorer up to each row's last visible
+block, the columns past it left stale and masked by ``n_visible``). Larger batches, and eager mode,
+get fresh buffers.
 """
 
 import itertools
@@ -41,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _DecodeMeta:
-    """Per-batch-size decode buffers (shared by CUDA-graph capture and replay)."""
+    """Decode buffers of one batch of ``bs`` rows: fresh, or views of the CUDA-graph set (module docstring)."""
 
     block_table: torch.Tensor  # int32 [bs, max_blocks]: page id of each request block
     seq_lens: torch.Tensor  # int32 [bs]
@@ -94,7 +103,7 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
         # First token slot of every block of every request row: [max_reqs, max_blocks] (a view).
         self._block_starts = self.req_to_token[:, ::PAGE_SIZE]
         self.max_blocks = self._block_starts.shape[1]
-        self._graph_decode_meta: dict[int, _DecodeMeta] = {}
+        self._graph_decode_buffers: Optional[_DecodeMeta] = None  # for max_bs rows, in CUDA-graph mode
         self._in_graph_mode = False
         self._decode_meta: Optional[_DecodeMeta] = None
         self._extend_meta: Optional[_ExtendMeta] = None
@@ -107,7 +116,12 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
     # ---- plan --------------------------------------------------------------------------------
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        """One set of decode buffers for ``max_bs`` rows, viewed by every captured batch size (kept if a
+        set at least that large exists: graphs captured on it still read it)."""
         self._in_graph_mode = True
+        shared = self._graph_decode_buffers
+        if shared is None or shared.seq_lens.shape[0] < max_bs:
+            self._graph_decode_buffers = self._new_decode_meta(max_bs)
 
     def _new_decode_meta(self, bs: int) -> _DecodeMeta:
         dev = self.device
@@ -116,6 +130,17 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
             seq_lens=torch.ones(bs, dtype=torch.int32, device=dev),
             n_visible=torch.ones(bs, dtype=torch.int64, device=dev),
             scores=torch.empty(self.num_idx_heads, bs, self.max_blocks, dtype=torch.float32, device=dev),
+        )
+
+    def _graph_decode_views(self, bs: int) -> _DecodeMeta:
+        """The first ``bs`` rows of the CUDA-graph buffers, each contiguous: ``scores`` is the leading
+        ``[H_idx, bs, max_blocks]`` block of the shared storage, not a strided slice of its rows."""
+        shared, H, nb = self._graph_decode_buffers, self.num_idx_heads, self.max_blocks
+        return _DecodeMeta(
+            block_table=shared.block_table[:bs],
+            seq_lens=shared.seq_lens[:bs],
+            n_visible=shared.n_visible[:bs],
+            scores=shared.scores.view(-1)[: H * bs * nb].view(H, bs, nb),
         )
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
@@ -127,10 +152,11 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
             raise NotImplementedError("speculative decoding is not supported with the MiniMax-M3.1 index-K cache")
         if mode.is_decode():
             bs = forward_batch.seq_lens.shape[0]
-            if in_capture:  # buffers the captured graph keeps using at every replay of this bs
-                self._graph_decode_meta[bs] = self._new_decode_meta(bs)
-            meta = self._graph_decode_meta.get(bs) if self._in_graph_mode else None
-            self._decode_meta = meta if meta is not None else self._new_decode_meta(bs)
+            shared = self._graph_decode_buffers if self._in_graph_mode else None
+            if shared is not None and bs <= shared.seq_lens.shape[0]:  # capture, replay, or eager up to max_bs
+                self._decode_meta = self._graph_decode_views(bs)
+            else:
+                self._decode_meta = self._new_decode_meta(bs)
             return
         # Extend (prefill, chunked prefill, mixed): eager, host metadata allowed.
         seq_lens_cpu = forward_batch.seq_lens_cpu
@@ -169,9 +195,13 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
     # ---- run ---------------------------------------------------------------------------------
 
     def _index_q(self, idx_q: torch.Tensor) -> torch.Tensor:
-        """Index Q as the scorers take it: bf16 (or e4m3), rotated for ``mxfp4_rot``."""
-        if idx_q.dtype not in (torch.bfloat16, FP8_DTYPE):
+        """Index Q as the scorers take it: bf16 (or e4m3), rotated for ``mxfp4_rot``. A float32 model's
+        (CPU) Q is rounded to bf16; any other dtype raises (float16 models are refused at start-up)."""
+        if idx_q.dtype == torch.float32:
             idx_q = idx_q.to(torch.bfloat16)
+        elif idx_q.dtype not in (torch.bfloat16, FP8_DTYPE):
+            raise ValueError(f"idx_q must be bfloat16, float8_e4m3fn or float32 (rounded to bfloat16), "
+                             f"got {idx_q.dtype}")
         return prepare_index_q(idx_q, self.settings.fmt, self.settings.sign_seed)
 
     def _select(self, scores: torch.Tensor, n_visible: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,9 @@ appends one JSON line::
     {"mode": "extend"|"decode", "layer": int, "positions": [rows], "heads": [H],
      "selected": [H][rows][topk], "n_visible": [rows], "scores": [H][rows][nb] (first sparse layer only)}
 
+``nb`` is ``max(n_visible)``; a score is None where it is not finite or its block is at or past its
+row's ``n_visible`` (not scored for that row).
+
 ``heads`` are the global index-head ids of this rank's rows of ``selected``/``scores``. Under
 attention tensor parallelism each rank holds its own index-query heads and writes its own file,
 ``<path>.rank<attn_tp_rank>``; concatenating the ranks' ``selected`` in ``heads`` order gives what
@@ -91,7 +94,11 @@ class SelectionRecorder:
         }
         if layer_id == self.score_layer:
             nb = int(n_visible.max()) if n_visible.numel() else 0
+            # Columns at or past a row's n_visible were not written this forward (a preallocated decode
+            # buffer keeps stale values there): None, like non-finite scores.
+            seen = torch.arange(nb, device=n_visible.device)[None] < n_visible.long()[:, None]  # [rows, nb]
+            shown = scores[:, :, :nb].float().masked_fill(~seen.to(scores.device), float("nan"))
             entry["scores"] = [[[s if math.isfinite(s) else None for s in row] for row in head]
-                               for head in scores[:, :, :nb].tolist()]
+                               for head in shown.tolist()]
         with open(self.path, "a") as f:
             f.write(json.dumps(entry) + "\n")

@@ -272,12 +272,22 @@ UPSTREAM_NVFP4_QUANTIZATION = "minimax_m3_nvfp4"  # SGLang 0.5.23's M3.1 NVFP4 s
 
 
 def _validate_index_k_settings(result, model_config, *args, **kwargs):
+    """After ``ModelConfig.__init__``: refuse, at start-up, what the index-K path cannot serve (SGLang's
+    NVFP4 stack; a float16 model, whose index keys the cache writers reject: bfloat16, or float32 on CPU)."""
     settings = index_k_settings(model_config.hf_config)
     if settings is not None:
         if getattr(model_config, "quantization", None) == UPSTREAM_NVFP4_QUANTIZATION:
             raise NotImplementedError(
                 f"quantization {UPSTREAM_NVFP4_QUANTIZATION!r} brings SGLang's own NVFP4 index-K cache; it cannot be "
                 f"combined with index_k_format={settings.fmt.value!r}: drop one of them"
+            )
+        import torch
+
+        dtype = getattr(model_config, "dtype", None)
+        if dtype == torch.float16:  # "auto" resolves a float32 (or unset) torch_dtype to float16 too
+            raise NotImplementedError(
+                f"dtype {dtype}: the MiniMax-M3.1 index-K cache takes bfloat16 (or float32) index keys, not float16; "
+                "launch with --dtype bfloat16"
             )
         logger.info("MiniMax-M3.1 index-K cache: %s (scale rule %s)", settings.fmt.value, settings.scale_rule.value)
 

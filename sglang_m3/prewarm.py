@@ -169,12 +169,19 @@ def _dirs(path_list: str | None) -> set[str]:
     return {os.path.realpath(p) for p in (path_list or "").split(os.pathsep) if p}
 
 
-def _refusal(request: dict, module: str, initial_env: dict, imported_env: dict,
+def _refusal(request, module: str, initial_env: dict, imported_env: dict,
              read_at_import: set[str]) -> str | None:
-    argv = request.get("argv") or []
+    """Why ``request`` (the decoded JSON) cannot be served by a fork of this process, or None."""
+    if not isinstance(request, dict):
+        return f"bad request: must be a JSON object, got {type(request).__name__}"
+    for key, kind, name in (("argv", list, "array"), ("env", dict, "object"), ("cwd", str, "string"),
+                            ("log", str, "string")):
+        if not isinstance(request.get(key), kind):
+            return f"bad request: {key!r} must be a JSON {name}, got {type(request.get(key)).__name__}"
+    argv = request["argv"]
     if argv[:3] != [sys.executable, "-m", module]:
         return f"serves only [{sys.executable}, -m, {module}, ...]"
-    env = request.get("env", {})
+    env = request["env"]
     # Variables the import sets (KMP_*) are set in every child; a client that imported SGLang has them too.
     skip = {"PYTHONPATH", *imported_env}
     ours, theirs = fixed_env(initial_env), fixed_env(env)
@@ -290,12 +297,16 @@ def serve(path: str, module: str = LAUNCHER) -> None:
                 except ValueError as e:
                     request, why = None, f"bad request: {e}"
                 if why is not None:
-                    print(f"prewarm: refused {(request or {}).get('argv', [])[:3]}: {why}", file=sys.stderr, flush=True)
+                    argv = request.get("argv") if isinstance(request, dict) else None
+                    shown = argv[:3] if isinstance(argv, list) else []
+                    print(f"prewarm: refused {shown}: {why}", file=sys.stderr, flush=True)
                     conn.sendall(json.dumps({"refused": why}).encode() + b"\n")
                     continue
                 pid = os.fork()
                 if pid == 0:
                     _child(request, module, imported_env, [conn, listener, sel])
+                # An earlier child with this pid left its status here; only _reap (this thread, later) writes it.
+                (status_dir / str(pid)).unlink(missing_ok=True)
                 conn.sendall(json.dumps({"pid": pid, "status_dir": str(status_dir)}).encode() + b"\n")
         _reap(status_dir)
     listener.close()

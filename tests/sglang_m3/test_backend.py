@@ -18,16 +18,19 @@ def test_speculative_decoding_is_refused_at_start_up(algorithm):
         MiniMaxM31SparseAttnBackend(runner, IndexKSettings(IndexKFormat.MXFP4, ScaleRule.RCEIL, None))
 
 
-def _plan_only_backend(req_to_token, in_graph_mode=False, num_idx_heads=2):
-    """The backend's plan half (no runner): the attributes ``init_forward_metadata_*`` read."""
+def _plan_only_backend(req_to_token, max_bs=None, num_idx_heads=2):
+    """The backend's plan half (no runner): the attributes ``init_forward_metadata_*`` read; with
+    ``max_bs``, in CUDA-graph mode as the decode graph runner leaves it (``init_cuda_graph_state``)."""
     backend = MiniMaxM31SparseAttnBackend.__new__(MiniMaxM31SparseAttnBackend)
     backend.device = req_to_token.device
     backend.req_to_token = req_to_token
     backend._block_starts = req_to_token[:, ::PAGE_SIZE]
     backend.max_blocks = backend._block_starts.shape[1]
     backend.num_idx_heads = num_idx_heads
-    backend._graph_decode_meta = {}
-    backend._in_graph_mode = in_graph_mode
+    backend._graph_decode_buffers = None
+    backend._in_graph_mode = False
+    if max_bs is not None:
+        backend.init_cuda_graph_state(max_bs, max_bs)
     return backend
 
 
@@ -66,22 +69,87 @@ def test_extend_plan_block_table_and_offsets(gen):
                                                                         int(meta.cu_seqlens_q[b + 1]))]
 
 
+def _decode_batch(seq_lens, req):
+    return SimpleNamespace(forward_mode=ForwardMode.DECODE, seq_lens=torch.tensor(seq_lens),
+                           req_pool_indices=torch.tensor(req))
+
+
 def test_decode_plan_reuses_captured_buffers_and_refreshes_them_in_place(gen):
     req_to_token, pages = _paged_req_to_token(4, 3, gen)
-    backend = _plan_only_backend(req_to_token, in_graph_mode=True)
+    backend = _plan_only_backend(req_to_token, max_bs=2)
 
-    def batch(seq_lens, req):
-        return SimpleNamespace(forward_mode=ForwardMode.DECODE, seq_lens=torch.tensor(seq_lens),
-                               req_pool_indices=torch.tensor(req))
-
-    backend.init_forward_metadata_out_graph(batch([1, 1], [0, 0]), in_capture=True)
+    backend.init_forward_metadata_out_graph(_decode_batch([1, 1], [0, 0]), in_capture=True)
     captured = backend._decode_meta
-    replay = batch([128, 129], [3, 1])
+    replay = _decode_batch([128, 129], [3, 1])
     backend.init_forward_metadata_out_graph(replay)
-    assert backend._decode_meta is captured and backend._extend_meta is None
+    meta = backend._decode_meta
+    assert backend._extend_meta is None
+    for name in ("block_table", "seq_lens", "n_visible", "scores"):  # the graph's addresses, same shapes
+        a, b = getattr(meta, name), getattr(captured, name)
+        assert a.data_ptr() == b.data_ptr() and a.shape == b.shape
     backend.init_forward_metadata_in_graph(replay)
     assert captured.block_table.tolist() == pages[[3, 1]].tolist()
     assert captured.seq_lens.tolist() == [128, 129] and captured.n_visible.tolist() == [1, 2]
     assert captured.scores.shape == (2, 2, 3)
-    backend.init_forward_metadata_out_graph(batch([5, 6, 7], [0, 1, 2]))  # not captured: eager buffers
-    assert backend._decode_meta is not captured and 3 not in backend._graph_decode_meta
+    backend.init_forward_metadata_out_graph(_decode_batch([5, 6, 7], [0, 1, 2]))  # past max_bs: fresh buffers
+    fresh = backend._decode_meta
+    assert fresh.scores.shape == (2, 3, 3) and fresh.block_table.data_ptr() != captured.block_table.data_ptr()
+
+
+def _meta_bytes(meta):
+    return sum(getattr(meta, f).numel() * getattr(meta, f).element_size()
+               for f in ("block_table", "seq_lens", "n_visible", "scores"))
+
+
+def test_captured_batch_sizes_share_one_set_of_decode_buffers(gen):
+    """Decode buffer memory follows the largest captured batch size, not the sum over sizes; each
+    size sees contiguous buffers of exactly its shape (scores a leading [H, bs, nb] block, not a slice)."""
+    req_to_token, _ = _paged_req_to_token(8, 3, gen)
+    H, nb, max_bs = 2, 3, 8
+    backend = _plan_only_backend(req_to_token, max_bs=max_bs, num_idx_heads=H)
+    shared = backend._graph_decode_buffers
+    assert _meta_bytes(shared) == max_bs * nb * 4 + max_bs * 4 + max_bs * 8 + H * max_bs * nb * 4
+    views = {}
+    for bs in (1, 4, max_bs):  # capture order of SGLang: largest first, but any order shares
+        backend.init_forward_metadata_out_graph(_decode_batch([1] * bs, [0] * bs), in_capture=True)
+        views[bs] = meta = backend._decode_meta
+        assert meta.block_table.shape == (bs, nb) and meta.seq_lens.shape == (bs,) and meta.n_visible.shape == (bs,)
+        assert meta.scores.shape == (H, bs, nb) and meta.scores.dtype == torch.float32
+        for name in ("block_table", "seq_lens", "n_visible", "scores"):
+            view = getattr(meta, name)
+            assert view.is_contiguous(), name
+            assert view.data_ptr() == getattr(shared, name).data_ptr(), name
+            assert view.untyped_storage().data_ptr() == getattr(shared, name).untyped_storage().data_ptr(), name
+    assert views[4].block_table.dtype == torch.int32 and views[4].n_visible.dtype == torch.int64
+    storages = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for meta in views.values()
+                for t in (meta.block_table, meta.seq_lens, meta.n_visible, meta.scores)}
+    assert sum(nbytes for _, nbytes in storages) == _meta_bytes(shared)  # one max_bs set for all sizes
+    # The scorer writes a size's scores through its view: the leading H * bs * nb floats of the shared storage.
+    views[4].scores.copy_(torch.arange(H * 4 * nb, dtype=torch.float32).view(H, 4, nb))
+    assert shared.scores.view(-1)[: H * 4 * nb].tolist() == list(range(H * 4 * nb))
+    backend.init_cuda_graph_state(4, 4)  # a smaller re-init keeps the set the captured graphs read
+    assert backend._graph_decode_buffers is shared
+    eager = _plan_only_backend(req_to_token)  # not in graph mode: fresh buffers per batch
+    eager.init_forward_metadata_out_graph(_decode_batch([1, 1], [0, 0]))
+    first = eager._decode_meta
+    eager.init_forward_metadata_out_graph(_decode_batch([1, 1], [0, 0]))
+    assert eager._decode_meta.scores.data_ptr() != first.scores.data_ptr() and eager._graph_decode_buffers is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64, torch.int32])
+def test_index_q_refuses_dtypes_the_scorers_do_not_take(dtype):
+    backend = _plan_only_backend(torch.zeros(1, PAGE_SIZE, dtype=torch.int32))
+    backend.settings = IndexKSettings(IndexKFormat.MXFP4, ScaleRule.RCEIL, None)
+    with pytest.raises(ValueError, match=f"idx_q must be bfloat16, float8_e4m3fn or float32.*got {dtype}"):
+        backend._index_q(torch.zeros(2, 1, 128, dtype=dtype))
+
+
+def test_index_q_keeps_bf16_and_e4m3_and_rounds_a_float32_models_q():
+    from m3_kernels.formats import FP8_DTYPE
+
+    backend = _plan_only_backend(torch.zeros(1, PAGE_SIZE, dtype=torch.int32))
+    backend.settings = IndexKSettings(IndexKFormat.MXFP4, ScaleRule.RCEIL, None)
+    q = torch.randn(2, 1, 128)
+    assert torch.equal(backend._index_q(q), q.bfloat16())  # a float32 model on the CPU
+    for kept in (q.bfloat16(), q.to(FP8_DTYPE)):
+        assert backend._index_q(kept) is kept

@@ -31,6 +31,23 @@ def test_record_line_holds_heads_and_first_layer_scores(tmp_path):
     assert "scores" not in second and second["heads"] == [2, 3]
 
 
+def test_scores_past_each_rows_n_visible_are_none(tmp_path):
+    """A preallocated decode buffer is written only up to each row's last visible block: the columns
+    past it hold stale or uninitialised values, which the line must not pass off as scores."""
+    path = tmp_path / "sel.jsonl"
+    rec = SelectionRecorder(str(path), score_layer=1, heads=[0, 1])
+    scores = torch.tensor([[[0.5, 0.25, 7.0], [1.5, 1e30, 2.0], [3.0, float("nan"), -1.0]],  # [H=2, rows=3, nb=3]
+                           [[0.0, 0.125, 4.0], [2.5, -3.0, 9.0], [1.0, 1.0, 1.0]]])
+    n_visible = torch.tensor([3, 1, 2])
+    selected = torch.zeros(2, 3, 1, dtype=torch.int32)
+    rec.record("decode", 1, torch.tensor([300, 5, 200]), n_visible, selected, scores)
+    line = json.loads(path.read_text())
+    assert line["scores"] == [[[0.5, 0.25, 7.0], [1.5, None, None], [3.0, None, None]],
+                              [[0.0, 0.125, 4.0], [2.5, None, None], [1.0, 1.0, None]]]
+    rec.record("decode", 1, torch.tensor([5, 5]), torch.tensor([1, 1]), selected[:, :2], scores[:, :2])
+    assert json.loads(path.read_text().splitlines()[1])["scores"] == [[[0.5], [1.5]], [[0.0], [2.5]]]  # nb = 1
+
+
 def test_last_rows_keeps_the_tail_of_each_request(tmp_path):
     path = tmp_path / "sel.jsonl"
     rec = SelectionRecorder(str(path), score_layer=1, heads=[0], last_rows=2)

@@ -46,6 +46,35 @@ def test_upstream_nvfp4_quantization_is_refused_with_an_index_k_format():
     _validate_index_k_settings(None, SimpleNamespace(hf_config=upstream, quantization="minimax_m3_nvfp4"))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_float16_models_are_refused_at_start_up(dtype):
+    """The index-K writers take bfloat16 / float32 keys: a float16 model would start, then fail at the
+    first prefill inside the scheduler. float32 (CPU) stays allowed; an upstream config is not ours to judge."""
+    import torch
+
+    hf_config = MiniMaxM31Config(sparse_attention_config={"sparse_index_dim": 128}, index_k_format="mxfp4")
+    model_config = SimpleNamespace(hf_config=hf_config, quantization=None, dtype=getattr(torch, dtype))
+    if dtype == "float16":
+        with pytest.raises(NotImplementedError, match=r"dtype torch.float16: .*launch with --dtype bfloat16"):
+            _validate_index_k_settings(None, model_config)
+    else:
+        _validate_index_k_settings(None, model_config)
+    upstream = SimpleNamespace(sparse_attention_config={"sparse_index_dim": 128})
+    _validate_index_k_settings(None, SimpleNamespace(hf_config=upstream, quantization=None, dtype=torch.float16))
+
+
+def test_float16_refusal_runs_when_sglang_builds_the_model_config():
+    """The hook's target is the installed SGLang's ``ModelConfig.__init__``, which the launcher runs
+    before any scheduler starts."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    with pytest.raises(NotImplementedError, match="launch with --dtype bfloat16"):
+        ModelConfig(str(TINY_MODEL), dtype="float16")
+    assert str(ModelConfig(str(TINY_MODEL), dtype="auto").dtype) == "torch.bfloat16"
+
+
 def _resolved_server_args(index_k_format, prefill_backend, explicit):
     """What SGLang's CUDA-graph resolution leaves behind, for the hook to act on: the config on
     the record before 0.5.19, declared over it (read through ``resolving_view``) from 0.5.19."""

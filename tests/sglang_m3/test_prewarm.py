@@ -145,3 +145,42 @@ def test_pythonpath_may_add_directories_that_hide_nothing_already_imported(launc
     assert isinstance(handle, subprocess.Popen)  # the launcher's own PYTHONPATH entry is dropped
     handle.wait(timeout=60)
     json.loads(log_path.read_text().strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("request_", [[], "argv", 5, None, {"argv": 5}, {"argv": [], "env": []},
+                                      {"argv": [sys.executable, "-m", "m3_prewarm_probe"], "env": {}}])
+def test_a_request_that_is_not_an_object_of_the_right_fields_is_refused_and_serving_goes_on(launcher, tmp_path,
+                                                                                             request_):
+    reply = prewarm._ask(os.environ[prewarm.PREWARM_ENV], request_)
+    assert reply is not None and reply["refused"].startswith("bad request: ")
+    handle, _ = _run(tmp_path, "0")  # the launcher is still there
+    assert isinstance(handle, prewarm.Forked) and handle.wait(timeout=60) == 0
+
+
+def _next_pids(count: int) -> list[int]:
+    """Pids the kernel is about to hand out (it counts up from the last one given)."""
+    try:
+        last = int(open("/proc/sys/kernel/ns_last_pid").read())
+    except OSError:
+        last = subprocess.Popen(["true"]).pid
+    pid_max = int(open("/proc/sys/kernel/pid_max").read())
+    return [p for p in range(last + 1, last + 1 + count) if p <= pid_max]
+
+
+def test_a_reused_pid_does_not_report_an_earlier_childs_exit_status(launcher, tmp_path):
+    from pathlib import Path
+
+    handle, _ = _run(tmp_path, "0", name="first")  # the launcher is up: its status folder exists
+    assert isinstance(handle, prewarm.Forked) and handle.wait(timeout=60) == 0
+    status_dir = Path(os.environ[prewarm.PREWARM_ENV] + ".status")
+    stale = _next_pids(3000)
+    for pid in stale:  # as earlier children with those pids left them
+        (status_dir / str(pid)).write_text("99")
+    handle, _ = _run(tmp_path, "sleep", name="reused")
+    try:
+        assert isinstance(handle, prewarm.Forked) and handle.pid in stale
+        time.sleep(0.5)
+        assert handle.poll() is None
+    finally:
+        os.killpg(handle.pid, signal.SIGTERM)  # a failure must not leave it sleeping
+    assert handle.wait(timeout=30) == -signal.SIGTERM

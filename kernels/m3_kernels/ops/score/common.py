@@ -27,6 +27,11 @@ def check_sm_scale(sm_scale) -> float:
 
 
 def check_cp(cp_rank: int, cp_world: int) -> None:
+    """Context-parallel shard: plain ints (bools, floats, tensors refused: the launchers take them as
+    they are), ``cp_world >= 1`` and ``0 <= cp_rank < cp_world``."""
+    for name, value in (("cp_rank", cp_rank), ("cp_world", cp_world)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if cp_world < 1 or not (0 <= cp_rank < cp_world):
         raise ValueError(f"need cp_world >= 1 and 0 <= cp_rank < cp_world, got cp_rank={cp_rank}, cp_world={cp_world}")
 

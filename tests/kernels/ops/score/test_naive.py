@@ -153,6 +153,25 @@ def test_rejections(gen):
             score_decode_ref(**kwargs)
 
 
+@pytest.mark.parametrize("cp", [dict(cp_rank=0.0, cp_world=1.0), dict(cp_rank=0, cp_world=1.0),
+                                dict(cp_rank=0.0, cp_world=2), dict(cp_rank=False, cp_world=1),
+                                dict(cp_rank=0, cp_world=True), dict(cp_rank=torch.tensor(0), cp_world=1)])
+def test_rejects_non_integer_context_parallel_arguments(gen, cp):
+    """supported() and the call agree: a float, bool or tensor cp_rank / cp_world is refused by name."""
+    from m3_kernels.ops.score import score_decode
+
+    k_cache, k_scale = build_cache(gen, "mxfp4", 1)
+    args = (make_q(gen, 1, 1, torch.bfloat16), k_cache, k_scale, torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32), 1, 1.0)
+    name = "cp_rank" if type(cp["cp_rank"]) is not int else "cp_world"
+    ok, reason = decode_supported(*args, **cp)
+    assert not ok and reason.startswith(f"{name} must be an int")
+    with pytest.raises(ValueError, match=f"{name} must be an int"):
+        score_decode(*args, **cp, backend="torch")
+    with pytest.raises(ValueError, match=f"{name} must be an int"):
+        score_decode_ref(*args, **cp)
+
+
 def test_prefill_rejects_inconsistent_lengths(gen):
     k_cache, k_scale = build_cache(gen, "bf16", 1)
     q = make_q(gen, 5, 1, torch.bfloat16)
