@@ -61,6 +61,8 @@
 # RUN_DIR, OUT, RESUME, FRESH=1 (drop $RUN_DIR's state first), CACHE_IN, CACHE_OUT, CACHE_S (30), PYTHON (python3),
 # BENCH_PREFILL=1 / BENCH_DECODE=1 (time SGLang's sparse prefill / decode attention under each autotune candidate
 # first, BENCH_DECODE after the kernels' GPU tests; the tables in call.log, their files in logs.tgz),
+# GRAPH_CHECK=1 (first, CUDA-graph replay against eager decode on MODEL, MXFP4, 8 needle prompts at 8k and 32k:
+# scripts/gpu/graph_vs_eager.py with the kernels held as the comparison holds them; its table in call.log),
 # M3_SPARSE_PREFILL_CONFIG / M3_SPARSE_DECODE_CONFIG
 # (WARPS,STAGES: every server holds that candidate; on a GPU 4,3 and 4,4 unless set, empty: each server autotunes),
 # WRITTEN_ROOTS (the folders searched for what the call wrote outside its own, each PATH or NAME=PATH, printed as
@@ -204,6 +206,16 @@ for kernel in prefill decode; do
         echo "sparse $kernel attention: autotuned by each server"
     fi
 done
+if [ -n "${GRAPH_CHECK:-}" ] && [ "$DEVICE" != cpu ]; then
+    # The decode path the comparison serves, replayed from CUDA graphs, against an eager server of the same model:
+    # greedy tokens equal, prompt by prompt (a check of the plugin's graph buffers before a call's rows are trusted).
+    mkdir -p "$RUN_DIR/gve"
+    echo "[$(elapsed)s] CUDA-graph replay against eager decode (scripts/gpu/graph_vs_eager.py, mxfp4):"
+    timeout --kill-after=30 300 "$PYTHON" scripts/gpu/graph_vs_eager.py --model "$MODEL" --formats mxfp4 --lengths 8192,32768 \
+        --samples 4 --out "$RUN_DIR/gve" > "$RUN_DIR/gve/run.out" 2>&1 \
+        || echo "graph_vs_eager failed (logs.tgz: gve-run.out)"
+    [ -f "$RUN_DIR/gve/table.md" ] && tail -n 4 "$RUN_DIR/gve/table.md"
+fi
 
 # The GPU's clocks, power, utilization and clock-event reasons and the host's load every 5 s through the call
 # (logs.tgz: gpu-clocks-*.csv), summed up in a line at the end: a slow call's prefill rate (67k against 84k tokens/s
@@ -316,7 +328,8 @@ fi
 logs=$(mktemp -d)
 mkdir -p "$logs/logs"
 for f in "$RUN_DIR"/acc/server-*.log "$RUN_DIR"/agreement/server-*.log "$RUN_DIR"/agreement/*.out \
-         "$RUN_DIR"/gpu-clocks/*.csv "$RUN_DIR"/bench/bench_sparse_*.* "$RUN_DIR"/bench/pytest_gpu.log; do
+         "$RUN_DIR"/gpu-clocks/*.csv "$RUN_DIR"/bench/bench_sparse_*.* "$RUN_DIR"/bench/pytest_gpu.log \
+         "$RUN_DIR"/gve/*.log "$RUN_DIR"/gve/run.out "$RUN_DIR"/gve/table.md; do
     [ -f "$f" ] && tail -c 2097152 "$f" > "$logs/logs/$(basename "$(dirname "$f")")-$(basename "$f")"
 done
 if [ -d "${TRITON_CACHE_DIR:-}" ]; then  # kernel name, compiled variants, cubin bytes

@@ -23,6 +23,7 @@ Writes ``results.json`` and ``table.md`` into ``--out`` (server logs as ``<name>
 import argparse
 import json
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -56,6 +57,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--dummy-weights", action="store_true",
                     help="SGLang's random weights (for configs without a checkpoint)")
     args = ap.parse_args(argv)
+    # A SIGTERM (``timeout`` in accuracy_h200.sh) unwinds through the ``finally`` that stops the servers, so none
+    # is left holding the GPU's memory for what runs next.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     args.out.mkdir(parents=True, exist_ok=True)
     formats = [f for f in args.formats.split(",") if f]
     bad = [f for f in formats if f not in FORMATS]
