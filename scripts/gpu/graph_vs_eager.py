@@ -43,6 +43,22 @@ def build_prompts(model: Path, lengths, samples: int, seed: int):
     return tok, docs, [tok(d["input"], add_special_tokens=False)["input_ids"] for d in docs]
 
 
+def _exit_on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the servers' stop short
+    sys.exit(128 + signum)
+
+
+def _start(servers: dict, key: str, make) -> None:
+    """``servers[key] = make()`` with SIGTERM held until the server is in ``servers``: a SIGTERM between its
+    process starting and its name being stored would leave it running, unknown to the ``finally`` that stops
+    the servers (on a GPU, holding the memory the next server needs)."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        servers[key] = make()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=REPO / "configs" / "msa-small")
@@ -59,7 +75,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     # A SIGTERM (``timeout`` in accuracy_h200.sh) unwinds through the ``finally`` that stops the servers, so none
     # is left holding the GPU's memory for what runs next.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args.out.mkdir(parents=True, exist_ok=True)
     formats = [f for f in args.formats.split(",") if f]
     bad = [f for f in formats if f not in FORMATS]
@@ -91,12 +107,13 @@ def main(argv=None) -> dict:
     for fmt in formats:
         override = ["--json-model-override-args", json.dumps({"index_k_format": fmt})]
         r = results["formats"][fmt] = {}
-        servers = {"graph": Server(f"graph-{fmt}", args.model, base + graph_flags + override, args.out,
-                                   dummy_weights=args.dummy_weights)}
+        servers = {}
         try:
+            _start(servers, "graph", lambda: Server(f"graph-{fmt}", args.model, base + graph_flags + override,
+                                                    args.out, dummy_weights=args.dummy_weights))
             servers["graph"].wait_log(r"max_total_num_tokens=(\d+)", args.startup_timeout)
-            servers["eager"] = Server(f"eager-{fmt}", args.model, base + eager_flags + override, args.out,
-                                      dummy_weights=args.dummy_weights)
+            _start(servers, "eager", lambda: Server(f"eager-{fmt}", args.model, base + eager_flags + override,
+                                                    args.out, dummy_weights=args.dummy_weights))
             outs = {}
             for kind, s in servers.items():
                 r[f"{kind}_ready_s"] = s.wait_ready(args.startup_timeout)
