@@ -211,8 +211,8 @@ if [ -n "${GRAPH_CHECK:-}" ] && [ "$DEVICE" != cpu ]; then
     # greedy tokens equal, prompt by prompt (a check of the plugin's graph buffers before a call's rows are trusted).
     mkdir -p "$RUN_DIR/gve"
     echo "[$(elapsed)s] CUDA-graph replay against eager decode (scripts/gpu/graph_vs_eager.py, mxfp4):"
-    timeout --kill-after=30 300 "$PYTHON" scripts/gpu/graph_vs_eager.py --model "$MODEL" --formats mxfp4 --lengths 8192,32768 \
-        --samples 4 --out "$RUN_DIR/gve" > "$RUN_DIR/gve/run.out" 2>&1 \
+    timeout --kill-after=30 300 "$PYTHON" scripts/gpu/graph_vs_eager.py --model "$MODEL" --formats mxfp4 \
+        --lengths 8192,32768 --samples 4 --out "$RUN_DIR/gve" > "$RUN_DIR/gve/run.out" 2>&1 \
         || echo "graph_vs_eager failed (logs.tgz: gve-run.out)"
     [ -f "$RUN_DIR/gve/table.md" ] && tail -n 4 "$RUN_DIR/gve/table.md"
 fi
