@@ -257,10 +257,11 @@ def mcnemar_clustered(a, b, clusters) -> float:
     any count, unlike Durkalski's chi-square version of the clustered McNemar test, which is optimistic at a
     few discordant pairs."""
     _, totals, _ = _cluster_totals(a, b, clusters)
-    if not np.allclose(totals, np.round(totals)):
+    rounded = np.round(totals)
+    if not np.allclose(totals, rounded):
         raise ValueError("mcnemar_clustered needs 0/1 scores: the clusters' totals of b - a must be integers")
-    steps = [abs(int(t)) for t in np.round(totals) if t != 0]
-    observed = abs(sum(int(t) for t in np.round(totals)))
+    steps = [abs(int(t)) for t in rounded if t != 0]
+    observed = abs(int(rounded.sum()))
     if not steps:
         return 1.0
     # Distribution of sum_c s_c |D_c| over independent fair signs s_c, on the integers -span..span.
