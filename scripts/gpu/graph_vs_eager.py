@@ -49,14 +49,19 @@ def _exit_on_sigterm(signum, frame):
 
 
 def _start(servers: dict, key: str, make) -> None:
-    """``servers[key] = make()`` with SIGTERM held until the server is in ``servers``: a SIGTERM between its
-    process starting and its name being stored would leave it running, unknown to the ``finally`` that stops
-    the servers (on a GPU, holding the memory the next server needs)."""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    """``servers[key] = make()`` with a SIGTERM that arrives meanwhile deferred until the server is in
+    ``servers``: one between its process starting and its name being stored would leave it running, unknown
+    to the ``finally`` that stops the servers (on a GPU, holding the memory the next server needs). Deferred
+    by a handler, not blocked with ``pthread_sigmask``: the server's processes inherit a blocked mask, and
+    would then ignore every SIGTERM of their own life."""
+    pending = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: pending.append(signum))
     try:
         servers[key] = make()
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        signal.signal(signal.SIGTERM, previous)
+    if pending:
+        signal.raise_signal(signal.SIGTERM)  # now, to the handler it was meant for
 
 
 def main(argv=None) -> dict:
