@@ -364,23 +364,32 @@ def restate_binary(summary: dict, confidence: float = 0.95) -> dict:
 
 def plot(summary: dict, path: Path):
     """Accuracy against context length, one panel per task with lengths, one line per format. For a
-    ``build_pairs`` summary: the baseline and its first candidate on the samples they share, and below
-    it a second row with every candidate's paired difference from the baseline per length, in points
-    with its interval as error bars."""
+    ``build_pairs`` summary: in each task's panel the baseline and the first candidate with samples of that
+    task, on the samples they share, and below it a second row with every candidate's paired difference from
+    the baseline per length, in points with its interval as error bars. Returns ``path``, or None (and removes
+    a stale ``path``) when no task has a length to plot."""
     if "pairs" in summary:
-        if not summary["pairs"]:
-            return None
-        return _plot(next(iter(summary["pairs"].values())), path, summary)
-    return _plot(summary, path, None)
+        top = {}  # task -> the first candidate pair's summary that has lengths for it
+        for pair in summary["pairs"].values():
+            for task, groups in pair["tasks"].items():
+                if task not in top and any(g["length"] != ALL for g in groups):
+                    top[task] = pair
+        out = _plot(top, path, summary)
+    else:
+        out = _plot({t: summary for t in summary["tasks"]}, path, None)
+    if out is None:
+        Path(path).unlink(missing_ok=True)
+    return out
 
 
-def _plot(summary: dict, path: Path, pairs: dict | None):
+def _plot(top: dict, path: Path, pairs: dict | None):
+    """``top``: task -> the summary whose formats' accuracy its upper panel draws."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tasks = {t: [g for g in gs if g["length"] != ALL] for t, gs in summary["tasks"].items()}
+    tasks = {t: [g for g in summary["tasks"][t] if g["length"] != ALL] for t, summary in top.items()}
     tasks = {t: gs for t, gs in tasks.items() if gs}
     if not tasks:
         return None
@@ -395,7 +404,7 @@ def _plot(summary: dict, path: Path, pairs: dict | None):
 
     for ax, (task, groups) in zip(axes[0], tasks.items()):
         x = [g["length"] for g in groups]
-        for fmt in summary["formats"]:
+        for fmt in top[task]["formats"]:
             y = [None if g["acc"][fmt] is None else 100 * g["acc"][fmt] for g in groups]
             ax.plot(x, y, marker="o", label=fmt)
         length_axis(ax, x)
@@ -405,6 +414,11 @@ def _plot(summary: dict, path: Path, pairs: dict | None):
         ax.legend()
     if pairs is not None:
         base, cands = pairs["baseline"], list(pairs["pairs"])
+        label = {}  # one label a candidate over every panel, naming the range of its pairs a point
+        for fmt in cands:
+            ns = [g["n"] for gs in pairs["pairs"][fmt]["tasks"].values() for g in gs if g["length"] != ALL]
+            span = "" if not ns else f"{min(ns)}" if min(ns) == max(ns) else f"{min(ns)}-{max(ns)}"
+            label[fmt] = f"{fmt} ({span} pairs a point)" if span else fmt
         for ax, task in zip(axes[1], tasks):
             for i, fmt in enumerate(cands):
                 groups = [g for g in pairs["pairs"][fmt]["tasks"].get(task, []) if g["length"] != ALL]
@@ -415,13 +429,13 @@ def _plot(summary: dict, path: Path, pairs: dict | None):
                 d = [100 * g["paired"][fmt]["diff"] for g in groups]
                 err = [[100 * (g["paired"][fmt]["diff"] - g["paired"][fmt]["ci_lo"]) for g in groups],
                        [100 * (g["paired"][fmt]["ci_hi"] - g["paired"][fmt]["diff"]) for g in groups]]
-                ax.errorbar(x, d, yerr=err, marker="o", capsize=3, linestyle="none", label=f"{fmt} ({groups[0]['n']} a length)")
+                ax.errorbar(x, d, yerr=err, marker="o", capsize=3, linestyle="none", label=label[fmt])
             ax.axhline(0, color="black", linewidth=0.8)
             length_axis(ax, [g["length"] for g in tasks[task]])
             ax.set_ylabel(f"format - {base}, points (95% CI)")
         legend = {}  # label -> handle, over every panel (a task a candidate lacks has none)
         for ax in axes[1]:
-            legend.update({label: h for h, label in zip(*ax.get_legend_handles_labels())})
+            legend.update({name: h for h, name in zip(*ax.get_legend_handles_labels())})
         fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=max(1, len(legend)), frameon=False)
         fig.tight_layout(rect=(0, 0.05, 1, 1))
     else:

@@ -470,6 +470,13 @@ def write_samples(out: Path, fmt: str, rows: dict, settings: dict | None = None)
         (folder / "run.json").write_text(json.dumps(settings))
 
 
+def _holds_resumable_samples(out: Path, fmt: str) -> bool:
+    """Whether ``samples/<fmt>/`` under ``out`` was written by a ``--resume`` run (its run.json, written by
+    ``SampleLog``, has no ``tasks``: a plain run's, by ``write_samples``, has)."""
+    meta = out / "samples" / fmt / "run.json"
+    return meta.is_file() and "tasks" not in json.loads(meta.read_text())
+
+
 def read_samples(out: Path, fmt: str, settings: dict) -> tuple[dict, list[int]] | None:
     """``(rows, lengths)`` written by ``write_samples`` for ``fmt``, or None if absent. ``settings``
     must match the saved ones (its ``lengths`` may be None: any); ValueError otherwise."""
@@ -504,6 +511,17 @@ def _format_identity(args, tokenizer: str, fmt: str, dense_topk) -> dict:
             "docs_version": retrieval.DOCS_VERSION, "questions": None if args.questions == 1 else args.questions}
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """``path`` holds ``text`` or what it held before, never a part: a run killed at its budget's end (SIGTERM) may
+    be killed in a write, and an emptied run.json or rates.json would stop every later ``--resume``."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class SampleLog:
     """``samples/<fmt>/<task>.jsonl`` of a resumable run: rows appended after each evaluated piece,
     read back by ``doc_id`` (the last row of an id wins). ``samples/<fmt>/run.json`` holds the settings
@@ -522,9 +540,9 @@ class SampleLog:
                 raise ValueError(f"{self.folder} was run with other {differ} ({[saved.get(k) for k in differ]} "
                                  f"against {[identity.get(k) for k in differ]}); use another --out")
             if adopted:
-                meta.write_text(json.dumps({**saved, **{k: identity.get(k) for k in adopted}}))
+                write_atomic(meta, json.dumps({**saved, **{k: identity.get(k) for k in adopted}}))
         else:
-            meta.write_text(json.dumps({k: identity.get(k) for k in RESUME_IDENTITY}))
+            write_atomic(meta, json.dumps({k: identity.get(k) for k in RESUME_IDENTITY}))
         self.rows: dict[str, dict] = {}
         for path in sorted(self.folder.glob("*.jsonl")):
             self.rows[path.stem] = self._read(path)
@@ -534,7 +552,7 @@ class SampleLog:
         text = path.read_text()
         if text and not text.endswith("\n"):  # a torn last line: cut it off
             text = text[: text.rfind("\n") + 1]
-            path.write_text(text)
+            write_atomic(path, text)
         rows = {}
         for line in text.splitlines():
             row = json.loads(line)
@@ -693,7 +711,7 @@ def _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, 
                             served += len(task_rows)
                     spent = time.time() - t0
                     rate[fmt] = rate["any"] = spent / max(1, round_tokens(pieces))
-                    rates_path.write_text(json.dumps(rate))
+                    write_atomic(rates_path, json.dumps(rate))
                     print(f"[resume] {fmt}: round of {round_prompts(pieces)} prompts in {spent:.1f} s "
                           f"({served} this time)", flush=True)
                 return served
@@ -889,6 +907,10 @@ def compare_formats(argv=None) -> dict:
     if args.resume:
         return _compare_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, baseline, dense_topk)
 
+    resumable = [f for f in formats if _holds_resumable_samples(args.out, f)]
+    if resumable:  # a plain run rewrites samples/<fmt>/ whole: it would drop every row those runs kept
+        raise ValueError(f"--out {args.out} holds the samples of a --resume run for {resumable}; add --resume to "
+                         "go on with it, or pass another --out")
     from tqdm import tqdm
 
     per_format, lengths = {}, args.lengths

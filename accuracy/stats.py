@@ -286,7 +286,11 @@ def compare_clustered(a, b, clusters, confidence: float = 0.95) -> "PairedResult
     n = len(a)
     plain = compare_counts(n11, n10, n01, n - n11 - n10 - n01, confidence)  # the counts' fields; its intervals go
     deff = design_effect(a, b, clusters)
-    lo, hi = _tango(n10 / deff, n01 / deff, n / deff, confidence)
+    n10_eff, n01_eff = n10 / deff, n01 / deff
+    # n from the effective parts, not n / deff: with every pair discordant the two quotients' sum may round
+    # one ulp above n / deff, which _tango refuses.
+    n_eff = n10_eff + n01_eff + (n - n10 - n01) / deff
+    lo, hi = _tango(n10_eff, n01_eff, n_eff, confidence)
     return dataclasses.replace(plain, p_mcnemar=mcnemar_clustered(a, b, clusters), ci_lo=lo, ci_hi=hi,
                                ci_method="tango_rao_scott", newcombe_lo=None, newcombe_hi=None,
                                clusters=len({str(c) for c in clusters}), design_effect=deff)

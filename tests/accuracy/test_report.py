@@ -203,6 +203,29 @@ def test_pairs_plot_adds_a_row_of_paired_differences(tmp_path):
     assert report.plot(report.build_pairs({"fp8": base}, ["fp8"]), tmp_path / "none.png") is None
 
 
+def test_pairs_plot_draws_candidates_after_one_without_samples(tmp_path, monkeypatch):
+    # mxfp4 not served yet: bf16 still gets both rows, and its one legend entry names the range of its pairs a
+    # point (20 at 1024, 4 at 2048) for every panel, not the first length's n.
+    import matplotlib.figure
+
+    labels = []
+    legend = matplotlib.figure.Figure.legend
+
+    def spy(self, handles, names, **kwargs):
+        labels.append(list(names))
+        return legend(self, handles, names, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "legend", spy)
+    base = {"m3_kv_64": _rows({1024: [1] * 10 + [0] * 10, 2048: [1, 0, 1, 1]}), "m3_vt": _rows({1024: [1, 0] * 4})}
+    cand = {"m3_kv_64": _rows({1024: [0] * 10 + [1] * 10, 2048: [1, 1, 0, 1]}), "m3_vt": _rows({1024: [0, 1] * 4})}
+    pairs = report.build_pairs({"fp8": base, "mxfp4": {"m3_kv_64": []}, "bf16": cand}, ["fp8", "mxfp4", "bf16"])
+    path = tmp_path / "acc.png"
+    assert report.plot(pairs, path) == path and path.stat().st_size > 1000
+    assert labels == [["bf16 (4-20 pairs a point)"]]
+    # Nothing to plot: the file an earlier report left is removed, not left beside the new report.
+    assert report.plot(report.build_pairs({"fp8": base}, ["fp8"]), path) is None and not path.exists()
+
+
 def test_pairs_are_counted_by_where_each_answer_was_served():
     base = _rows({1024: [1, 1, 0, 0, 1, 1]})
     cand = _rows({1024: [1, 0, 1, 0, 1, 0]})

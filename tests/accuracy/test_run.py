@@ -188,3 +188,19 @@ def test_replica_variants_serve_their_format_as_an_arm_of_their_own():
     # fp8 and its replica are distinct formats on the command line (own samples, paired like any other).
     _, formats, _ = run.parse_command_line(run.build_parser(), ["--model", "m", "--formats", "fp8", "fp8@2"])
     assert formats == ["fp8", "fp8@2"]
+
+
+def test_write_atomic_leaves_the_old_text_when_the_write_is_cut(tmp_path, monkeypatch):
+    path = tmp_path / "rates.json"
+    path.write_text('{"any": 1.0}')
+
+    def cut(src, dst):
+        raise OSError("killed")
+
+    with monkeypatch.context() as m:
+        m.setattr(run.os, "replace", cut)
+        with pytest.raises(OSError):
+            run.write_atomic(path, '{"any": 2.0}')
+    assert json.loads(path.read_text()) == {"any": 1.0}
+    run.write_atomic(path, '{"any": 2.0}')
+    assert json.loads(path.read_text()) == {"any": 2.0}

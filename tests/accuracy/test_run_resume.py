@@ -217,6 +217,22 @@ def test_plain_runs_take_the_new_tasks_too(tmp_path, fake_completions, wrong_rul
         assert paired["newcombe_lo"] <= paired["diff"] <= paired["newcombe_hi"]
 
 
+def test_a_plain_run_refuses_an_out_that_holds_a_resumable_run(tmp_path, fake_completions):
+    # A plain run rewrites samples/<fmt>/ whole; into a --resume run's --out it would drop every kept row. It
+    # refuses before it asks anything, and the rows stay as they were.
+    out = tmp_path / "acc"
+    with fake_completions() as a, fake_completions() as b:
+        urls = {"fp8": a.url, "mxfp4": b.url}
+        run.compare_formats(_argv(out, urls, "--samples", "2", "--chunk", "2"))
+        kept = {f: _rows(out, f, "m3_kv") for f in urls}
+        asked = len(a.prompts) + len(b.prompts)
+        plain = [x for x in _argv(out, urls, "--samples", "1") if x != "--resume"]
+        with pytest.raises(ValueError, match=r"holds the samples of a --resume run for \['fp8', 'mxfp4'\]"):
+            run.compare_formats(plain)
+        assert len(a.prompts) + len(b.prompts) == asked
+    assert {f: _rows(out, f, "m3_kv") for f in urls} == kept and len(kept["fp8"]) == 4
+
+
 def test_prompts_built_ahead_are_the_ones_built_in_turn(tmp_path, fake_completions, wrong_rule, capsys):
     # Each round's prompts come from the child process (run.DocPrefetch) or from lm-eval's own build: the same
     # prompts and rows either way.

@@ -442,6 +442,25 @@ def test_clustered_interval_is_tango_on_the_effective_counts():
         compare_paired(a, b, clusters=[0] * 39)
 
 
+def test_clustered_interval_when_every_pair_is_discordant():
+    # Every pair discordant, contexts of 3: n10 / deff + n01 / deff can round one ulp above n / deff; the
+    # interval must still come out (it raised before), inside [-1, 1] and around the observed difference.
+    a = [1.0, 0, 0, 0, 0, 0, 0, 0]
+    b = [1.0 - x for x in a]
+    clusters = [i // 3 for i in range(8)]
+    r = compare_clustered(a, b, clusters)
+    assert r.design_effect not in (1.0, 2.0, 4.0, 8.0) and (r.n10, r.n01) == (1, 7)
+    assert -1.0 <= r.ci_lo < r.diff < r.ci_hi <= 1.0
+    # Fresh all-discordant draws over context sizes 3-7: none raises, every interval holds its estimate.
+    seed = int(np.random.default_rng().integers(1 << 31))
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        q, n = int(rng.integers(3, 8)), int(rng.integers(2, 30))
+        a = rng.integers(0, 2, n).astype(float)
+        r = compare_clustered(a, 1.0 - a, [i // q for i in range(n)])
+        assert r.n10 + r.n01 == n and r.ci_lo <= r.diff <= r.ci_hi, f"seed {seed}"
+
+
 def test_clustered_coverage_holds_where_the_plain_interval_fails():
     # 40 contexts of 8 questions; a context is "hard" with probability 0.3 and then each question is
     # discordant with probability 0.6, all in the context's own direction (+-1 at random, so the true
