@@ -16,7 +16,8 @@ docs/perf_data/:
 - accuracy_h200_2026-12-02_q4_samples.jsonl: the rows not yet in it appended (``format`` and ``task``
   first), the rows already there left in place;
 - accuracy_h200_<date>_q4_call<N>.log for each call, N counting on from the highest already there, the
-  machine's absolute paths into the repo cut to repo-relative ones (a log already landed is skipped);
+  machine's absolute paths into the repo cut to repo-relative ones and the root of its other home, scratch and
+  temporary paths written <machine> (a log already landed is skipped);
 - accuracy_h200_<date>_q4_report.md and accuracy_h200_<date>_q4_accuracy_vs_length.png.
 Then prints the report's first table and, per call, where its time went (scripts/gpu/call_timings.py).
 """
@@ -27,6 +28,7 @@ import argparse
 import datetime
 import gzip
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -41,10 +43,14 @@ import call_timings  # noqa: E402
 STATE = Path("accuracy_h200_resume") / "state.tgz"
 SAMPLES = "accuracy_h200_2026-12-02_q4_samples.jsonl"
 # A kept log with a suffix (``call30_repeat.log``: served, not landed) still takes its number.
-_CALL_LOG = re.compile(r"accuracy_h200_\d{4}-\d{2}-\d{2}_q4_call(\d+)(?:_[a-z]+)?\.log$")
-# An absolute path up to one of the repo's top-level folders: /any/where/main/build/x -> build/x.
-_REPO_PATH = re.compile(r"(?<![\w.])/(?:[\w.+@-]+/)+?(?=(?:build|scripts|configs|accuracy|sglang_m3|kernels|"
-                        r"training|tests|docs|out)/)")
+_CALL_LOG = re.compile(r"accuracy_h200_\d{4}-\d{2}-\d{2}_q4_call(\d+)(?:_[\w-]+)?\.log$")
+# An absolute path up to one of the repo's top-level folders: /any/where/main/build/x -> build/x. Not a URL's path
+# (the first slash follows a space, a quote or a bracket), nor one through a hidden folder or an installed package
+# (/root/.cache/torch/kernels/x, .../site-packages/kernels/x are not the repo's).
+_REPO_PATH = re.compile(r"(?<![\w./:~-])/(?:(?!(?:site|dist)-packages/)[\w+@-][\w.+@-]*/)+?"
+                        r"(?=(?:build|scripts|configs|accuracy|sglang_m3|kernels|training|tests|docs|out)/)")
+# What is left of a machine's own folders after that: their root becomes <machine>.
+_MACHINE_PATH = re.compile(r"(?<![\w./:~-])/(?:root|tmp|work|home|farm|scratch|mnt)(?=/)")
 
 
 def read_state(tgz: Path) -> dict:
@@ -63,8 +69,17 @@ def read_state(tgz: Path) -> dict:
 
 
 def strip_paths(text: str) -> str:
-    """The log with absolute paths into the repo made repo-relative."""
-    return _REPO_PATH.sub("", text)
+    """The log with absolute paths into the repo made repo-relative, and the root of any other path under a
+    machine's home, scratch or temporary folders written ``<machine>``; URLs are left as they are."""
+    return _MACHINE_PATH.sub("<machine>", _REPO_PATH.sub("", text))
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """``path`` holds ``data`` or what it held before, never a part (a landing cut short by a kill or a full
+    disk must leave files the next landing can read)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def check_superset(old: dict, new: dict, new_name: str, old_name: str) -> None:
@@ -87,7 +102,7 @@ def repack(src_tgz: Path, dst_tgz: Path) -> None:
             tar.extractall(tmp, filter="data")
         plain = subprocess.run(["tar", "-C", tmp, "--sort=name", "--owner=0", "--group=0", "--numeric-owner",
                                 "--mtime=@0", "-cf", "-", "acc"], check=True, capture_output=True).stdout
-    dst_tgz.write_bytes(gzip.compress(plain, compresslevel=6, mtime=0))
+    write_atomic(dst_tgz, gzip.compress(plain, compresslevel=6, mtime=0))
 
 
 def _state_archive(d: Path, tmp: Path) -> Path:
@@ -118,7 +133,8 @@ def _land(call_dirs: list[Path], archives: list[Path], perf_data: Path, date: st
     check_superset(read_state(perf_data / STATE), new, new_name, "the committed state")
 
     dump_path = perf_data / SAMPLES
-    dump_lines = dump_path.read_text().splitlines() if dump_path.exists() else []
+    dump_text = dump_path.read_text() if dump_path.exists() else ""
+    dump_lines = dump_text.splitlines()
     dumped = {}
     for line in dump_lines:
         r = json.loads(line)
@@ -128,21 +144,26 @@ def _land(call_dirs: list[Path], archives: list[Path], perf_data: Path, date: st
 
     saved = {p: int(m[1]) for p in perf_data.iterdir() if (m := _CALL_LOG.search(p.name))}  # log -> call number
     n = max(saved.values(), default=0)
-    landed = {strip_paths(p.read_text()): k for p, k in saved.items()}
-    log_paths, call_numbers = [], []
+    landed = {strip_paths(p.read_text(errors="replace")): k for p, k in saved.items()}
+    logs, call_numbers = {}, []  # every log read before anything is written
     for d in call_dirs:
-        text = strip_paths((d / "call.log").read_text())
+        text = strip_paths((d / "call.log").read_text(errors="replace"))
         if text not in landed:
             n += 1
-            log_paths.append(perf_data / f"accuracy_h200_{date}_q4_call{n}.log")
-            log_paths[-1].write_text(text)
+            logs[perf_data / f"accuracy_h200_{date}_q4_call{n}.log"] = text
             landed[text] = n
         call_numbers.append(landed[text])
 
+    # Each file is replaced whole; cut short between two of them, a landing run again finishes the job.
     repack(archives[-1], perf_data / STATE)
-    with open(dump_path, "a") as f:
-        for fmt, task, doc_id in added:
-            f.write(json.dumps({"format": fmt, "task": task, **new[(fmt, task, doc_id)]}) + "\n")
+    if dump_text and not dump_text.endswith("\n"):
+        dump_text += "\n"
+    write_atomic(dump_path, (dump_text + "".join(
+        json.dumps({"format": fmt, "task": task, **new[(fmt, task, doc_id)]}) + "\n"
+        for fmt, task, doc_id in added)).encode())
+    for path, text in logs.items():
+        write_atomic(path, text.encode())
+    log_paths = list(logs)
 
     out = {"rows_added": len(added), "rows": len(new), "logs": [p.name for p in log_paths], "calls": call_numbers}
     if report:

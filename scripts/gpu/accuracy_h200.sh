@@ -49,8 +49,9 @@
 # <name>.safetensors.xz in MODEL, 71% of its size for configs/msa-medium): they are decompressed beside it
 # unless <name>.safetensors is there.
 #
-# Env: BUDGET_S (540), AGREE_S (150), RESERVE_S (30: report and packing), FORMATS ("fp8 mxfp4 mxfp4_rot bf16
-# dense"; a replica such as fp8@2 serves fp8 again as an arm of its own), MAX_FORMATS (1), LARGE_FORMATS
+# Env: BUDGET_S (540), AGREE_S (150), RESERVE_S (30: report and packing, and the grace of a round that runs
+# long), FORMATS ("fp8 mxfp4 mxfp4_rot bf16 dense"; a replica such as fp8@2 serves fp8 again as an arm of its
+# own), MAX_FORMATS (1), LARGE_FORMATS
 # ("fp8 mxfp4"), N_LARGE (1000), N_SMALL (100), TASKS ("m3_niah_single
 # m3_niah_multikey m3_kv_64 m3_vt_value": kv at 64 pairs and vt asking a value, the variants the medium model
 # can fail or pass at every length, docs/accuracy.md section 5; m3_kv and m3_vt are the drawn ones),
@@ -257,6 +258,17 @@ if [ -n "${RESUME:-}" ]; then
     fi
 fi
 mkdir -p "$RUN_DIR/acc" "$RUN_DIR/agreement"
+pack_state() {  # $OUT/state.tgz (or its 15 MiB parts): replaced whole, never left half written
+    local tmp="$RUN_DIR/state.tgz.tmp"
+    tar -C "$RUN_DIR" -czf "$tmp" acc/samples $( [ -f "$RUN_DIR/acc/rates.json" ] && echo acc/rates.json ) \
+        $( [ -d "$RUN_DIR/agreement/formats" ] && echo agreement/formats ) || { echo "state not packed"; return 1; }
+    rm -f "$OUT"/state.tgz.part-*
+    if [ "$(stat -c %s "$tmp")" -gt $(( 15 * 1048576 )) ]; then
+        rm -f "$OUT/state.tgz" && split -b 15m "$tmp" "$OUT/state.tgz.part-" && rm "$tmp"
+    else
+        mv "$tmp" "$OUT/state.tgz"
+    fi
+}
 agreement_done() {
     for f in $AGREE_FORMATS; do [ -f "$RUN_DIR/agreement/formats/$f.json" ] || return 1; done
 }
@@ -277,9 +289,14 @@ acc_s=$(( $(left) - $(agreement_done && echo 0 || echo "$AGREE_S") ))
 acc_rc=0
 if [ "$acc_s" -ge 60 ]; then
     echo "[$(elapsed)s] m3-accuracy: ${acc_s}s"
-    timeout --signal=TERM --kill-after=90 "$(( acc_s + 60 ))" "${ACC[@]}" --budget-s "$acc_s" -- "${LAUNCH[@]}"
+    # The runner ends its last round by its budget; a round that runs long is stopped when the reserve (at most
+    # 60 s) is spent too, so it ends by BUDGET_S + 30 s: a call made with BUDGET_S=570 keeps its state under the
+    # machine's 600 s limit (SIGTERM drops only the round under way: rows are appended as each piece ends)
+    timeout --signal=TERM --kill-after=30 "$(( acc_s + (RESERVE_S < 60 ? RESERVE_S : 60) ))" \
+        "${ACC[@]}" --budget-s "$acc_s" -- "${LAUNCH[@]}"
     acc_rc=$?
     echo "[$(elapsed)s] m3-accuracy exit $acc_rc"
+    pack_state  # now, and again at the end: a call cut off after this point still returns its rows
 else
     echo "[$(elapsed)s] m3-accuracy: only ${acc_s}s left, not served this call"
 fi
@@ -314,11 +331,7 @@ if [ "$acc_rc" -ne 0 ] || [ ! -f "$RUN_DIR/acc/report.md" ]; then
     "${ACC[@]}" --budget-s 0 -- "${LAUNCH[@]}" > "$RUN_DIR/acc/report.out" 2>&1 \
         || { echo "report failed:"; tail -n 20 "$RUN_DIR/acc/report.out"; }
 fi
-tar -C "$RUN_DIR" -czf "$OUT/state.tgz" acc/samples $( [ -f "$RUN_DIR/acc/rates.json" ] && echo acc/rates.json ) \
-    $( [ -d "$RUN_DIR/agreement/formats" ] && echo agreement/formats )
-if [ "$(stat -c %s "$OUT/state.tgz")" -gt $(( 15 * 1048576 )) ]; then
-    split -b 15m "$OUT/state.tgz" "$OUT/state.tgz.part-" && rm "$OUT/state.tgz"
-fi
+pack_state
 if [ -n "$sampler" ]; then
     kill "$sampler" 2> /dev/null
     wait "$sampler" 2> /dev/null

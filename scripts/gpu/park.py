@@ -10,7 +10,8 @@ smaller as xz (``accuracy_h200.sh`` decompresses ``<shard>.safetensors.xz`` besi
 
 ``out`` moves each PATH (relative to the repo root) to the same relative path under PARK and records it in
 ``PARK/parked.txt``; ``--xz FILE`` first writes ``FILE.xz`` beside FILE (kept in the tree, to be carried),
-then parks FILE. ``in`` refuses to overwrite anything that came back into the tree meanwhile.
+then parks FILE; a path inside another one named is refused. ``in`` refuses to overwrite anything that came
+back into the tree meanwhile, and finishes an ``in`` that was cut short.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def park_out(repo: Path, park: Path, paths: list[str], xz: list[str]) -> list[st
     for rel in rels:
         if not _inside(repo, rel).exists():
             raise SystemExit(f"park: {rel} does not exist")
+    nested = [(a, b) for a in rels for b in rels if _inside(repo, b) in _inside(repo, a).parents]  # a inside b
+    if nested:
+        raise SystemExit(f"park: {nested[0][0]} lies inside {nested[0][1]}, named too: name only the outer one")
     for rel in xz:
         if not _inside(repo, rel).is_file():
             raise SystemExit(f"park: --xz {rel} must be a file")
@@ -66,11 +70,17 @@ def park_in(repo: Path, park: Path) -> list[str]:
     if not manifest.is_file():
         raise SystemExit(f"park: {manifest} not found: nothing parked there")
     entries = [line.split(" ", 1) for line in manifest.read_text().splitlines() if line.strip()]
-    clash = [rel for _, rel in entries if _inside(repo, rel).exists()]
+    # An entry no longer under PARK but in the checkout was brought back by an `in` cut short: skipped.
+    clash = [rel for _, rel in entries if _inside(repo, rel).exists() and (park / rel).exists()]
     if clash:
         raise SystemExit(f"park: {', '.join(clash)} exist in the checkout again; move them aside first")
+    lost = [rel for _, rel in entries if not _inside(repo, rel).exists() and not (park / rel).exists()]
+    if lost:
+        raise SystemExit(f"park: {', '.join(lost)} neither under {park} nor in the checkout")
     for kind, rel in entries:
         dst = _inside(repo, rel)
+        if not (park / rel).exists():
+            continue
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(park / rel), str(dst))
         if kind == "xz":

@@ -135,3 +135,32 @@ def test_formats_without_the_fp8_baseline_fail_at_once(tmp_path, formats):
     assert rc == 2, log
     assert "must include fp8" in log and f'FORMATS="{formats}"' in log
     assert not (tmp_path / "run" / "acc").exists()  # refused before any server or state
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_round_that_runs_long_is_stopped_in_the_reserve_and_the_rows_come_back(tmp_path):
+    # A stand-in for python: the runner appends one row, then hangs in its round. The call is killed at
+    # BUDGET_S + 30 s, as a call made with BUDGET_S=570 is by the machine's 600 s limit: by then the runner has
+    # been stopped at the end of the reserve and the state packed, so the row comes back in $OUT.
+    fake = tmp_path / "python"
+    fake.write_text("""#!/usr/bin/env bash
+[ "$1" = -c ] && exit 0
+while [ $# -gt 0 ]; do case "$1" in --out) out=$2; shift;; --budget-s) budget=$2; shift;; --) break;; esac; shift; done
+mkdir -p "$out/samples/fp8"
+[ "$budget" = 0 ] && exit 0
+echo '{"doc_id": "8192/0", "score": 1.0}' >> "$out/samples/fp8/m3_niah_single.jsonl"
+exec sleep 1000
+""")
+    fake.chmod(0o755)
+    budget = 75  # the least that leaves the runner its 60 s minimum
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "RUN_DIR": str(tmp_path / "run"), "DEVICE": "cpu",
+           "PYTHON": str(fake), "FORMATS": "fp8", "AGREE_FORMATS": "", "BUDGET_S": str(budget), "RESERVE_S": "10"}
+    model = ROOT / "configs" / "msa-small"
+    subprocess.run(["timeout", "-s", "KILL", str(budget + 30), "bash", str(SCRIPT), str(model)],
+                   cwd=ROOT, env=env, capture_output=True, timeout=budget + 60)
+    log = (tmp_path / "out" / "call.log").read_text()
+    assert "m3-accuracy exit 124" in log, log
+    with tarfile.open(tmp_path / "out" / "state.tgz") as tar:
+        row = tar.extractfile("acc/samples/fp8/m3_niah_single.jsonl").read().decode()
+    assert json.loads(row) == {"doc_id": "8192/0", "score": 1.0}

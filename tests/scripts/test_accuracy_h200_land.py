@@ -104,13 +104,44 @@ def test_two_calls_land_as_state_appended_rows_and_numbered_logs(tmp_path, commi
     assert (perf / land.STATE).read_bytes() == state
 
 
-def test_a_kept_log_with_a_suffix_takes_its_number(tmp_path, committed):
+@pytest.mark.parametrize("suffix", ["repeat", "repeat2", "dense_server"])
+def test_a_kept_log_with_a_suffix_takes_its_number(tmp_path, committed, suffix):
     """A served-but-not-landed call kept as ``call17_repeat.log`` holds number 17: the next call lands as 18."""
     rng, rows, perf = committed
-    (perf / "accuracy_h200_2026-12-04_q4_call17_repeat.log").write_text("call 17, not landed\n")
+    (perf / f"accuracy_h200_2026-12-04_q4_call17_{suffix}.log").write_text("call 17, not landed\n")
     call = _call(tmp_path, "8", {**rows, **_rows(rng, "fp8", 8, 12)}, "call 8\n")
     out = land.land([call], perf, "2026-12-05", report=False)
     assert out["logs"] == ["accuracy_h200_2026-12-05_q4_call18.log"] and out["calls"] == [18]
+
+
+def test_a_landing_cut_short_is_finished_by_landing_again(tmp_path, committed, monkeypatch):
+    # The dump lost its last newline (an editor), the call's log holds a byte that is not UTF-8, and the landing
+    # dies at its second file (a kill, a full disk): every file is whole, and landing again finishes the job.
+    rng, rows, perf = committed
+    (perf / land.SAMPLES).write_text((perf / land.SAMPLES).read_text().rstrip("\n"))
+    grown = {**rows, **_rows(rng, "fp8", 8, 12)}
+    call = _call(tmp_path, "6", grown, "")
+    (call / "call.log").write_bytes(b"accuracy_h200: start\nclock \xb5s\n")
+    writes = []
+
+    def dies_at_the_second(path, data):
+        writes.append(path.name)
+        if len(writes) == 2:
+            raise OSError(28, "No space left on device")
+        atomic(path, data)
+
+    atomic = land.write_atomic
+    monkeypatch.setattr(land, "write_atomic", dies_at_the_second)
+    with pytest.raises(OSError):
+        land.land([call], perf, "2026-12-04", report=False)
+    assert writes == ["state.tgz", land.SAMPLES]
+    assert land.read_state(perf / land.STATE) == grown and len(_dump(perf)) == len(rows)  # both still readable
+    monkeypatch.setattr(land, "write_atomic", atomic)
+    out = land.land([call], perf, "2026-12-04", report=False)
+    assert out["rows_added"] == len(grown) - len(rows) and out["calls"] == [17]
+    assert {(r["format"], r["task"], r["doc_id"]) for r in _dump(perf)} == set(grown) and len(_dump(perf)) == len(grown)
+    assert (perf / "accuracy_h200_2026-12-04_q4_call17.log").read_text() == "accuracy_h200: start\nclock \ufffds\n"
+    assert not list(perf.rglob("*.tmp"))
 
 
 @pytest.mark.parametrize("fault", ["lost", "changed", "out_of_order"])
@@ -151,6 +182,14 @@ def test_strip_paths_cuts_absolute_paths_into_the_repo_only():
     text = "/a/b/main/scripts/gpu/x.sh: ok; /usr/lib/python3/site.py; /acc/report.md; rel build/y; /t/build/z"
     want = "scripts/gpu/x.sh: ok; /usr/lib/python3/site.py; /acc/report.md; rel build/y; build/z"
     assert land.strip_paths(text) == want
+    # URLs stay whole; hidden folders and installed packages are not the repo; a machine's own roots are hidden.
+    cases = {"see https://pytorch.org/docs/stable/x.html": "see https://pytorch.org/docs/stable/x.html",
+             "'/root/.cache/torch/kernels/ab.so'": "'<machine>/.cache/torch/kernels/ab.so'",
+             "/usr/lib/python3.12/site-packages/kernels/x.py:3": "/usr/lib/python3.12/site-packages/kernels/x.py:3",
+             "RESUME=/tmp/acc-state (/work/c/main/out/a)": "RESUME=<machine>/acc-state (out/a)",
+             "~/tmp/x, a/tmp/y, /home/u/.triton/cache": "~/tmp/x, a/tmp/y, <machine>/u/.triton/cache"}
+    for text, want in cases.items():
+        assert land.strip_paths(text) == want and land.strip_paths(want) == want, text
 
 
 def test_repack_gives_the_same_bytes_a_second_later(tmp_path):

@@ -64,6 +64,16 @@ def test_in_refuses_to_overwrite(repo, tmp_path):
     assert (park / "docs" / "a.md").exists() and (repo / "docs" / "new.md").exists()
 
 
+def test_in_cut_short_is_finished_by_in_again(repo, tmp_path):
+    before = _tree(repo)
+    park = tmp_path / "park"
+    assert _run(repo, "out", str(park), "--xz", "configs/medium/model.safetensors", "docs", "tests").returncode == 0
+    (park / "docs").rename(repo / "docs")  # the first entry back, then the `in` was killed
+    proc = _run(repo, "in", str(park))
+    assert proc.returncode == 0, proc.stderr
+    assert _tree(repo) == before and not park.exists()
+
+
 @pytest.mark.parametrize("args,msg", [
     (["out", "{park}", "nope"], "nope does not exist"),
     (["out", "{park}", "../outside"], "must be a path inside the checkout"),
@@ -71,6 +81,8 @@ def test_in_refuses_to_overwrite(repo, tmp_path):
     (["out", "{repo}/inner", "docs"], "must lie outside the checkout"),
     (["out", "{park}", "--xz", "docs", "tests"], "--xz docs must be a file"),
     (["out", "{park}", "docs", "docs"], "a path is named twice"),
+    (["out", "{park}", "docs/perf_data", "docs"], "docs/perf_data lies inside docs, named too"),
+    (["out", "{park}", "--xz", "configs/medium/model.safetensors", "configs"], "lies inside configs"),
     (["out", "{park}"], "name at least one path"),
     (["in", "{park}"], "nothing parked there"),
 ])
