@@ -35,7 +35,7 @@ import torch
 from m3_kernels.formats import FP8_DTYPE, PAGE_SIZE, prepare_index_q
 from m3_kernels.ops.score import PrefillPlan, plan_prefill, prepare_decode, score_decode, score_prefill
 from m3_kernels.ops.score.cpu import score_decode_cpu, score_prefill_cpu
-from m3_kernels.ops.select import select_blocks, visible_blocks
+from m3_kernels.ops.select import check_select_params, select_blocks, visible_blocks
 from sglang.srt.configs.model_config import get_minimax_sparse_attention_config
 from sglang.srt.layers.attention.minimax_sparse_backend import MiniMaxSparseAttnBackend
 from sglang.srt.runtime_context import get_parallel
@@ -89,6 +89,12 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
             raise ValueError(f"sparse_block_size must be {PAGE_SIZE}, got {self.block_size_k}")
         if self.score_type != "max":
             raise NotImplementedError(f"sparse_score_type {self.score_type!r}: the index-K scorers compute 'max'")
+        try:  # at start-up, not at the first batch inside the scheduler
+            check_select_params(self.topk_blocks, self.local_blocks, self.init_blocks)
+        except ValueError as e:
+            raise ValueError("sparse_attention_config: sparse_topk_blocks, sparse_local_block (or "
+                             "sparse_local_tokens) and sparse_init_block (or sparse_init_tokens) break the block "
+                             f"selection's rule: {e}") from None
         sparse_cfg = get_minimax_sparse_attention_config(runner.model_config.hf_config)
         total_idx_heads = sparse_cfg["sparse_num_index_heads"]
         self.num_idx_heads = total_idx_heads // min(get_parallel().attn_tp_size, total_idx_heads)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from m3_kernels.formats import PAGE_SIZE, IndexKFormat, ScaleRule
+from sglang.srt.layers.attention.minimax_sparse_backend import MiniMaxSparseAttnBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang_m3.backend import MiniMaxM31SparseAttnBackend
 from sglang_m3.config import IndexKSettings
@@ -15,6 +16,19 @@ from sglang_m3.config import IndexKSettings
 def test_speculative_decoding_is_refused_at_start_up(algorithm):
     runner = SimpleNamespace(server_args=SimpleNamespace(speculative_algorithm=algorithm))
     with pytest.raises(NotImplementedError, match=rf"speculative_algorithm='{algorithm}'.*--speculative-algorithm"):
+        MiniMaxM31SparseAttnBackend(runner, IndexKSettings(IndexKFormat.MXFP4, ScaleRule.RCEIL, None))
+
+
+@pytest.mark.parametrize("topk,local,init", [(16, 17, 0), (16, 0, 1), (16, 12, 8), (16, 1, -1)])
+def test_selection_parameters_that_break_the_rule_fail_at_start_up(monkeypatch, topk, local, init):
+    def sglang_init(self, runner):  # what SGLang's backend reads from sparse_attention_config
+        self.block_size_k, self.score_type = PAGE_SIZE, "max"
+        self.topk_blocks, self.local_blocks, self.init_blocks = topk, local, init
+
+    monkeypatch.setattr(MiniMaxSparseAttnBackend, "__init__", sglang_init)
+    runner = SimpleNamespace(server_args=SimpleNamespace(speculative_algorithm=None))
+    with pytest.raises(ValueError, match=rf"sparse_topk_blocks.*break the block selection's rule.*"
+                                         rf"init_blocks={init}, local_blocks={local}, topk={topk}"):
         MiniMaxM31SparseAttnBackend(runner, IndexKSettings(IndexKFormat.MXFP4, ScaleRule.RCEIL, None))
 
 

@@ -10,13 +10,18 @@ from ...formats import INIT_BLOCKS, LOCAL_BLOCKS, TOPK_BLOCKS
 from .naive import visible_blocks  # noqa: F401
 
 
-def check_select_args(scores, n_visible, topk, local_blocks, init_blocks) -> None:
-    """ValueError naming the argument and the rule it broke (no device synchronisation)."""
+def check_select_params(topk, local_blocks, init_blocks) -> None:
+    """ValueError naming the rule the selection parameters broke (a server checks them at start-up)."""
     if not (0 <= init_blocks and 1 <= local_blocks and init_blocks + local_blocks <= topk):
         raise ValueError(
             f"need init_blocks >= 0, local_blocks >= 1 and init_blocks + local_blocks <= topk, "
             f"got init_blocks={init_blocks}, local_blocks={local_blocks}, topk={topk}"
         )
+
+
+def check_select_args(scores, n_visible, topk, local_blocks, init_blocks) -> None:
+    """ValueError naming the argument and the rule it broke (no device synchronisation)."""
+    check_select_params(topk, local_blocks, init_blocks)
     if scores.dim() != 3 or not scores.is_floating_point():
         raise ValueError(f"scores must be a float [H, rows, nb] tensor, got {scores.dtype} {tuple(scores.shape)}")
     if n_visible.shape != (scores.shape[1],) or n_visible.dtype not in (torch.int32, torch.int64):
