@@ -54,8 +54,10 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(self.log_path, "w")
-        self.proc = prewarm.start(server_command(self.port, *self._extra, max_total_tokens=self._max_total_tokens),
-                                  env=cpu_launch_env(), cwd=REPO, log=self._log)
+        self.proc = prewarm.start(self._command(self.port), env=cpu_launch_env(), cwd=REPO, log=self._log)
+
+    def _command(self, port: int) -> list[str]:
+        return server_command(port, *self._extra, max_total_tokens=self._max_total_tokens)
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> "Server":
         deadline = time.monotonic() + timeout_s

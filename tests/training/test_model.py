@@ -17,8 +17,6 @@ import torch.nn.functional as F
 from m3_kernels.formats import PAGE_SIZE as BLOCK
 from m3_kernels.ops.score.naive import score_prefill_ref
 from m3_kernels.ops.select.naive import select_blocks_ref, visible_blocks
-from sglang_m3 import prewarm
-from sglang_m3.plugin import cpu_launch_env
 from training.export import INDEX_FILE, export_checkpoint, load_checkpoint
 from training.model import (
     MSAConfig,
@@ -444,17 +442,46 @@ class CheckpointServer(_servers.Server):
     def __init__(self, model_dir: Path, log_path: Path, record: Path, max_total_tokens: int = 8192,
                  launch_args: list[str] | None = None):
         """``launch_args`` (default: the selection recorder's override) go to the server as they are."""
-        self.port = _servers.free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path, self.record = log_path, record
+        self.log_path, self.record, self._model_dir = log_path, record, model_dir
         if launch_args is None:
             launch_args = ["--json-model-override-args", json.dumps({"index_k_debug_record": str(record)})]
-        cmd = _servers.server_command(self.port, *launch_args, max_total_tokens=max_total_tokens)
-        cmd[cmd.index(str(_servers.TINY_MODEL))] = str(model_dir)
+        # the base class's start, and its retry on fresh ports when a start loses a port race
+        self._extra, self._max_total_tokens, self._port_retries = launch_args, max_total_tokens, self.PORT_RETRIES
+        self._log = None
+        self._launch()
+
+    def _command(self, port: int) -> list[str]:
+        cmd = _servers.server_command(port, *self._extra, max_total_tokens=self._max_total_tokens)
+        cmd[cmd.index(str(_servers.TINY_MODEL))] = str(self._model_dir)
         i = cmd.index("--load-format")
         del cmd[i : i + 2]
-        self._log = open(log_path, "w")
-        self.proc = prewarm.start(cmd, env=cpu_launch_env(), cwd=REPO, log=self._log)
+        return cmd
+
+
+def test_a_checkpoint_server_that_loses_a_port_race_starts_again_on_fresh_ports(tmp_path, monkeypatch):
+    # Each start exits at once with "address already in use" (the race servers started side by side can lose):
+    # the server starts again on a fresh port, with the checkpoint, PORT_RETRIES times, then reports the exit.
+    starts = []
+
+    class Exited:
+        pid, returncode = -1, 1
+
+        def poll(self):
+            return 1
+
+    def start(cmd, env, cwd, log):
+        starts.append(cmd)
+        log.write("OSError: [Errno 98] address already in use\n")
+        return Exited()
+
+    monkeypatch.setattr(_servers.prewarm, "start", start)
+    monkeypatch.setattr(_servers.os, "killpg", lambda pid, sig: None)
+    server = CheckpointServer(tmp_path / "ckpt", tmp_path / "server.log", tmp_path / "sel.jsonl")
+    with pytest.raises(RuntimeError, match="server exited with 1"):
+        server.wait_ready(timeout_s=30)
+    assert len(starts) == 1 + CheckpointServer.PORT_RETRIES
+    assert all(str(tmp_path / "ckpt") in cmd and "--load-format" not in cmd for cmd in starts)
+    assert len({cmd[cmd.index("--port") + 1] for cmd in starts}) == len(starts)
 
 
 # Tolerances of SGLang (bf16 activations, bf16 RoPE table on the CPU) against the torch model
