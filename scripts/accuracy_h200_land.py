@@ -46,7 +46,7 @@ SAMPLES = "accuracy_h200_2026-12-02_q4_samples.jsonl"
 _CALL_LOG = re.compile(r"accuracy_h200_\d{4}-\d{2}-\d{2}_q4_call(\d+)(?:_[\w-]+)?\.log$")
 # An absolute path up to one of the repo's top-level folders: /any/where/main/build/x -> build/x. Not a URL's path
 # (the first slash follows a space, a quote or a bracket), nor one through a hidden folder or an installed package
-# (/root/.cache/torch/kernels/x, .../site-packages/kernels/x are not the repo's).
+# (/home/u/.cache/torch/kernels/x, .../site-packages/kernels/x are not the repo's).
 _REPO_PATH = re.compile(r"(?<![\w./:~-])/(?:(?!(?:site|dist)-packages/)[\w+@-][\w.+@-]*/)+?"
                         r"(?=(?:build|scripts|configs|accuracy|sglang_m3|kernels|training|tests|docs|out)/)")
 # What is left of a machine's own folders after that: their root becomes <machine>.

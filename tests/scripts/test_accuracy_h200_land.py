@@ -184,10 +184,10 @@ def test_strip_paths_cuts_absolute_paths_into_the_repo_only():
     assert land.strip_paths(text) == want
     # URLs stay whole; hidden folders and installed packages are not the repo; a machine's own roots are hidden.
     cases = {"see https://pytorch.org/docs/stable/x.html": "see https://pytorch.org/docs/stable/x.html",
-             "'/root/.cache/torch/kernels/ab.so'": "'<machine>/.cache/torch/kernels/ab.so'",
+             "'/home/u/.cache/torch/kernels/ab.so'": "'<machine>/u/.cache/torch/kernels/ab.so'",
              "/usr/lib/python3.12/site-packages/kernels/x.py:3": "/usr/lib/python3.12/site-packages/kernels/x.py:3",
-             "RESUME=/tmp/acc-state (/work/c/main/out/a)": "RESUME=<machine>/acc-state (out/a)",
-             "~/tmp/x, a/tmp/y, /home/u/.triton/cache": "~/tmp/x, a/tmp/y, <machine>/u/.triton/cache"}
+             "RESUME=/scratch/acc-state (/mnt/c/main/out/a)": "RESUME=<machine>/acc-state (out/a)",
+             "~/scratch/x, a/scratch/y, /home/u/.triton/cache": "~/scratch/x, a/scratch/y, <machine>/u/.triton/cache"}
     for text, want in cases.items():
         assert land.strip_paths(text) == want and land.strip_paths(want) == want, text
 
