@@ -442,13 +442,12 @@ class CheckpointServer(_servers.Server):
     def __init__(self, model_dir: Path, log_path: Path, record: Path, max_total_tokens: int = 8192,
                  launch_args: list[str] | None = None):
         """``launch_args`` (default: the selection recorder's override) go to the server as they are."""
-        self.log_path, self.record, self._model_dir = log_path, record, model_dir
+        self._model_dir = model_dir  # read by _command in the base class's start (and its retries on fresh ports)
         if launch_args is None:
-            launch_args = ["--json-model-override-args", json.dumps({"index_k_debug_record": str(record)})]
-        # the base class's start, and its retry on fresh ports when a start loses a port race
-        self._extra, self._max_total_tokens, self._port_retries = launch_args, max_total_tokens, self.PORT_RETRIES
-        self._log = None
-        self._launch()
+            super().__init__(log_path, max_total_tokens=max_total_tokens, record=record)
+        else:
+            super().__init__(log_path, *launch_args, max_total_tokens=max_total_tokens)
+            self.record = record
 
     def _command(self, port: int) -> list[str]:
         cmd = _servers.server_command(port, *self._extra, max_total_tokens=self._max_total_tokens)
