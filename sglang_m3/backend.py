@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from m3_kernels.formats import FP8_DTYPE, PAGE_SIZE, prepare_index_q
-from m3_kernels.ops.score import PrefillPlan, plan_prefill, prepare_decode, score_decode, score_prefill
+from m3_kernels.ops.score import ENV_BACKEND, PrefillPlan, plan_prefill, prepare_decode, score_decode, score_prefill
 from m3_kernels.ops.score.cpu import score_decode_cpu, score_prefill_cpu
 from m3_kernels.ops.select import check_select_params, select_blocks, visible_blocks
 from sglang.srt.configs.model_config import get_minimax_sparse_attention_config
@@ -68,6 +68,16 @@ class _ExtendMeta:
     max_block: int
     num_tokens: int
     plan: PrefillPlan  # the scorer's work map, made once here for every sparse layer
+
+
+def check_decode_scorer(scorer: str, device_type: str, cuda_graph: bool) -> None:
+    """ValueError if decode scorer ``scorer`` (``prepare_decode``'s name) cannot be captured in the CUDA graphs
+    a server on ``device_type`` will capture: the torch reference reads sizes back to the host."""
+    if scorer == "torch" and device_type == "cuda" and cuda_graph:
+        raise ValueError(
+            f"{ENV_BACKEND}=torch: the torch reference decode scorer reads values back to the host, which CUDA-graph "
+            f"capture forbids; launch with --disable-cuda-graph, or unset {ENV_BACKEND} (auto)"
+        )
 
 
 class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
@@ -115,6 +125,8 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
         self._extend_meta: Optional[_ExtendMeta] = None
         self.recorder = SelectionRecorder.from_config(runner.model_config.hf_config, self.sparse_layer_ids)
         self.decode_scorer = prepare_decode(self.device, settings.fmt.is_mxfp4)  # JIT builds now, not mid-capture
+        check_decode_scorer(self.decode_scorer, self.device.type,
+                            not setting(runner.server_args, "disable_cuda_graph", False))
         if self.device.type == "cuda":
             pin_from_env()  # a bad M3_SPARSE_{PREFILL,DECODE}_CONFIG fails the start, not the first call
         logger.info("sglang-m3: %s index-K cache, decode scorer %s", settings.fmt.value, self.decode_scorer)

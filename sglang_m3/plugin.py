@@ -157,7 +157,9 @@ def _cpu_openmp_waits(cls, args):
     docs/perf-cpu-log.md, fourth round)."""
     if getattr(args, "device", None) != "cpu" or OMP_WAIT_POLICY in os.environ or GOMP_SPINCOUNT in os.environ:
         return None
-    os.environ.update(cpu_launch_env({}))  # neither is set: the two defaults
+    # neither is set: the two defaults, and nothing else (SGLang's crash diagnostics stay as the user set them:
+    # only launchers that stop a server through its process group turn them off, cpu_launch_env)
+    os.environ.update({OMP_WAIT_POLICY: "PASSIVE", GOMP_SPINCOUNT: CPU_SPINCOUNT})
     logger.info("--device cpu: %s=PASSIVE %s=%s for the server's processes (set either to override; "
                 "exported before the launch, they also let its children be forked: ready about 2x sooner)",
                 OMP_WAIT_POLICY, GOMP_SPINCOUNT, CPU_SPINCOUNT)

@@ -10,6 +10,7 @@ Quantization is one call to ``m3_kernels.ops.write.write_index_k``; byte sizes c
 ``IndexKFormat.token_bytes``.
 """
 
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
@@ -58,7 +59,10 @@ class IndexKPool(MHATokenToKOnlyPool):
         self.head_num = 1
         self.head_dim = INDEX_DIM
         self.num_pages = num_index_pages(size, page_size)
-        with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
+        # As SGLang's own pools allocate: inside the memory saver's region and, where KVCache.__init__ set one up
+        # (transfer over NVLink for PD disaggregation), its custom memory pool, so the index cache is transferable too
+        custom_pool = torch.cuda.use_mem_pool(self.custom_mem_pool) if self.enable_custom_mem_pool else nullcontext()
+        with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE), custom_pool:
             caches = [alloc_index_k_cache(self.num_pages, fmt, device, single_region=True) for _ in range(layer_num)]
         self.k_buffer = [k for k, _ in caches]
         self.k_scale_buffer = [s for _, s in caches]
@@ -71,10 +75,11 @@ class IndexKPool(MHATokenToKOnlyPool):
         return self.k_buffer[layer_id], self.k_scale_buffer[layer_id]
 
     def set_key_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor) -> None:
-        """Quantize index keys ``k [tokens, 1, 128]`` or ``[tokens, 128]`` into slots ``loc [tokens]``."""
+        """Quantize index keys ``k [tokens, 1, 128]`` or ``[tokens, 128]`` into slots ``loc [tokens]`` (0 tokens:
+        nothing written)."""
         s = self.settings
         # Slots come from SGLang's allocator: skip the writer's slot check (a device sync per call).
-        write_index_k(k.reshape(k.shape[0], -1), loc, self.k_buffer[layer_id], self.k_scale_buffer[layer_id],
+        write_index_k(k.flatten(1), loc, self.k_buffer[layer_id], self.k_scale_buffer[layer_id],
                       s.fmt, s.scale_rule, s.sign_seed, check_loc=False)
 
     def get_kv_size_bytes(self):

@@ -32,6 +32,23 @@ def test_selection_parameters_that_break_the_rule_fail_at_start_up(monkeypatch, 
         MiniMaxM31SparseAttnBackend(runner, IndexKSettings(IndexKFormat.MXFP4, ScaleRule.RCEIL, None))
 
 
+@pytest.mark.parametrize("scorer,device_type,cuda_graph,refused", [
+    ("torch", "cuda", True, True),
+    ("torch", "cuda", False, False),  # eager decode: the reference scorer is allowed
+    ("torch", "cpu", True, False),
+    ("cuda", "cuda", True, False),
+    ("triton", "cuda", True, False),
+])
+def test_a_decode_scorer_that_cannot_be_captured_fails_at_start_up(scorer, device_type, cuda_graph, refused):
+    from sglang_m3.backend import check_decode_scorer
+
+    if refused:
+        with pytest.raises(ValueError, match=r"M3_SCORE_BACKEND=torch.*--disable-cuda-graph"):
+            check_decode_scorer(scorer, device_type, cuda_graph)
+    else:
+        check_decode_scorer(scorer, device_type, cuda_graph)
+
+
 def _plan_only_backend(req_to_token, max_bs=None, num_idx_heads=2):
     """The backend's plan half (no runner): the attributes ``init_forward_metadata_*`` read; with
     ``max_bs``, in CUDA-graph mode as the decode graph runner leaves it (``init_cuda_graph_state``)."""

@@ -180,8 +180,12 @@ def test_cpu_servers_get_short_openmp_waits_unless_set(monkeypatch, device, pres
         monkeypatch.delenv(name)
     for name, value in preset.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setenv("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "1")  # the user's: a server not group-stopped keeps it
+    monkeypatch.delenv("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", raising=False)
     assert _cpu_openmp_waits(None, SimpleNamespace(device=device)) is None
     assert (os.environ.get(OMP_WAIT_POLICY), os.environ.get(GOMP_SPINCOUNT)) == expected
+    assert os.environ["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "1"
+    assert "SGLANG_CUDA_COREDUMP_BEFORE_CRASH" not in os.environ
 
 
 def test_cpu_openmp_hook_runs_when_the_launcher_parses_its_flags(monkeypatch):

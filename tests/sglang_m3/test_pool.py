@@ -74,6 +74,21 @@ def test_set_index_k_stores_the_format_rows_at_loc_only(fmt, gen):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(0, 1, 128), (0, 128)])
+def test_an_empty_write_changes_nothing(fmt, shape):
+    """0 tokens (a batch whose requests brought no new token to this layer) is a no-op, as SGLang's own store is."""
+    pool = _pool(fmt, sign_seed=7 if fmt == "mxfp4_rot" else None)
+    for t in pool.get_index_k_buffer(2):
+        _poison(t)
+    before = [None if t is None else t.clone() for t in pool.get_index_k_buffer(2)]
+    empty = torch.zeros(0, 4, 128, dtype=torch.bfloat16)
+    pool.set_fused_kv_index_buffer(_Layer(2), torch.zeros(0, dtype=torch.long), empty, empty,
+                                   torch.zeros(shape, dtype=torch.bfloat16), None)
+    for now, was in zip(pool.get_index_k_buffer(2), before):
+        assert now is None or torch.equal(now.view(torch.uint8), was.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_index_bytes_follow_token_bytes(fmt):
     pool = _pool(fmt)
     pages = num_index_pages(SIZE, PAGE_SIZE)
