@@ -21,6 +21,21 @@ def test_single_region_views_layout():
     check_mxfp4_views(k_data, k_scale)
 
 
+@pytest.mark.parametrize("layout", ["sliced", "padded"])
+def test_views_follow_the_buffer_offset_and_page_stride(layout):
+    """A pool's pages as a slice of a larger buffer (non-zero storage offset) or with rows padded past
+    MXFP4_PAGE_BYTES (page stride > 8704): both views address page p at the buffer's own page p."""
+    width = MXFP4_PAGE_BYTES + (16 if layout == "padded" else 0)
+    raw = torch.arange(4 * width, dtype=torch.int64).remainder(251).to(torch.uint8).view(4, width)
+    pages = raw[1:, :MXFP4_PAGE_BYTES] if layout == "sliced" else raw[:, :MXFP4_PAGE_BYTES]
+    k_data, k_scale = mxfp4_page_views(pages)
+    for p in range(pages.shape[0]):
+        for row in (0, 5, 127):
+            assert torch.equal(k_data[p, row], pages[p, row * 64 : (row + 1) * 64])
+            assert torch.equal(k_scale[p, row], pages[p, 8192 + row * 4 : 8192 + (row + 1) * 4])
+    check_mxfp4_views(k_data, k_scale)
+
+
 def test_split_and_single_region_agree_bitwise(gen):
     k = torch.randn(3 * 128 - 5, 128, generator=gen)
     loc = torch.randperm(3 * 128, generator=gen)[: k.shape[0]]
@@ -48,6 +63,8 @@ def test_rejections():
     with pytest.raises(ValueError, match="16-byte aligned"):
         raw = torch.zeros(4 * 8192 + 1, dtype=torch.uint8)
         check_mxfp4_views(raw[1:].view(4, 128, 64), k_scale)
+    with pytest.raises(ValueError, match="16-byte aligned"):  # aligned base, page stride 8200 not a multiple of 16
+        check_mxfp4_views(torch.zeros(4 * 8200, dtype=torch.uint8).as_strided((4, 128, 64), (8200, 64, 1)), k_scale)
     with pytest.raises(ValueError, match="row-contiguous"):
         check_mxfp4_views(torch.zeros(4, 64, 128, dtype=torch.uint8).transpose(1, 2), k_scale)
     # Overlapping views in one buffer: scale block inside the data region.
@@ -56,6 +73,11 @@ def test_rejections():
     bad_scale = pages.as_strided((4, 128, 4), (MXFP4_PAGE_BYTES, 4, 1), 4096)
     with pytest.raises(ValueError, match="overlap"):
         check_mxfp4_views(d, bad_scale)
+    # A scale block that starts inside its page but runs into the next page's data.
+    pages = torch.zeros(5, MXFP4_PAGE_BYTES, dtype=torch.uint8)
+    d, _ = mxfp4_page_views(pages[:4])
+    with pytest.raises(ValueError, match="overlap"):
+        check_mxfp4_views(d, pages.as_strided((4, 128, 4), (MXFP4_PAGE_BYTES, 4, 1), MXFP4_PAGE_BYTES - 256))
     with pytest.raises(ValueError, match="pages overlap"):
         check_mxfp4_views(k_data.as_strided((4, 128, 64), (64, 64, 1)), k_scale)
     with pytest.raises(ValueError, match="bfloat16 or float8_e4m3fn"):

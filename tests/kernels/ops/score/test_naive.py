@@ -119,6 +119,22 @@ def test_prefill_matches_brute_force_and_decode(gen):
     assert torch.equal(dec, got[:, 195:199])
 
 
+def test_prefill_of_more_rows_than_one_chunk_matches_brute_force(gen):
+    """One request of 300 new rows after a 40-token prefix: the reference scores rows in chunks
+    (``naive._ROW_CHUNK``), and every chunk must mask by its own rows' positions."""
+    from m3_kernels.ops.score import naive
+
+    new = naive._ROW_CHUNK + 44
+    seq_len = 40 + new
+    k_cache, k_scale = build_cache(gen, "mxfp4", 4)
+    block_table = torch.randperm(4, generator=gen)[:3].view(1, 3).int()
+    q = make_q(gen, new, 1, torch.bfloat16)
+    got = score_prefill_ref(q, k_cache, k_scale, block_table, torch.tensor([seq_len], dtype=torch.int32),
+                            torch.tensor([0, new], dtype=torch.int32), 0.25)
+    rows = [(0, seq_len - new + i) for i in range(new)]
+    assert_scores_equal(got, brute_force(q, k_cache, k_scale, block_table, rows, 0.25, 3))
+
+
 @pytest.mark.parametrize("sm_scale", [0.0, -1.0, float("nan"), float("inf"), -float("inf"), "x"])
 def test_rejects_bad_sm_scale(gen, sm_scale):
     k_cache, k_scale = build_cache(gen, "mxfp4", 1)
@@ -145,6 +161,8 @@ def test_rejections(gen):
         "cp_world": dict(cp_rank=2, cp_world=2),
         "max_block must be in": dict(max_block=3),
         "page ids outside": dict(block_table=torch.full((2, 2), 5, dtype=torch.int32)),
+        r"page ids outside \[0, 2\) among": dict(block_table=torch.full((2, 2), 2, dtype=torch.int32)),  # = pages
+        r"block_table\[0\] holds page ids outside": dict(block_table=torch.full((2, 2), -1, dtype=torch.int32)),
     }
     for msg, change in bad.items():
         kwargs = dict(q=q, k_cache=k_cache, k_scale=k_scale, block_table=bt, seq_lens=seq, S=1, sm_scale=1.0)

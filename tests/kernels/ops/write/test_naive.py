@@ -33,11 +33,36 @@ def test_bad_loc_leaves_cache_untouched(gen):
     k = torch.randn(2, 128, generator=gen)
     with pytest.raises(ValueError, match=r"loc values must lie in \[0, 128\)"):
         write_index_k_ref(k, torch.tensor([3, 128]), k_cache, k_scale, "mxfp4")
+    with pytest.raises(ValueError, match=r"loc values must lie in \[0, 128\)"):  # not wrapped to the last slot
+        write_index_k_ref(k, torch.tensor([3, -1]), k_cache, k_scale, "mxfp4")
     with pytest.raises(ValueError, match="loc must be int32/int64"):
         write_index_k_ref(k, torch.tensor([3.0, 4.0]), k_cache, k_scale, "mxfp4")
     with pytest.raises(ValueError, match="does not match the cache"):
         write_index_k_ref(k, torch.tensor([3, 4]), k_cache, k_scale, "fp8")
     assert torch.equal(before[0], k_cache) and torch.equal(before[1], k_scale)
+
+
+def test_a_format_that_does_not_match_the_cache_is_refused(gen):
+    """bf16 rows into an fp8 cache would be cast silently by torch: refused, the cache unchanged."""
+    k_cache, _ = alloc_index_k_cache(1, "fp8")
+    k_cache.view(torch.uint8).fill_(0xA5)
+    with pytest.raises(ValueError, match="does not match the cache"):
+        write_index_k_ref(torch.randn(2, 128, generator=gen), torch.tensor([3, 4]), k_cache, None, "bf16")
+    assert (k_cache.view(torch.uint8) == 0xA5).all()
+
+
+@pytest.mark.parametrize("fmt,scale_rule,sign_seed", [("mxfp4", "floor", None), ("mxfp4_rot", "rceil", 7),
+                                                      ("mxfp4_rot", "floor", 123)])
+def test_the_writer_keeps_its_scale_rule_and_sign_seed(gen, fmt, scale_rule, sign_seed):
+    """What the CPU server writes: the rows of quantize_index_k under the same rule and seed (inputs wide
+    enough that floor and rceil pick different scales, so a rule dropped on the way shows)."""
+    k = torch.randn(PAGE_SIZE, 128, generator=gen) * torch.logspace(-3, 3, 128)
+    k_cache, k_scale = alloc_index_k_cache(1, fmt)
+    write_index_k_ref(k, torch.arange(PAGE_SIZE), k_cache, k_scale, fmt, scale_rule, sign_seed)
+    rows, scales = quantize_index_k(k, fmt, scale_rule, sign_seed)
+    default_rows, default_scales = quantize_index_k(k, fmt)
+    assert not (torch.equal(rows, default_rows) and torch.equal(scales, default_scales))
+    assert torch.equal(k_cache[0], rows) and torch.equal(k_scale[0], scales)
 
 
 def test_empty_write_is_a_no_op():
