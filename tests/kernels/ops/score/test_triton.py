@@ -127,6 +127,38 @@ def test_decode_small_variants(gen, case):
     check_decode(gen, "cpu", "mxfp4", torch.bfloat16, **kw)
 
 
+@pytest.mark.parametrize("fmt,S,H,octaves", [("mxfp4", 1, 1, 0), ("mxfp4", 3, 4, 0), ("mxfp4", 2, 2, -60),
+                                              ("fp8", 1, 1, 0)],
+                         ids=["mxfp4_stacked", "mxfp4_per_group", "mxfp4_per_vector", "fp8"])
+def test_decode_context_parallel_rank_with_the_partial_last_page(gen, fmt, S, H, octaves):
+    """Ranks 1 of 2 and 3 of 4 holding a request's partial last page (positions 199 and 1000: global blocks 1
+    and 7), so the causal mask runs on a rank > 0 with that rank's global block ids, in each page loop."""
+    _on("cpu")
+    _kernels()
+    for cp, lens in (((1, 2), [200, 140]), ((3, 4), [1001, 900])):
+        check_decode(gen, "cpu", fmt, torch.bfloat16, S=S, H=H, seq_lens=[max(n, S) for n in lens], max_block=3,
+                     cp=cp, q_octaves=octaves)
+
+
+@pytest.mark.parametrize("S,H", [(1, 1), (3, 4)], ids=["stacked", "per_group"])
+def test_decode_mxfp4_tiny_q_and_large_scales(gen, S, H):
+    """Q near 2^-118 against K scales 2^113-2^123: the tile's power of two is clamped so that it stays a
+    normal number. bf16 subnormals in Q are zeroed here: the interpreter widens them to fp32 wrongly
+    (-1.0928e-38 reads as -1.0102e-38); the GPU case, test_decode_mxfp4_q_paths_gpu, keeps them."""
+    _on("cpu")
+    _kernels()
+    k_cache, k_scale = random_cache(gen, "mxfp4", 5, "cpu", True, 240, 250)
+    block_table = torch.randperm(5, generator=gen)[:4].reshape(2, 2).int()
+    seq = torch.tensor([S, 200], dtype=torch.int32)
+    q = make_q(gen, 2 * S, H, torch.bfloat16, "cpu", 2.0**-118)
+    q = torch.where(q.float().abs() < 2.0**-126, torch.zeros_like(q), q)
+    got = score_decode(q, k_cache, k_scale, block_table, seq, S, 0.125, 2, backend="triton")
+    ref = score_decode_ref(q, k_cache, k_scale, block_table, seq, S, 0.125, 2)
+    assert (ref[torch.isfinite(ref)] != 0).all()
+    assert_scores_close(got, ref, score_decode_ref(q_abs(q), *abs_index_k(k_cache, k_scale), block_table, seq, S,
+                                                   0.125, 2))
+
+
 def test_prefill_small(gen):
     _on("cpu")
     _kernels()
@@ -157,8 +189,9 @@ LENGTHS = [[1, 127, 128, 129, 4000], [8, 3000, 256, 1000]]
 
 @pytest.mark.gpu
 @MX_Q_OCTAVES
-@pytest.mark.parametrize("scale_range,q_scale", [((100, 150), 1.0), ((1, 20), 1.0), ((230, 252), 2.0**-100)],
-                         ids=["e8m0_mid", "e8m0_low", "e8m0_high"])
+@pytest.mark.parametrize("scale_range,q_scale", [((100, 150), 1.0), ((1, 20), 1.0), ((230, 252), 2.0**-100),
+                                                 ((240, 250), 2.0**-118)],
+                         ids=["e8m0_mid", "e8m0_low", "e8m0_high", "e8m0_high_q_tiny"])
 def test_decode_mxfp4_q_paths_gpu(gen, octaves, scale_range, q_scale):
     """The MXFP4 Q paths (one power of two per tile, stacked or per group, and per vector) on the
     GPU, bf16 Q spread over up to 60 octaves, extreme scales."""
@@ -193,8 +226,10 @@ def test_decode_matrix(gen, fmt, q_dtype, S, H, single):
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
 @pytest.mark.parametrize("cp", [(0, 2), (1, 2), (3, 4)])
 @pytest.mark.parametrize("prealloc", [False, True])
-def test_decode_cp_and_buffers(gen, fmt, cp, prealloc):
-    check_decode(gen, "cuda", fmt, torch.bfloat16, 4, 1, [1, 129, 2000, 5000], max_block=48, cp=cp,
+@pytest.mark.parametrize("S,H", [(4, 1), (8, 4)], ids=["stacked", "per_group"])
+def test_decode_cp_and_buffers(gen, fmt, cp, prealloc, S, H):
+    """Lengths 2000 and 5000 end in a partial page on rank 1 of 2 and (5000) on rank 3 of 4."""
+    check_decode(gen, "cuda", fmt, torch.bfloat16, S, H, [1, 129, 2000, 5000], max_block=48, cp=cp,
                  prealloc=prealloc)
 
 
@@ -325,6 +360,9 @@ REJECTIONS = {
     "views_overlap": (dict(k_scale="overlap"), "overlap"),
     "k_cache_bad_stride": (dict(k_cache="strided"), "k_data"),
     "out_shape": (dict(out="shape"), "out must be"),
+    "out_strided": (dict(out="strided"), "out must be"),  # right shape, last dim not contiguous
+    "out_other_device": (dict(out="meta"), "one device"),
+    "q_strided": (dict(q="strided"), "q must be contiguous"),
     "max_block_too_big": (dict(max_block=3), "max_block"),
     "cp_rank": (dict(cp_rank=2, cp_world=2), "cp_rank"),
 }
@@ -346,10 +384,16 @@ def _apply(args, change, device):
             args["k_scale"] = buf[1:].view(4, 128, 4)
         elif val == "overlap":
             args["k_scale"] = args["k_cache"].as_strided((4, 128, 4), (args["k_cache"].stride(0), 4, 1))
-        elif val == "strided":
+        elif key == "k_cache" and val == "strided":
             args["k_cache"] = torch.zeros(4, 128, 128, dtype=torch.uint8, device=device)[:, :, :64]
         elif val == "shape":
             args["out"] = torch.zeros(2, 2, 2, device=device)
+        elif key == "out" and val == "strided":
+            args["out"] = torch.zeros(1, 2, 2, 2, device=device)[..., 0]
+        elif val == "meta":
+            args["out"] = torch.zeros(1, 2, 2, device="meta")
+        elif key == "q" and val == "strided":
+            args["q"] = torch.zeros(2, 1, 256, dtype=torch.bfloat16, device=device)[..., ::2]
         else:
             args[key] = val
     return args
@@ -392,6 +436,10 @@ def test_score_and_select_decode_matches_the_two_references(gen, device):
     pos = (seq.cpu().long()[:, None] - S + torch.arange(S)).flatten()
     want = select_blocks_ref(scores.cpu(), visible_blocks(pos, PAGE_SIZE))
     assert torch.equal(blocks.cpu(), want)
+    # max_block below the blocks a row sees (17 and 24 here): selection ranks the columns scored
+    scores, blocks = score_and_select_decode(q, k_cache, k_scale, bt, seq, S, 0.5, max_block=10, backend="triton")
+    assert scores.shape[-1] == 10
+    assert torch.equal(blocks.cpu(), select_blocks_ref(scores.cpu(), visible_blocks(pos, PAGE_SIZE).clamp(max=10)))
     with pytest.raises(ValueError, match="cp_world"):
         score_and_select_decode(q, k_cache, k_scale, bt, seq, S, 0.5, cp_rank=0, cp_world=2, backend="triton")
 

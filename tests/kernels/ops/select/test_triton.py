@@ -64,6 +64,25 @@ def test_select_continuous_and_bf16(gen):
     check(gen, "cpu", 2, 129, scores=random_scores(gen, 2, 8, 129).bfloat16())
 
 
+def test_select_clamps_n_visible_to_the_block_count(gen):
+    """The GPU path reads n_visible on the device and clamps it to [0, nb] instead of raising (no sync)."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter cases run on CPU-only machines (CI)")
+    nb = 40
+    scores = random_scores(gen, 2, 4, nb)
+    n_vis = torch.tensor([nb + 1, nb + 25, 2**30, -5], dtype=torch.int32)
+    assert torch.equal(_select()(scores, n_vis, 16, 1, 0), select_blocks_ref(scores, n_vis.clamp(0, nb), 16, 1, 0))
+
+
+def test_select_strided_scores(gen):
+    """Scores whose block dim is not contiguous (a transposed view) give the same ids."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter cases run on CPU-only machines (CI)")
+    s = random_scores(gen, 2, 40, 8).transpose(1, 2)  # [2, 8 rows, 40 blocks], block stride 8
+    n_vis = torch.tensor([0, 1, 15, 16, 17, 40, 39, 20], dtype=torch.int32)
+    assert torch.equal(_select()(s, n_vis, 16, 1, 0), select_blocks_ref(s.contiguous(), n_vis, 16, 1, 0))
+
+
 def test_select_more_picks_than_unrolled(gen):
     """A top-k past ``MAX_UNROLLED`` picks (the dense control's, at the scale of a test) runs the picks as a
     loop; the ids must not change."""
@@ -147,3 +166,8 @@ def test_select_rejects_bad_parameters():
         check_select_args(scores, n_vis[:1], 16, 1, 0)
     with pytest.raises(ValueError, match="n_visible"):
         check_select_args(scores, n_vis.float(), 16, 1, 0)
+    with pytest.raises(ValueError, match="n_visible must be on cpu, got meta"):
+        check_select_args(scores, n_vis.to("meta"), 16, 1, 0)
+    # the limits themselves are allowed: every pick forced (init + local = topk), no init blocks
+    check_select_args(scores, n_vis, 4, 2, 2)
+    check_select_args(scores, n_vis, 4, 4, 0)

@@ -282,6 +282,45 @@ def test_rotation_check_can_fail(gen, device):
         rotation_mismatches_explained(k, bad, scales, "rceil", None)
 
 
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_kernel_skips_slots_outside_the_cache(gen, device, fmt):
+    """The kernel's own skip of loc < 0 and loc >= capacity (the path a server takes, check_loc=False): the
+    cache is pages 1-2 of a 4-page pool, so a slot written out of range would land in page 0 or 3."""
+    device = _on(device)
+    pool, pool_scale = alloc_index_k_cache(4, fmt, device, single_region=False)
+    pool.view(torch.uint8).fill_(0xA5)
+    if pool_scale is not None:
+        pool_scale.fill_(0xA5)
+    k_cache, k_scale = pool[1:3], None if pool_scale is None else pool_scale[1:3]
+    capacity = 2 * PAGE_SIZE
+    k = torch.randn(20, 128, generator=gen)
+    loc = torch.tensor([3, -1, capacity, 5, -PAGE_SIZE, capacity + 7] + list(range(100, 114)))
+    _writer()(k.to(device), loc.to(device), k_cache, k_scale, parse_format(fmt))
+    for t in (pool.view(torch.uint8), pool_scale):
+        if t is not None:
+            assert (t[0] == 0xA5).all() and (t[3] == 0xA5).all(), "a slot outside the cache was written"
+    inside = (loc >= 0) & (loc < capacity)
+    rows, _ = quantize_index_k(k[inside], fmt)
+    got = k_cache.cpu()[loc[inside] // PAGE_SIZE, loc[inside] % PAGE_SIZE]
+    assert torch.equal(got.view(torch.uint8), rows.view(torch.uint8))
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+def test_rotated_writer_clamps_a_huge_row_on_its_own(gen, device):
+    """A row at 2^126 whose program holds no subnormal row: the clamp before the rotation is its own
+    branch (a huge row beside a tiny one is clamped by the tiny row's branch too, rotation_keys)."""
+    device = _on(device)
+    k = torch.randn(32, 128, generator=gen)
+    k[5] = 2.0**126
+    k[20, :64] = -(2.0**125)
+    k_cache, k_scale = alloc_index_k_cache(1, "mxfp4", device)
+    write(k.to(device), torch.arange(32).to(device), k_cache, k_scale, "mxfp4_rot", "rceil", None, 16)
+    rotation_mismatches_explained(k, k_cache.cpu().reshape(-1, 64)[:32], k_scale.cpu().reshape(-1, 4)[:32], "rceil",
+                                  None)
+    assert_rotation_within_bound(k, kernel_rotation(k.to(device), None, 16).cpu(), None)
+
+
 @pytest.mark.gpu
 def test_bad_loc_raises_and_writes_nothing(gen):
     k_cache, k_scale = alloc_index_k_cache(1, "mxfp4", "cuda")
