@@ -1,5 +1,7 @@
 """Backend checks that need no model runner: construction guards and the plan (metadata) half."""
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -9,6 +11,7 @@ from m3_kernels.formats import PAGE_SIZE, IndexKFormat, ScaleRule
 from sglang.srt.layers.attention.minimax_sparse_backend import MiniMaxSparseAttnBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang_m3.backend import MiniMaxM31SparseAttnBackend
+from sglang_m3.compat import RESOLUTION_PIPELINE, at_least
 from sglang_m3.config import IndexKSettings
 
 
@@ -184,3 +187,141 @@ def test_index_q_keeps_bf16_and_e4m3_and_rounds_a_float32_models_q():
     assert torch.equal(backend._index_q(q), q.bfloat16())  # a float32 model on the CPU
     for kept in (q.bfloat16(), q.to(FP8_DTYPE)):
         assert backend._index_q(kept) is kept
+
+
+def test_a_same_size_graph_state_keeps_its_decode_buffers(gen):
+    """A second init_cuda_graph_state at the size already held keeps the set: graphs captured on it read it."""
+    req_to_token, _ = _paged_req_to_token(4, 3, gen)
+    backend = _plan_only_backend(req_to_token, max_bs=4)
+    shared = backend._graph_decode_buffers
+    backend.init_cuda_graph_state(4, 4)
+    assert backend._graph_decode_buffers is shared
+    backend.init_cuda_graph_state(2, 2)
+    assert backend._graph_decode_buffers is shared
+
+
+def test_extend_without_prefix_lens_takes_seq_minus_extend(gen):
+    req_to_token, _ = _paged_req_to_token(2, 3, gen)
+    backend = _plan_only_backend(req_to_token)
+    seq, new = torch.tensor([300, 5]), torch.tensor([200, 5])
+    batch = SimpleNamespace(forward_mode=ForwardMode.EXTEND, seq_lens=seq, seq_lens_cpu=seq, extend_seq_lens=new,
+                            extend_seq_lens_cpu=new.tolist(), extend_prefix_lens=None,
+                            req_pool_indices=torch.tensor([0, 1]))
+    backend.init_forward_metadata_out_graph(batch)
+    assert backend._extend_meta.prefix_lens.tolist() == [100, 0]
+
+
+# ---- the whole backend, built by its own __init__ on SGLang's (CPU), forward passes against each other ----------
+
+TINY_MODEL = Path(__file__).resolve().parents[2] / "configs" / "minimax-m3.1-tiny"
+BLOCKS = 6  # blocks of each request row
+# The runner stand-in fits SGLang 0.5.16's backend __init__; from 0.5.19 that __init__ reads the server's published
+# runtime context (set up by a real server, which the server tests start).
+RUNNER_STAND_IN = pytest.mark.skipif(at_least(RESOLUTION_PIPELINE),
+                                     reason="SGLang >= 0.5.19's backend reads a real server's runtime context")
+LAYER = SimpleNamespace(layer_id=1, scaling=128**-0.5)
+
+
+class _Recorder:
+    """Keeps what the backend records (a recorder also makes the CPU prefill score every row)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def record(self, mode, layer, positions, n_visible, selected, scores, **kw):
+        self.calls.append((positions.clone(), n_visible.clone()))
+
+
+def _real_backend(monkeypatch, topk=4, disable_cuda_graph=True, reqs=2):
+    """The backend through MiniMaxM31SparseAttnBackend.__init__ (and SGLang's) on a CPU runner stand-in:
+    the tiny config with topk blocks, an MXFP4 pool, request r on pages r*BLOCKS+1 .. (r+1)*BLOCKS."""
+    import sglang_m3.backend as backend_module
+    from sglang_m3.config import MiniMaxM31Config, index_k_settings
+    from sglang_m3.pool import MiniMaxM31SparseKVPool
+
+    monkeypatch.setattr(backend_module, "get_parallel", lambda: SimpleNamespace(attn_tp_size=1))
+    config = json.loads((TINY_MODEL / "config.json").read_text())
+    config["sparse_attention_config"]["sparse_topk_blocks"] = topk
+    hf_config = MiniMaxM31Config(**config)
+    pool = MiniMaxM31SparseKVPool(
+        size=reqs * BLOCKS * PAGE_SIZE, page_size=PAGE_SIZE, dtype=torch.bfloat16, head_num=4, head_dim=128,
+        idx_head_dim=128, dense_layer_ids=[0], sparse_layer_ids=[1, 2, 3], device="cpu",
+        settings=IndexKSettings(IndexKFormat.MXFP4, ScaleRule.RCEIL, None), disable_value_sparse_layer_ids=[1, 2, 3],
+        start_layer=0, end_layer=4)
+    pages = torch.arange(reqs * BLOCKS).view(reqs, BLOCKS) + 1
+    req_to_token = (pages[:, :, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).reshape(reqs, -1).to(torch.int32)
+    runner = SimpleNamespace(
+        token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=req_to_token), hisparse_coordinator=None,
+        model_config=SimpleNamespace(context_len=BLOCKS * PAGE_SIZE, hf_config=hf_config, num_attention_heads=16),
+        server_args=SimpleNamespace(speculative_algorithm=None, disable_cuda_graph=disable_cuda_graph), device="cpu")
+    return MiniMaxM31SparseAttnBackend(runner, index_k_settings(hf_config)), req_to_token
+
+
+def _inputs(n, gen):
+    """q [n, 16, 128], k and v [n, 4, 128], index q [n, 4, 128], index k [n, 1, 128], bf16."""
+    return tuple(torch.randn(n, h, 128, generator=gen).bfloat16() for h in (16, 4, 4, 4, 1))
+
+
+def _extend(backend, req_to_token, req, prefix, new, inputs):
+    seq = torch.tensor([prefix + new])
+    batch = SimpleNamespace(forward_mode=ForwardMode.EXTEND, seq_lens=seq, seq_lens_cpu=seq,
+                            extend_seq_lens=torch.tensor([new]), extend_seq_lens_cpu=[new],
+                            extend_prefix_lens=torch.tensor([prefix]), req_pool_indices=torch.tensor([req]),
+                            out_cache_loc=req_to_token[req, prefix:prefix + new].long(),
+                            positions=torch.arange(prefix, prefix + new))
+    backend.init_forward_metadata_out_graph(batch)
+    q, k, v, idx_q, idx_k = inputs
+    return backend.forward_extend(q, k, v, LAYER, batch, idx_q=idx_q, idx_k=idx_k, idx_v=None)[1]
+
+
+def _decode(backend, req_to_token, req, seq_len, inputs):
+    batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, seq_lens=torch.tensor([seq_len]),
+                            req_pool_indices=torch.tensor([req]),
+                            out_cache_loc=req_to_token[req, seq_len - 1:seq_len].long())
+    backend.init_forward_metadata_out_graph(batch)
+    backend.init_forward_metadata_in_graph(batch)
+    q, k, v, idx_q, idx_k = inputs
+    return backend.forward_decode(q, k, v, LAYER, batch, idx_q=idx_q, idx_k=idx_k, idx_v=None)[1]
+
+
+@RUNNER_STAND_IN
+def test_cpu_prefill_that_skips_rows_equals_scoring_every_row(monkeypatch, gen):
+    """The CPU prefill does not score rows that see at most topk blocks (all selected anyway) unless a
+    recorder asks; the output is the same either way, and the recorded n_visible is position // 128 + 1."""
+    n = 5 * PAGE_SIZE + 3
+    inputs = _inputs(n, gen)
+    plain, req_to_token = _real_backend(monkeypatch)
+    assert plain.recorder is None
+    want = _extend(plain, req_to_token, 0, 0, n, inputs)
+    recorded, req_to_token = _real_backend(monkeypatch)
+    recorded.recorder = _Recorder()
+    torch.testing.assert_close(_extend(recorded, req_to_token, 0, 0, n, inputs), want, rtol=0, atol=0)
+    positions, n_visible = recorded.recorder.calls[0]
+    assert torch.equal(n_visible, positions // PAGE_SIZE + 1)
+
+
+@RUNNER_STAND_IN
+@pytest.mark.parametrize("seq_len", [BLOCKS * PAGE_SIZE, 4 * PAGE_SIZE + 1])
+def test_a_decode_step_equals_the_last_row_of_a_prefill(monkeypatch, gen, seq_len):
+    """Decode at seq_len L after a prefill of L - 1 gives the last row of a prefill of L: at the end of the
+    request's blocks and one token past a block edge, with n_visible = (L - 1) // 128 + 1."""
+    inputs = _inputs(seq_len, gen)
+    whole, req_to_token = _real_backend(monkeypatch)
+    want = _extend(whole, req_to_token, 1, 0, seq_len, inputs)[-1]
+    step, req_to_token = _real_backend(monkeypatch)
+    step.recorder = _Recorder()
+    _extend(step, req_to_token, 1, 0, seq_len - 1, [t[:-1] for t in inputs])
+    got = _decode(step, req_to_token, 1, seq_len, [t[-1:] for t in inputs])[0]
+    assert step.recorder.calls[-1][1].tolist() == [(seq_len - 1) // PAGE_SIZE + 1]
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2)
+
+
+@RUNNER_STAND_IN
+def test_the_decode_scorer_guard_is_told_whether_decode_graphs_are_on(monkeypatch):
+    import sglang_m3.backend as backend_module
+
+    seen = []
+    monkeypatch.setattr(backend_module, "check_decode_scorer", lambda scorer, device_type, graph: seen.append(graph))
+    _real_backend(monkeypatch, disable_cuda_graph=False)
+    _real_backend(monkeypatch, disable_cuda_graph=True)
+    assert seen == [True, False]

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 from packaging.version import Version
 from transformers import AutoConfig
 
@@ -26,6 +27,16 @@ def test_capacity_grows_by_the_byte_ratio():
         cell = main_bytes + 57 * fmt.token_bytes
         assert n == budget // cell // PAGE_SIZE * PAGE_SIZE
     assert tokens[IndexKFormat.MXFP4] > tokens[IndexKFormat.FP8] > tokens[IndexKFormat.BF16]
+
+
+def test_an_fp8_main_kv_cache_is_charged_one_byte_an_element():
+    register()
+    cfg = AutoConfig.from_pretrained(FULL)
+    budget = 80 << 30
+    for fmt in IndexKFormat:
+        cell = 60 * 2 * 4 * 128 * 1 + 57 * fmt.token_bytes
+        tokens = pool_tokens(cfg, budget, fmt.value, kv_dtype=torch.float8_e4m3fn)
+        assert tokens == budget // cell // PAGE_SIZE * PAGE_SIZE
 
 
 def test_upstream_nvfp4_stack_capacity_from_its_configurator():

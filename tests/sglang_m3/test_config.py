@@ -41,6 +41,26 @@ def test_override_is_validated_and_names_the_choices():
         MiniMaxM31Config(index_k_format="int4")
 
 
+def test_scale_rule_override_is_read_and_validated():
+    cfg = MiniMaxM31Config(sparse_attention_config={"sparse_index_dim": 128}, index_k_format="mxfp4")
+    cfg.update({"index_k_scale_rule": "floor"})
+    assert index_k_settings(cfg).scale_rule is ScaleRule.FLOOR
+    cfg.update({"index_k_scale_rule": "ceil"})
+    with pytest.raises(ValueError, match="index_k_scale_rule"):
+        index_k_settings(cfg)
+
+
+def test_a_format_without_a_sparse_attention_config_is_refused():
+    with pytest.raises(ValueError, match="no sparse_attention_config"):
+        index_k_settings(SimpleNamespace(index_k_format="fp8", sparse_attention_config=None))
+
+
+def test_settings_are_read_from_a_text_config():
+    """A multimodal wrapper keeps the language model's fields under text_config."""
+    text = SimpleNamespace(index_k_format="fp8", sparse_attention_config={}, index_k_sign_seed=None)
+    assert index_k_settings(SimpleNamespace(text_config=text)).fmt is IndexKFormat.FP8
+
+
 def test_upstream_m3_config_keeps_sglang_path():
     assert index_k_settings(SimpleNamespace(sparse_attention_config={}, architectures=["X"])) is None
 

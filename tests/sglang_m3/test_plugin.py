@@ -37,6 +37,44 @@ def test_host_cache_copies_are_refused_before_any_pool_is_built(flag):
         _build_index_k_pool(_unreachable, kvc, max_total_num_tokens=1024)
 
 
+def test_the_pool_hook_builds_the_k_only_index_pool_of_the_tiny_config(monkeypatch):
+    import json
+
+    import sglang.srt.runtime_context as runtime_context
+    import torch
+
+    from sglang_m3.pool import MiniMaxM31SparseKVPool
+
+    monkeypatch.setattr(runtime_context, "get_parallel", lambda: SimpleNamespace(attn_tp_size=1))
+    hf_config = MiniMaxM31Config(**json.loads((TINY_MODEL / "config.json").read_text()))
+    kvc = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=hf_config, head_dim=128, get_num_kv_heads=lambda tp: 4),
+        server_args=SimpleNamespace(page_size=128, enable_memory_saver=False),
+        kv_cache_dtype=torch.bfloat16, device="cpu", layer_info=SimpleNamespace(start_layer=0, end_layer=4))
+    pool = _build_index_k_pool(_unreachable, kvc, max_total_num_tokens=1024)
+    assert isinstance(pool, MiniMaxM31SparseKVPool)
+    assert pool.index_k_layer_id_mapping == {1: 0, 2: 1, 3: 2}
+
+
+def test_one_page_a_block_is_the_default_page_size_not_a_forced_one():
+    from m3_kernels.formats import PAGE_SIZE
+    from sglang_m3.plugin import _page_size_default
+
+    hf_config = MiniMaxM31Config(sparse_attention_config={"sparse_index_dim": 128}, index_k_format="fp8")
+    assert _page_size_default(SimpleNamespace(page_size=None), hf_config) == {"page_size": PAGE_SIZE}
+    assert _page_size_default(SimpleNamespace(page_size=64), hf_config) == {}  # the pool then names the rule
+
+
+def test_the_format_flag_keeps_the_other_model_overrides():
+    import json
+
+    from sglang_m3.plugin import _fold_index_k_format_flag
+
+    args = SimpleNamespace(index_k_format="fp8", json_model_override_args='{"index_k_debug_rows": 4}')
+    _fold_index_k_format_flag(None, args)
+    assert json.loads(args.json_model_override_args) == {"index_k_debug_rows": 4, "index_k_format": "fp8"}
+
+
 def test_upstream_nvfp4_quantization_is_refused_with_an_index_k_format():
     hf_config = MiniMaxM31Config(sparse_attention_config={"sparse_index_dim": 128}, index_k_format="fp8")
     with pytest.raises(NotImplementedError, match="quantization 'minimax_m3_nvfp4'.*index_k_format='fp8'"):

@@ -18,12 +18,13 @@ FORMATS = list(IndexKFormat)
 SIZE = 3 * PAGE_SIZE  # token slots; the pool adds one padding page
 
 
-def _pool(fmt, page_size=PAGE_SIZE, sparse=(1, 2, 3), k_only=(1, 2, 3), sign_seed=None):
+def _pool(fmt, page_size=PAGE_SIZE, sparse=(1, 2, 3), k_only=(1, 2, 3), sign_seed=None, scale_rule=ScaleRule.RCEIL,
+          idx_head_dim=128, end_layer=4):
     return MiniMaxM31SparseKVPool(
-        size=SIZE, page_size=page_size, dtype=torch.bfloat16, head_num=4, head_dim=128, idx_head_dim=128,
+        size=SIZE, page_size=page_size, dtype=torch.bfloat16, head_num=4, head_dim=128, idx_head_dim=idx_head_dim,
         dense_layer_ids=[0], sparse_layer_ids=list(sparse), device="cpu",
-        settings=IndexKSettings(IndexKFormat(fmt), ScaleRule.RCEIL, sign_seed),
-        disable_value_sparse_layer_ids=list(k_only), start_layer=0, end_layer=4,
+        settings=IndexKSettings(IndexKFormat(fmt), scale_rule, sign_seed),
+        disable_value_sparse_layer_ids=list(k_only), start_layer=0, end_layer=end_layer,
     )
 
 
@@ -41,9 +42,10 @@ def _poison(t):
         t.view(torch.uint8).fill_(0x5A)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_set_index_k_stores_the_format_rows_at_loc_only(fmt, gen):
-    pool = _pool(fmt, sign_seed=7 if fmt == "mxfp4_rot" else None)
+@pytest.mark.parametrize("fmt,scale_rule", [(f, ScaleRule.RCEIL) for f in FORMATS]
+                         + [("mxfp4", ScaleRule.FLOOR), ("mxfp4_rot", ScaleRule.FLOOR)])
+def test_set_index_k_stores_the_format_rows_at_loc_only(fmt, scale_rule, gen):
+    pool = _pool(fmt, sign_seed=7 if fmt == "mxfp4_rot" else None, scale_rule=scale_rule)
     for layer in (1, 2, 3):
         for t in pool.get_index_k_buffer(layer):
             _poison(t)
@@ -54,7 +56,7 @@ def test_set_index_k_stores_the_format_rows_at_loc_only(fmt, gen):
     k = torch.randn(loc.numel(), 1, 128, generator=gen).to(torch.bfloat16) * 3
     pool.set_fused_kv_index_buffer(_Layer(2), loc, torch.randn(loc.numel(), 4, 128).to(torch.bfloat16),
                                    torch.randn(loc.numel(), 4, 128).to(torch.bfloat16), k, None)
-    rows, scale_rows = quantize_index_k(k.reshape(-1, 128), fmt, ScaleRule.RCEIL, pool.settings.sign_seed)
+    rows, scale_rows = quantize_index_k(k.reshape(-1, 128), fmt, scale_rule, pool.settings.sign_seed)
     k_cache, k_scale = pool.get_index_k_buffer(2)
     page, row = loc // PAGE_SIZE, loc % PAGE_SIZE
     assert torch.equal(k_cache[page, row].view(torch.uint8), rows.view(torch.uint8))
@@ -108,9 +110,27 @@ def test_cell_bytes_raise_capacity_by_the_byte_ratio():
     assert tokens[IndexKFormat.MXFP4] > tokens[IndexKFormat.FP8] > tokens[IndexKFormat.BF16]
 
 
-def test_page_size_must_be_one_block():
-    with pytest.raises(ValueError, match="--page-size 128"):
-        _pool("mxfp4", page_size=1)
+@pytest.mark.parametrize("page_size", [1, 64, 256])
+def test_page_size_must_be_one_block(page_size):
+    with pytest.raises(ValueError, match=f"page_size must be 128 .*got {page_size}; launch with --page-size 128"):
+        _pool("mxfp4", page_size=page_size)
+
+
+@pytest.mark.parametrize("size", [1, 127, 128, 129, 300, 384])
+def test_index_pages_cover_every_slot(size):
+    """Slots 0 .. size + page_size - 1 (slot 0's page pads), for any size, page-aligned or not."""
+    assert num_index_pages(size, PAGE_SIZE) == -(-(size + PAGE_SIZE) // PAGE_SIZE)
+
+
+def test_index_dim_must_be_128():
+    with pytest.raises(ValueError, match="sparse_index_dim must be 128 for the index-K formats, got 64"):
+        _pool("mxfp4", idx_head_dim=64)
+
+
+def test_a_pipeline_stage_holds_only_its_own_sparse_layers():
+    pool = _pool("mxfp4", end_layer=3)  # this stage runs layers 0-2: sparse layers 1 and 2, not 3
+    assert pool.index_k_layer_id_mapping == {1: 0, 2: 1}
+    assert len(pool.index_k_pool.k_buffer) == 2
 
 
 def test_index_value_layers_are_rejected():
