@@ -211,7 +211,7 @@ def test_extend_without_prefix_lens_takes_seq_minus_extend(gen):
     assert backend._extend_meta.prefix_lens.tolist() == [100, 0]
 
 
-# ---- the whole backend, built by its own __init__ on SGLang's (CPU), forward passes against each other ----------
+# ---- the whole backend, built by its own __init__ (and SGLang's) on the CPU: forward passes against each other
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "configs" / "minimax-m3.1-tiny"
 BLOCKS = 6  # blocks of each request row

@@ -228,7 +228,7 @@ def test_decode_matrix(gen, fmt, q_dtype, S, H, single):
 @pytest.mark.parametrize("prealloc", [False, True])
 @pytest.mark.parametrize("S,H", [(4, 1), (8, 4)], ids=["stacked", "per_group"])
 def test_decode_cp_and_buffers(gen, fmt, cp, prealloc, S, H):
-    """Lengths 2000 and 5000 end in a partial page on rank 1 of 2 and (5000) on rank 3 of 4."""
+    """Lengths 2000 and 5000 end in a partial page (blocks 15 and 39) held by rank 1 of 2 and by rank 3 of 4."""
     check_decode(gen, "cuda", fmt, torch.bfloat16, S, H, [1, 129, 2000, 5000], max_block=48, cp=cp,
                  prealloc=prealloc)
 
