@@ -87,6 +87,7 @@ def _fold_index_k_format_flag(cls, args):
 OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
 GOMP_SPINCOUNT = "GOMP_SPINCOUNT"
 CPU_SPINCOUNT = "3000"  # libgomp spins ~100,000 per ms: about 30 us of spinning before a thread sleeps
+CPU_OPENMP_WAITS = {OMP_WAIT_POLICY: "PASSIVE", GOMP_SPINCOUNT: CPU_SPINCOUNT}  # a CPU server's, unless either is set
 CPU_START_ENV = "SGLANG_M3_CPU_START"  # "spawn": keep SGLang's spawned children on the CPU too
 
 
@@ -114,7 +115,7 @@ def cpu_launch_env(env: dict | None = None) -> dict:
     (``group_stop_env``)."""
     env = group_stop_env(env)
     if OMP_WAIT_POLICY not in env and GOMP_SPINCOUNT not in env:
-        env[OMP_WAIT_POLICY], env[GOMP_SPINCOUNT] = "PASSIVE", CPU_SPINCOUNT
+        env.update(CPU_OPENMP_WAITS)
     return env
 
 
@@ -159,7 +160,7 @@ def _cpu_openmp_waits(cls, args):
         return None
     # neither is set: the two defaults, and nothing else (SGLang's crash diagnostics stay as the user set them:
     # only launchers that stop a server through its process group turn them off, cpu_launch_env)
-    os.environ.update({OMP_WAIT_POLICY: "PASSIVE", GOMP_SPINCOUNT: CPU_SPINCOUNT})
+    os.environ.update(CPU_OPENMP_WAITS)
     logger.info("--device cpu: %s=PASSIVE %s=%s for the server's processes (set either to override; "
                 "exported before the launch, they also let its children be forked: ready about 2x sooner)",
                 OMP_WAIT_POLICY, GOMP_SPINCOUNT, CPU_SPINCOUNT)

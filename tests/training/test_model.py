@@ -450,7 +450,7 @@ class CheckpointServer(_servers.Server):
             self.record = record
 
     def _command(self, port: int) -> list[str]:
-        cmd = _servers.server_command(port, *self._extra, max_total_tokens=self._max_total_tokens)
+        cmd = super()._command(port)
         cmd[cmd.index(str(_servers.TINY_MODEL))] = str(self._model_dir)
         i = cmd.index("--load-format")
         del cmd[i : i + 2]
