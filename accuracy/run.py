@@ -511,12 +511,13 @@ def _format_identity(args, tokenizer: str, fmt: str, dense_topk) -> dict:
             "docs_version": retrieval.DOCS_VERSION, "questions": None if args.questions == 1 else args.questions}
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """``path`` holds ``text`` or what it held before, never a part: a run killed at its budget's end (SIGTERM) may
-    be killed in a write, and an emptied run.json or rates.json would stop every later ``--resume``."""
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """``path`` holds ``data`` (text is written as UTF-8) or what it held before, never a part: a run killed at its
+    budget's end (SIGTERM) may be killed in a write, and an emptied run.json or rates.json would stop every later
+    ``--resume``; a landing cut short must leave files the next one can read."""
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        f.write(text)
+    with tmp.open("wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

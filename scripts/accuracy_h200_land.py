@@ -28,7 +28,6 @@ import argparse
 import datetime
 import gzip
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -38,8 +37,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts" / "gpu"))
+sys.path[:0] = [str(REPO), str(REPO / "scripts" / "gpu")]
 import call_timings  # noqa: E402
+from accuracy.run import write_atomic  # noqa: E402
 STATE = Path("accuracy_h200_resume") / "state.tgz"
 SAMPLES = "accuracy_h200_2026-12-02_q4_samples.jsonl"
 # A kept log with a suffix (``call30_repeat.log``: served, not landed) still takes its number.
@@ -72,14 +72,6 @@ def strip_paths(text: str) -> str:
     """The log with absolute paths into the repo made repo-relative, and the root of any other path under a
     machine's home, scratch or temporary folders written ``<machine>``; URLs are left as they are."""
     return _MACHINE_PATH.sub("<machine>", _REPO_PATH.sub("", text))
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """``path`` holds ``data`` or what it held before, never a part (a landing cut short by a kill or a full
-    disk must leave files the next landing can read)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def check_superset(old: dict, new: dict, new_name: str, old_name: str) -> None:
