@@ -366,8 +366,11 @@ def plot(summary: dict, path: Path):
     """Accuracy against context length, one panel per task with lengths, one line per format. For a
     ``build_pairs`` summary: in each task's panel the baseline and the first candidate with samples of that
     task, on the samples they share, and below it a second row with every candidate's paired difference from
-    the baseline per length, in points with its interval as error bars. Returns ``path``, or None (and removes
-    a stale ``path``) when no task has a length to plot."""
+    the baseline per length, in points with its interval as error bars: the candidate with the most pairs in the
+    task alone, its axis fitted to its intervals, then (a third row, when there are several candidates) every
+    candidate, whose small control arms' wide intervals would flatten the first. A format keeps one colour on
+    every row. Returns ``path``, or None (and removes a stale ``path``) when no task has a
+    length to plot."""
     if "pairs" in summary:
         top = {}  # task -> the first candidate pair's summary that has lengths for it
         for pair in summary["pairs"].values():
@@ -393,7 +396,13 @@ def _plot(top: dict, path: Path, pairs: dict | None):
     tasks = {t: gs for t, gs in tasks.items() if gs}
     if not tasks:
         return None
-    rows = 1 if pairs is None else 2
+    if pairs is None:
+        rows, cands, color = 1, [], {}
+    else:  # the candidates with samples of some plotted task, each in one colour on every row
+        cands = [f for f in pairs["pairs"] if any(g["length"] != ALL for t in tasks
+                                                  for g in pairs["pairs"][f]["tasks"].get(t, []))]
+        rows = 2 if len(cands) == 1 else 3
+        color = {pairs["baseline"]: "C0"} | {f: f"C{i + 1}" for i, f in enumerate(cands)}
     fig, axes = plt.subplots(rows, len(tasks), figsize=(5 * len(tasks), 3.8 * rows), squeeze=False)
 
     def length_axis(ax, x):
@@ -406,35 +415,44 @@ def _plot(top: dict, path: Path, pairs: dict | None):
         x = [g["length"] for g in groups]
         for fmt in top[task]["formats"]:
             y = [None if g["acc"][fmt] is None else 100 * g["acc"][fmt] for g in groups]
-            ax.plot(x, y, marker="o", label=fmt)
+            ax.plot(x, y, marker="o", label=fmt, color=color.get(fmt))
         length_axis(ax, x)
         ax.set_ylim(-2, 102)
         ax.set_ylabel("accuracy %")
         ax.set_title(task)
         ax.legend()
     if pairs is not None:
-        base, cands = pairs["baseline"], list(pairs["pairs"])
+        base = pairs["baseline"]
         label = {}  # one label a candidate over every panel, naming the range of its pairs a point
         for fmt in cands:
             ns = [g["n"] for gs in pairs["pairs"][fmt]["tasks"].values() for g in gs if g["length"] != ALL]
-            span = "" if not ns else f"{min(ns)}" if min(ns) == max(ns) else f"{min(ns)}-{max(ns)}"
-            label[fmt] = f"{fmt} ({span} pairs a point)" if span else fmt
-        for ax, task in zip(axes[1], tasks):
-            for i, fmt in enumerate(cands):
+            span = f"{min(ns)}" if min(ns) == max(ns) else f"{min(ns)}-{max(ns)}"
+            label[fmt] = f"{fmt} ({span} pairs a point)"
+
+        def differences(ax, task, fmts):
+            for i, fmt in enumerate(fmts):
                 groups = [g for g in pairs["pairs"][fmt]["tasks"].get(task, []) if g["length"] != ALL]
                 if not groups:
                     continue
-                shift = 2 ** (0.06 * (i - (len(cands) - 1) / 2))  # side by side on the log axis
+                shift = 2 ** (0.06 * (i - (len(fmts) - 1) / 2))  # side by side on the log axis
                 x = [g["length"] * shift for g in groups]
                 d = [100 * g["paired"][fmt]["diff"] for g in groups]
                 err = [[100 * (g["paired"][fmt]["diff"] - g["paired"][fmt]["ci_lo"]) for g in groups],
                        [100 * (g["paired"][fmt]["ci_hi"] - g["paired"][fmt]["diff"]) for g in groups]]
-                ax.errorbar(x, d, yerr=err, marker="o", capsize=3, linestyle="none", label=label[fmt])
+                ax.errorbar(x, d, yerr=err, marker="o", capsize=3, linestyle="none", label=label[fmt],
+                            color=color[fmt])
             ax.axhline(0, color="black", linewidth=0.8)
             length_axis(ax, [g["length"] for g in tasks[task]])
             ax.set_ylabel(f"format - {base}, points (95% CI)")
+
+        for col, task in enumerate(tasks):
+            ns = {f: sum(g["n"] for g in pairs["pairs"][f]["tasks"].get(task, []) if g["length"] != ALL)
+                  for f in cands}
+            differences(axes[1][col], task, [max(cands, key=ns.get)])  # the first of the largest on a tie
+            if rows == 3:
+                differences(axes[2][col], task, cands)
         legend = {}  # label -> handle, over every panel (a task a candidate lacks has none)
-        for ax in axes[1]:
+        for ax in axes[1:].flat:
             legend.update({name: h for h, name in zip(*ax.get_legend_handles_labels())})
         fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=max(1, len(legend)), frameon=False)
         fig.tight_layout(rect=(0, 0.05, 1, 1))

@@ -188,7 +188,7 @@ def test_pairs_report_opens_with_an_overview_and_explains_its_columns_once():
     assert "| task | length | fp8 | mxfp4 | bf16 |" in text and "| m3_kv_64 | 2048 | 12/100 | 12/100 | 7/100 |" in text
 
 
-def test_pairs_plot_adds_a_row_of_paired_differences(tmp_path):
+def test_pairs_plot_adds_a_row_of_paired_differences_and_one_of_every_candidate(tmp_path):
     def png_size(path):
         head = path.read_bytes()[:24]
         return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
@@ -196,11 +196,47 @@ def test_pairs_plot_adds_a_row_of_paired_differences(tmp_path):
     base = {"m3_kv_64": _rows({1024: [1, 0, 1, 1], 2048: [1, 1, 0, 0]})}
     cand = {"m3_kv_64": _rows({1024: [1, 1, 1, 0], 2048: [1, 1, 0, 0]})}
     single = report.plot(report.build({"fp8": base, "mxfp4": cand}, ["fp8", "mxfp4"]), tmp_path / "one.png")
+    one = report.plot(report.build_pairs({"fp8": base, "mxfp4": cand}, ["fp8", "mxfp4"]), tmp_path / "two.png")
     pairs = report.build_pairs({"fp8": base, "mxfp4": cand, "bf16": copy.deepcopy(base)}, ["fp8", "mxfp4", "bf16"])
-    both = report.plot(pairs, tmp_path / "two.png")
-    (w1, h1), (w2, h2) = png_size(single), png_size(both)
-    assert w2 == w1 and h2 == 2 * h1
+    several = report.plot(pairs, tmp_path / "three.png")
+    (w1, h1), (w2, h2), (w3, h3) = png_size(single), png_size(one), png_size(several)
+    assert w3 == w2 == w1 and h2 == 2 * h1 and h3 == 3 * h1
     assert report.plot(report.build_pairs({"fp8": base}, ["fp8"]), tmp_path / "none.png") is None
+
+
+def test_pairs_plot_second_row_holds_each_tasks_most_paired_candidate_in_one_colour(tmp_path, monkeypatch):
+    # mxfp4 has the most pairs in m3_kv_64 and bf16 in m3_vt: the second row draws that one alone (its axis
+    # fitted to its intervals, not a small arm's), the third every candidate; a format's colour is one on every row.
+    import matplotlib.axes
+
+    drawn = []  # (row, column, format, colour)
+    errorbar, line = matplotlib.axes.Axes.errorbar, matplotlib.axes.Axes.plot
+
+    def where(ax):
+        spec = ax.get_subplotspec()
+        return spec.rowspan.start, spec.colspan.start
+
+    def spy_errorbar(self, *args, **kwargs):
+        drawn.append((*where(self), kwargs["label"].split()[0], kwargs["color"]))
+        return errorbar(self, *args, **kwargs)
+
+    def spy_plot(self, *args, **kwargs):
+        if "label" in kwargs:  # the top row's accuracy lines
+            drawn.append((*where(self), kwargs["label"], kwargs["color"]))
+        return line(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar", spy_errorbar)
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy_plot)
+    every = {"m3_kv_64": _rows({1024: [1, 0] * 4, 2048: [0, 1] * 4}), "m3_vt": _rows({1024: [1, 1, 0] * 3})}
+    few = {task: [r for r in rows if r["doc_id"] % 4 == 0] for task, rows in every.items()}
+    per_format = {"fp8": every, "mxfp4": {"m3_kv_64": every["m3_kv_64"], "m3_vt": few["m3_vt"]},
+                  "bf16": {"m3_kv_64": few["m3_kv_64"], "m3_vt": every["m3_vt"]}}
+    report.plot(report.build_pairs(per_format, ["fp8", "mxfp4", "bf16"]), tmp_path / "acc.png")
+    kv, vt = 0, 1
+    assert sorted(drawn) == sorted([
+        (0, kv, "fp8", "C0"), (0, kv, "mxfp4", "C1"), (0, vt, "fp8", "C0"), (0, vt, "mxfp4", "C1"),
+        (1, kv, "mxfp4", "C1"), (1, vt, "bf16", "C2"),
+        (2, kv, "mxfp4", "C1"), (2, kv, "bf16", "C2"), (2, vt, "mxfp4", "C1"), (2, vt, "bf16", "C2")])
 
 
 def test_pairs_plot_draws_candidates_after_one_without_samples(tmp_path, monkeypatch):
