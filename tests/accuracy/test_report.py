@@ -1,13 +1,14 @@
 """Report tables and the plot from constructed per-sample results."""
 
 import copy
+import dataclasses
 import json
 import random
 
 import pytest
 
 from accuracy import report
-from accuracy.stats import tango_interval
+from accuracy.stats import compare_clustered, tango_interval
 
 
 def _rows(scores_by_length, targets="t"):
@@ -39,6 +40,40 @@ def test_build_pairs_by_length_and_overall(tmp_path):
     assert report.plot(summary, tmp_path / "a.png").stat().st_size > 1000
 
 
+def test_lengths_are_listed_shortest_first():
+    """Groups (and table rows) run by length whatever order the rows came in, then the pooled row."""
+    rows = _rows({4096: [1, 0], 1024: [1, 1], 2048: [0, 1]})
+    summary = report.build({"fp8": {"t": rows}, "mxfp4": {"t": copy.deepcopy(rows)}}, ["fp8", "mxfp4"])
+    assert [g["length"] for g in summary["tasks"]["t"]] == [1024, 2048, 4096, report.ALL]
+    text = report.markdown(summary)
+    rows = ["| 1024 | 2 |", "| 2048 | 2 |", "| 4096 | 2 |", "| all | 6 |"]
+    assert [text.index(r) for r in rows] == sorted(text.index(r) for r in rows)
+
+
+def test_table_row_carries_each_paired_column():
+    """One row in full: accuracies, agreement, discordant pairs as only base / only cand, McNemar p to three
+    digits, the signed difference with its interval and half its width, in points."""
+    base = _rows({1024: [1, 1, 1, 1, 1, 1, 1, 0, 0, 0]})
+    cand = _rows({1024: [0, 0, 0, 0, 0, 0, 1, 1, 0, 0]})  # 6 right in fp8 only, 1 in mxfp4 only
+    text = report.markdown(report.build({"fp8": {"t": base}, "mxfp4": {"t": cand}}, ["fp8", "mxfp4"]))
+    lo, hi = tango_interval(6, 1, 10)
+    p = 2 * (1 + 7) / 2**7  # 0.125
+    assert (f"| 1024 | 10 | 70.0 | 20.0 | 30.0 | 6/1 | {p} | -50.0 [{100 * lo:+.1f}, {100 * hi:+.1f}] | "
+            f"{50 * (hi - lo):.1f} |") in text
+    assert f"{100 * lo:+.1f}" == "-79.3" and f"{100 * hi:+.1f}" == "+2.0"
+
+
+def test_tables_name_the_confidence_they_were_built_at():
+    """A 90% build says 90% in each candidate's column and in the pairs overview."""
+    base, cand = {"t": _rows({1024: [1, 1, 0, 0]})}, {"t": _rows({1024: [1, 0, 1, 0]})}
+    summary = report.build({"fp8": base, "mxfp4": cand}, ["fp8", "mxfp4"], confidence=0.9)
+    assert summary["tasks"]["t"][0]["paired"]["mxfp4"]["ci_hi"] == tango_interval(1, 1, 4, 0.9)[1]
+    text = report.markdown(summary)
+    assert "mxfp4 - fp8 pts [Tango score 90% CI]" in text and "95%" not in text
+    pairs = report.markdown(report.build_pairs({"fp8": base, "mxfp4": cand}, ["fp8", "mxfp4"], confidence=0.9))
+    assert "| t: pts [90% CI] (n) |" in pairs and "[Tango score 90% CI]" in pairs and "95%" not in pairs
+
+
 def test_no_discordant_pair_is_not_a_zero_width_interval():
     # What scripts/main.sh's short comparison prints for 4 prompts both formats answer: not +0.0 [+0.0, +0.0].
     rows = _rows({4096: [1, 1, 1, 1]})
@@ -56,6 +91,41 @@ def test_partial_scores_use_the_labelled_bootstrap():
     text = report.markdown(summary)
     assert "[paired bootstrap 95% CI]" in text and "[Tango score 95% CI]" in text
     assert "paired bootstrap: percentile interval" in text and "Tango score: " in text
+
+
+def test_partial_scores_anywhere_in_a_task_give_every_length_the_bootstrap():
+    """The interval is chosen per task: a length whose scores happen to be all 0/1 keeps the task's bootstrap."""
+    base = {"t": _rows({1024: [1, 0, 1, 1], 2048: [1, 0.5, 0, 1]})}
+    cand = {"t": _rows({1024: [1, 1, 0, 1], 2048: [1, 1, 0, 0.5]})}
+    summary = report.build({"fp8": base, "mxfp4": cand}, ["fp8", "mxfp4"], n_boot=200)
+    assert [g["paired"]["mxfp4"]["ci_method"] for g in summary["tasks"]["t"]] == ["bootstrap"] * 3
+    text = report.markdown(summary)
+    assert "[paired bootstrap 95% CI]" in text and "Tango score" not in text
+
+
+def _context_rows(scores_by_length):
+    """``_rows`` with a context a row: contexts 0 and 1 at each length, three questions each."""
+    rows = _rows(scores_by_length)
+    for i, r in enumerate(rows):
+        r["context"] = (i % 6) // 3
+    return rows
+
+
+def test_questions_on_one_context_are_clustered_in_every_group():
+    """Rows with a context take the Rao-Scott path in every group; context 0 is a context, and the pooled row
+    keeps a context id at two lengths as two contexts (``<length>/c<context>``)."""
+    base = _context_rows({1024: [1, 1, 1, 1, 0, 1], 2048: [1, 1, 0, 0, 1, 1]})
+    cand = _context_rows({1024: [0, 0, 1, 1, 1, 1], 2048: [1, 0, 0, 1, 1, 1]})
+    summary = report.build({"fp8": {"t": base}, "mxfp4": {"t": cand}}, ["fp8", "mxfp4"])
+    paired = [g["paired"]["mxfp4"] for g in summary["tasks"]["t"]]
+    assert [p["ci_method"] for p in paired] == ["tango_rao_scott"] * 3
+    assert [p["clusters"] for p in paired] == [2, 2, 4]
+    labels = [f"{r['length']}/c{r['context']}" for r in base]
+    want = compare_clustered([r["score"] for r in base], [r["score"] for r in cand], labels)
+    assert paired[-1] == dataclasses.asdict(want)
+    assert "[Tango score, Rao-Scott clustered 95% CI]" in report.markdown(summary)
+    # restate_binary cannot restate a clustered entry from its counts: it keeps it as it is.
+    assert report.restate_binary(summary)["tasks"] == summary["tasks"]
 
 
 def _old_summary():
@@ -90,6 +160,24 @@ def test_restate_refuses_counts_of_partial_scores():
     bad["tasks"]["t"][0]["paired"]["mxfp4"]["acc_b"] = 0.5  # 2.5 of 5 right: not 0/1 scores
     with pytest.raises(ValueError, match="t length 4096 mxfp4: counts .* do not come from 0/1 scores"):
         report.restate_binary(bad)
+    bad["tasks"]["t"][0]["paired"]["mxfp4"]["acc_b"] = 0.8  # 4 of 5 right: whole, but not 3 - 1 + 1
+    with pytest.raises(ValueError, match="t length 4096 mxfp4: counts .* do not come from 0/1 scores"):
+        report.restate_binary(bad)
+
+
+def test_restate_goes_into_each_pair_of_a_pairs_summary(tmp_path):
+    """A ``build_pairs`` results.json is restated pair by pair, on the command line too."""
+    old = _old_summary()
+    pairs = {"baseline": "fp8", "formats": ["fp8", "mxfp4"], "pairs": {"mxfp4": old}}
+    new = report.restate_binary(pairs)
+    p = new["pairs"]["mxfp4"]["tasks"]["t"][0]["paired"]["mxfp4"]
+    assert p["ci_method"] == "tango" and (p["ci_lo"], p["ci_hi"]) == tango_interval(1, 1, 5)
+    assert old["tasks"]["t"][0]["paired"]["mxfp4"]["ci_lo"] == -0.4
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(pairs))
+    report.main([str(path), "--restate-binary", "--out", str(tmp_path / "report.md")])
+    text = (tmp_path / "report.md").read_text()
+    assert text.startswith("## Every format against fp8") and "[Tango score 95% CI]" in text
 
 
 def test_short_task_has_one_group():
@@ -171,7 +259,8 @@ def test_pairs_report_opens_with_an_overview_and_explains_its_columns_once():
         r["score"] = 1 - r["score"]
     summary = report.build_pairs({"fp8": base, "mxfp4": flip, "bf16": copy.deepcopy(base)}, ["fp8", "mxfp4", "bf16"],
                                  baseline="fp8")
-    summary["coverage"] = {f: {t: {"1024": [12, 100], "2048": [12, 100]} for t in base} for f in ("fp8", "mxfp4", "bf16")}
+    summary["coverage"] = {f: {t: {"1024": [12, 100], "2048": [12, 100]} for t in base}
+                           for f in ("fp8", "mxfp4", "bf16")}
     summary["coverage"]["bf16"]["m3_kv_64"]["2048"] = [7, 100]
     text = report.markdown(summary)
     assert text.startswith("## Every format against fp8, pooled over lengths")
@@ -181,7 +270,8 @@ def test_pairs_report_opens_with_an_overview_and_explains_its_columns_once():
     cell = f"{100 * kv['diff']:+.1f} [{100 * kv['ci_lo']:+.1f}, {100 * kv['ci_hi']:+.1f}] (24)"
     half = 100 * tango_interval(0, 0, 24)[1]
     assert f"| mxfp4 | 48 | {ones} / {5 - ones} | +0.0 [-{half:.1f}, +{half:.1f}] (24) | {cell} |" in text
-    assert f"| bf16 | 48 | 0 / 0 | +0.0 [-{half:.1f}, +{half:.1f}] (24) | +0.0 [-{half:.1f}, +{half:.1f}] (24) |" in text
+    zero = f"+0.0 [-{half:.1f}, +{half:.1f}] (24)"
+    assert f"| bf16 | 48 | 0 / 0 | {zero} | {zero} |" in text
     assert text.index("## mxfp4 vs fp8") < text.index("## bf16 vs fp8") < text.index("## Samples scored")
     assert text.count("Baseline: fp8. agree:") == 1 and text.count("Tango score: Tango's (1998)") == 1
     assert text.rindex("Baseline: fp8. agree:") > text.index("## Samples scored")  # the notes close the report
@@ -283,3 +373,17 @@ def test_pairs_are_counted_by_where_each_answer_was_served():
         r.pop("served_on", None)
     plain = report.build({"fp8": {"m3_kv_64": base}, "mxfp4": {"m3_kv_64": cand}}, ["fp8", "mxfp4"])
     assert "served_on" not in plain and "Pairs by where" not in report.markdown(plain)
+
+
+def test_served_on_table_lists_most_pairs_first_and_counts_one_sided_records():
+    """Only the candidate says where it was served: the table is still there, the baseline's side "not recorded",
+    its rows by pairs (most first), not by name."""
+    base = _rows({1024: [1] * 6})
+    cand = _rows({1024: [1, 0, 1, 1, 1, 1]})
+    for c, where in zip(cand, ["H200", "H200", "H100", "H200", "H100", "H200"]):
+        c["served_on"] = where
+    summary = report.build({"fp8": {"t": base}, "mxfp4": {"t": cand}}, ["fp8", "mxfp4"])
+    nr = report.NOT_RECORDED
+    assert summary["served_on"]["mxfp4"] == {f"{nr} / H200": [4, 1, 0], f"{nr} / H100": [2, 0, 0]}
+    text = report.markdown(summary)
+    assert text.index(f"| {nr} / H200 | 4 | 1/0 | 25.00 |") < text.index(f"| {nr} / H100 | 2 | 0/0 | 0.00 |")

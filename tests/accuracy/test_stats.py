@@ -34,9 +34,10 @@ def test_mcnemar_exact_hand_computed(n10, n01, p):
     assert mcnemar_exact(n01, n10) == pytest.approx(p, rel=1e-12)  # two-sided: symmetric
 
 
-def test_mcnemar_rejects_negative_counts():
+@pytest.mark.parametrize("n10, n01", [(-1, 3), (3, -1)])
+def test_mcnemar_rejects_negative_counts(n10, n01):
     with pytest.raises(ValueError, match="discordant"):
-        mcnemar_exact(-1, 3)
+        mcnemar_exact(n10, n01)
 
 
 def test_discordant_and_agreement():
@@ -44,6 +45,22 @@ def test_discordant_and_agreement():
     b = [1, 0, 0, 1, 0, 1, 1]
     assert discordant(a, b) == (2, 2)  # 0.5 counts as wrong
     assert agreement(a, b) == pytest.approx(3 / 7)
+
+
+def test_agreement_of_partial_scores_is_both_right_or_both_wrong():
+    """Any score below 1 is wrong: 0.5 against 0 agrees (both wrong), 1 against 0.5 does not; so agreement
+    is 1 - (n10 + n01) / n on fresh partial scores."""
+    a = [0.5, 0.0, 1.0, 0.25, 1.0]
+    b = [0.0, 0.25, 1.0, 1.0, 0.5]
+    assert agreement(a, b) == pytest.approx(3 / 5, abs=1e-15)
+    seed = int(np.random.default_rng().integers(1 << 31))
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        n = int(rng.integers(1, 30))
+        a, b = rng.choice([0.0, 0.25, 0.5, 1.0], n), rng.choice([0.0, 0.25, 0.5, 1.0], n)
+        want = Fraction(n - sum(discordant(a, b)), n)
+        assert agreement(a, b) == pytest.approx(float(want), abs=1e-15), f"seed {seed}"
+        assert compare_paired(a, b, n_boot=10).agreement == pytest.approx(float(want), abs=1e-15), f"seed {seed}"
 
 
 def test_pairs_must_match():
@@ -84,6 +101,22 @@ def test_bootstrap_is_seeded_and_contains_the_difference():
     first = paired_bootstrap(a, b, n_boot=500, seed=7)
     assert first == paired_bootstrap(a, b, n_boot=500, seed=7)
     assert first[1] <= first[0] <= first[2]
+
+
+def test_bootstrap_ends_are_the_floor_and_ceil_order_statistics():
+    """The ends are the sorted resampled means at floor(lo_q (n_boot - 1)) and ceil(hi_q (n_boot - 1)), the
+    resamples drawn as documented (``default_rng(seed).integers``); continuous scores, so neighbours differ."""
+    seed = int(np.random.default_rng().integers(1 << 31))
+    rng = np.random.default_rng(seed)
+    a, b = rng.random(7), rng.random(7)
+    d = b - a
+    # (n_boot, confidence, lo index, hi index): 0.025 * 1, 0.975 * 1; 0.05 * 36 = 1.8, 0.95 * 36 = 34.2;
+    # 0.025 * 499 = 12.475, 0.975 * 499 = 486.525.
+    for n_boot, confidence, lo_i, hi_i in [(2, 0.95, 0, 1), (37, 0.9, 1, 35), (500, 0.95, 12, 487)]:
+        picks = np.random.default_rng(seed).integers(0, len(d), size=(n_boot, len(d)))
+        means = sorted(sum(float(d[i]) for i in pick) / len(d) for pick in picks)
+        got = paired_bootstrap(a, b, n_boot=n_boot, confidence=confidence, seed=seed)
+        assert got == pytest.approx((d.mean(), means[lo_i], means[hi_i]), abs=1e-12), f"seed {seed}, n_boot {n_boot}"
 
 
 def test_bootstrap_over_clusters_resamples_whole_contexts():
@@ -321,6 +354,18 @@ def test_compare_counts_matches_compare_paired():
     assert compare_counts(0, 0, 0, 0).ci_lo == -1.0  # nothing measured: nothing excluded
 
 
+def test_no_samples_exclude_nothing():
+    """Empty inputs: agreement 1, McNemar p 1, diff 0; Tango's interval [-1, 1], the bootstrap's (0, 0, 0)."""
+    assert agreement([], []) == 1.0 and discordant([], []) == (0, 0)
+    assert paired_bootstrap([], [], n_boot=10) == (0.0, 0.0, 0.0)
+    r = compare_paired([], [])
+    assert (r.n, r.acc_a, r.acc_b, r.agreement, r.p_mcnemar, r.diff) == (0, 0.0, 0.0, 1.0, 1.0, 0.0)
+    assert (r.ci_method, r.ci_lo, r.ci_hi, r.newcombe_lo, r.newcombe_hi) == ("tango", -1.0, 1.0, -1.0, 1.0)
+    assert compare_counts(0, 0, 0, 0) == r
+    boot = compare_paired([], [], n_boot=10, interval="bootstrap")
+    assert (boot.n, boot.agreement, boot.p_mcnemar, boot.diff, boot.ci_lo, boot.ci_hi) == (0, 1.0, 1.0, 0.0, 0.0, 0.0)
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: tango_interval(-1, 0, 5), r"counts must be integers >= 0, got \{'n10': -1\}"),
     (lambda: tango_interval(1.5, 0, 5), r"counts must be integers >= 0"),
@@ -367,6 +412,24 @@ def test_design_effect_hand_cases():
     b3[:9] = 1.0
     assert design_effect(a3, b3, list(clusters[:-1]) + [99]) == 2.0
     assert design_effect(a3, b3, range(40)) == 1.0  # no context holds two pairs
+
+
+def test_design_effect_is_estimated_from_ten_discordant_pairs():
+    """Exactly ``min_discordant`` (10) discordant pairs: the ratio is estimated; one fewer: the largest context."""
+    # 10 contexts of 3: context 0 gains two answers, contexts 1-8 one each, alternately gained and lost.
+    a, b = np.zeros(30), np.zeros(30)
+    b[[0, 1]] = 1.0
+    b[[3, 9, 15, 21]] = 1.0
+    a[[6, 12, 18, 24]] = 1.0
+    clusters = [i // 3 for i in range(30)]
+    # sum d = 2, dbar = 1/15; iid = 30/29 (10 - 30 dbar^2) = 296/29; the totals 2, 1 (x4), -1 (x4), 0 less
+    # 3 dbar = 1/5: between = 10/9 (1.8^2 + 4 * 0.8^2 + 4 * 1.2^2 + 0.2^2) = 116/9.
+    ratio = Fraction(116, 9) / Fraction(296, 29)
+    assert 1 < ratio < 3
+    assert design_effect(a, b, clusters) == pytest.approx(float(ratio), rel=1e-12)
+    a[24] = 0.0  # 9 discordant pairs
+    assert design_effect(a, b, clusters) == 3.0
+    assert design_effect(a, b, clusters, min_discordant=9) not in (1.0, 3.0)
 
 
 def test_design_effect_matches_the_oracle_on_fresh_clustered_data():
@@ -459,6 +522,33 @@ def test_clustered_interval_when_every_pair_is_discordant():
         a = rng.integers(0, 2, n).astype(float)
         r = compare_clustered(a, 1.0 - a, [i // q for i in range(n)])
         assert r.n10 + r.n01 == n and r.ci_lo <= r.diff <= r.ci_hi, f"seed {seed}"
+
+
+def test_one_context_holding_every_pair():
+    """One cluster: the design effect is its size (the between-cluster variance needs two), and the sign-flip p
+    is 1 (its one total is as likely negated)."""
+    a = [1.0] * 8 + [0.0] * 4
+    b = [0.0] * 7 + [1.0] * 5  # 7 lost, 4 gained, one both right
+    one = ["ctx"] * 12
+    assert design_effect(a, b, one) == 12.0
+    assert mcnemar_clustered(a, b, one) == 1.0
+    r = compare_clustered(a, b, one)
+    assert (r.clusters, r.design_effect, r.n10, r.n01, r.p_mcnemar) == (1, 12.0, 7, 4, 1.0)
+    plain = tango_interval(7, 4, 12)
+    assert r.ci_lo < plain[0] <= r.diff <= plain[1] < r.ci_hi
+
+
+@pytest.mark.parametrize("lost", [True, False])
+def test_every_pair_discordant_one_way_in_contexts(lost):
+    """Every pair moves the same way: the pairs' differences do not vary, so the ratio is not estimated and the
+    design effect is the largest context; the interval is Tango's on the 4 contexts as pairs."""
+    a, b = ([1.0] * 12, [0.0] * 12) if lost else ([0.0] * 12, [1.0] * 12)
+    clusters = [i // 3 for i in range(12)]
+    assert design_effect(a, b, clusters) == 3.0
+    r = compare_clustered(a, b, clusters)
+    want = tango_interval(4, 0, 4) if lost else tango_interval(0, 4, 4)
+    assert (r.ci_lo, r.ci_hi) == pytest.approx(want, abs=1e-9) and r.diff == (-1.0 if lost else 1.0)
+    assert r.p_mcnemar == 2 / 2**4  # four totals of 3: only all-same signs reach |sum| = 12
 
 
 def test_clustered_coverage_holds_where_the_plain_interval_fails():
