@@ -430,6 +430,7 @@ def _plot(top: dict, path: Path, pairs: dict | None):
             label[fmt] = f"{fmt} ({span} pairs a point)"
 
         def differences(ax, task, fmts):
+            levels = set()
             for i, fmt in enumerate(fmts):
                 groups = [g for g in pairs["pairs"][fmt]["tasks"].get(task, []) if g["length"] != ALL]
                 if not groups:
@@ -441,9 +442,10 @@ def _plot(top: dict, path: Path, pairs: dict | None):
                        [100 * (g["paired"][fmt]["ci_hi"] - g["paired"][fmt]["diff"]) for g in groups]]
                 ax.errorbar(x, d, yerr=err, marker="o", capsize=3, linestyle="none", label=label[fmt],
                             color=color[fmt])
+                levels |= {round(100 * g["paired"][fmt].get("confidence", 0.95), 6) for g in groups}
             ax.axhline(0, color="black", linewidth=0.8)
             length_axis(ax, [g["length"] for g in tasks[task]])
-            ax.set_ylabel(f"format - {base}, points (95% CI)")
+            ax.set_ylabel(f"format - {base}, points ({'/'.join(f'{v:g}%' for v in sorted(levels))} CI)")
 
         for col, task in enumerate(tasks):
             ns = {f: sum(g["n"] for g in pairs["pairs"][f]["tasks"].get(task, []) if g["length"] != ALL)

@@ -74,6 +74,18 @@ def test_tables_name_the_confidence_they_were_built_at():
     assert "| t: pts [90% CI] (n) |" in pairs and "[Tango score 90% CI]" in pairs and "95%" not in pairs
 
 
+def test_plot_names_the_confidence_it_was_built_at(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    labels = []
+    set_ylabel = matplotlib.axes.Axes.set_ylabel
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_ylabel",
+                        lambda self, text, **kw: labels.append(text) or set_ylabel(self, text, **kw))
+    base, cand = {"t": _rows({1024: [1, 1, 0, 0]})}, {"t": _rows({1024: [1, 0, 1, 0]})}
+    report.plot(report.build_pairs({"fp8": base, "mxfp4": cand}, ["fp8", "mxfp4"], confidence=0.9), tmp_path / "a.png")
+    assert labels == ["accuracy %", "format - fp8, points (90% CI)"]
+
+
 def test_no_discordant_pair_is_not_a_zero_width_interval():
     # What scripts/main.sh's short comparison prints for 4 prompts both formats answer: not +0.0 [+0.0, +0.0].
     rows = _rows({4096: [1, 1, 1, 1]})
