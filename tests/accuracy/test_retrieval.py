@@ -286,3 +286,63 @@ def test_adopt_keeps_what_is_cached():
     retrieval.adopt([(entries[0][0], {**entries[0][1], "input": "spoiled"})])
     assert retrieval.docs("m3_kv", MSA, [1024], [0]) == [entries[0][1]] and retrieval._cached_chars == chars
     retrieval.clear_cache()
+
+
+@pytest.mark.parametrize(("task", "q"), [("m3_kv", 2), ("m3_kv_64", 8), ("m3_niah_multikey", 4)])
+def test_each_context_is_its_own(task, q):
+    """Contexts ``c`` and ``c + 1`` are drawn apart: other haystack windows and other values asked (the report
+    counts each context as a cluster of its own); every doc of ``q > 1`` says its context."""
+    retrieval.clear_cache()
+    docs = retrieval.docs(task, MSA, [2048], range(3 * q), questions=q)
+    assert [(d["context"], d["question"]) for d in docs] == [(i // q, i % q) for i in range(3 * q)]
+    heads = [{d["input"].rsplit("\n\nQuestion:", 1)[0] for d in docs if d["context"] == c} for c in range(3)]
+    assert all(len(h) == 1 for h in heads) and len(set.union(*heads)) == 3
+    targets = [{d["target"] for d in docs if d["context"] == c} for c in range(3)]
+    assert not (targets[0] & targets[1]) and not (targets[1] & targets[2]) and not (targets[0] & targets[2])
+    retrieval.clear_cache()
+
+
+def test_cached_docs_answer_only_the_same_request():
+    """The cache is keyed by what a doc is a function of: a needle doc made for one depth grid, or any doc made
+    with one question per context, is not handed out for another grid or another question count."""
+    retrieval.clear_cache()
+    for num_depths in (5, 3, 5):
+        for d in retrieval.docs("m3_niah_single", MSA, [1024], [1, 2], num_depths=num_depths):
+            assert d["depth"] == needle.depth_grid(num_depths)[d["sample"] % num_depths]
+    for q in (1, 4, 1):
+        docs = retrieval.docs("m3_kv", MSA, [1024], [0, 1], questions=q)
+        assert all(("context" in d) == (q > 1) for d in docs)
+        assert len({d["input"].rsplit("\n\nQuestion:", 1)[0] for d in docs}) == (1 if q > 1 else 2)
+    retrieval.clear_cache()
+
+
+def test_the_cache_drops_its_oldest_docs_first(monkeypatch):
+    """Past ``CACHE_CHARS`` the least recently used docs go, never the one just made or read."""
+    retrieval.clear_cache()
+    made = {i: retrieval.docs_entries("m3_kv", MSA, [1024], [i], 0, 10, 1)[0][1] for i in range(4)}
+    chars = {i: len(d["input"]) for i, d in made.items()}
+    monkeypatch.setattr(retrieval, "CACHE_CHARS", chars[0] + chars[1] + chars[2] - 1)  # room for two docs, not three
+    for i in (0, 1):
+        assert retrieval.docs("m3_kv", MSA, [1024], [i]) == [made[i]]
+    retrieval.docs("m3_kv", MSA, [1024], [0])  # read again: now the most recent
+    assert retrieval.docs("m3_kv", MSA, [1024], [2]) == [made[2]]
+    assert [retrieval.has_docs("m3_kv", MSA, [1024], [i]) for i in range(4)] == [True, False, True, False]
+    assert retrieval._cached_chars == chars[0] + chars[2]
+    retrieval.clear_cache()
+
+
+@pytest.mark.parametrize("ids", [[], [0, -1], [2, 0, 2]])
+def test_sample_ids_must_be_distinct_and_not_negative(ids):
+    with pytest.raises(ValueError, match="distinct indices >= 0"):
+        retrieval.docs("m3_kv", MSA, [1024], ids)
+
+
+@pytest.mark.parametrize("task", ["m3_vt", "m3_vt_value"])
+def test_vt_depth_is_where_the_chain_starts(task):
+    """A vt doc's ``depth`` is where the first fact of the asked chain (its value's assignment) starts, in percent
+    of the prompt's tokens, not where a later link sits."""
+    for d in _fresh(task, MSA, [4096], range(6)):
+        first = d["target"].split(", ")[0]
+        start = rf"VAR [A-Z]+ = {first}\." if first.isdigit() else rf"VAR {first} = "  # value asked, or members
+        at = re.search(start, d["input"]).start()
+        assert abs(d["depth"] - 100.0 * _tokens(MSA, d["input"][:at]) / d["tokens"]) < 0.5, (d["sample"], d["depth"])

@@ -117,7 +117,8 @@ def test_baseline_defaults_to_fp8():
 
 def test_dense_via_topk_needs_lengths(tmp_path):
     with pytest.raises(ValueError, match="--lengths"):
-        run.compare_formats(["--model", "m", "--formats", "dense", "fp8", "--dense-via", "topk", "--out", str(tmp_path)])
+        run.compare_formats(["--model", "m", "--formats", "dense", "fp8", "--dense-via", "topk",
+                             "--out", str(tmp_path)])
 
 
 def test_reuse_builds_the_report_from_saved_formats(tmp_path):
@@ -136,11 +137,14 @@ def test_reuse_builds_the_report_from_saved_formats(tmp_path):
     with pytest.raises(ValueError, match=r"other \['samples'\]"):
         run.compare_formats([*argv[:-3], "--samples", "5", "--out", str(tmp_path), "--reuse"])
     assert run.read_samples(tmp_path, "bf16", settings) is None
+    # No --lengths: the saved ones, whatever they are.
+    rows, lengths = run.read_samples(tmp_path, "fp8", {**settings, "lengths": None})
+    assert lengths == [1024] and [r["score"] for r in rows["m3_niah_single"]] == [1, 1, 0, 0]
 
 
 @pytest.mark.parametrize("flag, value", [("--samples", "0"), ("--depths", "0"), ("--bootstrap", "0"),
                                          ("--concurrency", "0"), ("--limit", "0"), ("--max-gen-toks", "0"),
-                                         ("--lengths", "24")])
+                                         ("--questions", "0"), ("--lengths", "24")])
 def test_counts_are_checked_before_any_server(tmp_path, flag, value):
     # The URL is unreachable: reaching it (instead of refusing the count) fails with URLError.
     argv = ["--model", "m", "--formats", "fp8", "--base-url", "http://127.0.0.1:9", "--out", str(tmp_path),
@@ -161,7 +165,8 @@ def test_lengths_past_the_served_context_are_refused(monkeypatch):
 
 @pytest.mark.parametrize("launch_args,on_cpu", [(["--device", "cpu", "--tp", "2"], True), (["--device=cpu"], True),
                                                 (["--tp", "8", "--attention-backend", "triton"], False)])
-def test_server_env_turns_off_crash_diagnostics_and_adds_the_cpu_waits_on_cpu(launch_args, on_cpu, monkeypatch, tmp_path):
+def test_server_env_turns_off_crash_diagnostics_and_adds_the_cpu_waits_on_cpu(launch_args, on_cpu, monkeypatch,
+                                                                              tmp_path):
     """The runner stops a server by signalling its process group; SGLang's crash diagnostics would add 5 s to
     every stop (``sglang_m3.plugin.group_stop_env``)."""
     from sglang_m3.plugin import CRASH_DIAGNOSTICS_OFF, OMP_WAIT_POLICY
@@ -204,3 +209,28 @@ def test_write_atomic_leaves_the_old_text_when_the_write_is_cut(tmp_path, monkey
     assert json.loads(path.read_text()) == {"any": 1.0}
     run.write_atomic(path, '{"any": 2.0}')
     assert json.loads(path.read_text()) == {"any": 2.0}
+
+
+def test_dense_max_tokens_keeps_the_needle_budget_when_fewer_tokens_are_generated():
+    """A ``--max-gen-toks`` below the needles' 24 does not shrink the dense top-k's cover (nor its spare block)."""
+    for max_gen_toks in (1, 8, 24):
+        assert run.dense_max_tokens([2048, 4096], max_gen_toks=max_gen_toks) == 4096 + 128
+    assert run.dense_max_tokens([4096], max_gen_toks=25) == 4096 + 1 + 128
+
+
+def test_a_format_s_identity_holds_only_its_own_settings():
+    """What a format's run.json records: the dense settings for the dense control only (adding dense to a run does
+    not make fp8's saved samples another run's), and the defaults older runs saved as None (``--questions 1``,
+    ``--dense-via topk``) still None."""
+    def identity(fmt, *extra, dense_topk=None):
+        args = run.build_parser().parse_args(["--model", "m", *extra])
+        return run._format_identity(args, "tok", fmt, dense_topk)
+
+    plain = identity("fp8")
+    assert plain["dense_topk_blocks"] is None and plain["dense_via"] is None and plain["questions"] is None
+    assert identity("fp8", "--dense-via", "topk", dense_topk=257) == plain
+    assert identity("fp8", "--dense-via", "layers") == plain
+    assert identity("dense", "--dense-via", "topk", dense_topk=257)["dense_topk_blocks"] == 257
+    assert identity("dense", "--dense-via", "topk", dense_topk=257)["dense_via"] is None
+    assert identity("dense", "--dense-via", "layers")["dense_via"] == "layers"
+    assert identity("fp8", "--questions", "1") == plain and identity("fp8", "--questions", "4")["questions"] == 4

@@ -4,6 +4,7 @@ more samples asked for later only add the new ones, the budget stops cleanly, an
 each candidate with the baseline on the samples both have."""
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,9 @@ def test_resume_appends_skips_and_extends(tmp_path, fake_completions, wrong_rule
         assert {t: pair[t][-1]["paired"]["mxfp4"]["n10"] for t in TASKS} == wrong
         assert all(pair[t][-1]["paired"]["mxfp4"]["n01"] == 0 and pair[t][-1]["n"] == 6 for t in TASKS)
         assert summary["coverage"]["fp8"]["m3_kv"]["2048"] == [3, 3]
+        # No --served-on: the rows carry no served_on, and the report has no table of where pairs were served.
+        assert not any("served_on" in r for f in urls for t in TASKS for r in _rows(out, f, t))
+        assert "served_on" not in summary["pairs"]["mxfp4"]
 
         # The same command again asks nothing and reports the same numbers.
         again = run.compare_formats(_argv(out, urls, "--samples", "3", "--chunk", "2"))
@@ -60,6 +64,7 @@ def test_resume_appends_skips_and_extends(tmp_path, fake_completions, wrong_rule
         assert sorted(a.prompts[:24]) == sorted(b.prompts)
     md = (out / "report.md").read_text()
     assert "## mxfp4 vs fp8 (the samples both have)" in md and "### m3_vt" in md and "4/4" in md
+    assert "where they were served" not in md
     saved = json.loads((out / "results.json").read_text())
     assert report.markdown(saved) == md and saved["run"]["resume"]
 
@@ -157,6 +162,7 @@ def test_sample_log_drops_a_torn_line_and_checks_its_settings(tmp_path):
     (["--limit", "2"], "drop --reuse and --limit"),
     (["--format-samples", "bf16=3"], "not among --formats"),
     (["--format-samples", "fp8=x"], "fmt=N"),
+    (["--format-samples", "fp8=0"], "fmt=N"),
 ])
 def test_resume_arguments_are_checked(tmp_path, extra, match):
     argv = ["--model", "m", "--formats", "fp8", "--base-url", "http://127.0.0.1:9", "--tasks", "m3_kv",
@@ -346,3 +352,61 @@ def test_each_row_says_where_it_was_served_and_the_report_counts_the_pairs_so(tm
     wrong = sum(1 for task in TASKS for r in _rows(out, "mxfp4", task) if r["score"] == 0.0)
     assert counts["card A / card A"][1] + counts["card B / card B"][1] == wrong
     assert "### Pairs by where they were served, mxfp4 vs fp8" in (out / "report.md").read_text()
+
+
+IDENTITY = {"model": "m", "tokenizer": "m", "depths": 10, "seed": 0, "max_gen_toks": None, "api": "completions",
+            "dense_topk_blocks": None, "dense_via": None, "docs_version": 2, "questions": None,
+            "launch_args": ["--tp", "2"]}
+
+
+@pytest.mark.parametrize("key, other", [("model", "m2"), ("tokenizer", "t2"), ("depths", 5), ("seed", 1),
+                                        ("max_gen_toks", 16), ("api", "chat"), ("dense_topk_blocks", 257),
+                                        ("dense_via", "layers"), ("docs_version", 1), ("questions", 4),
+                                        ("launch_args", ["--tp", "4"])])
+def test_sample_log_refuses_a_run_that_differs_in_any_identity_setting(tmp_path, key, other):
+    """Each setting that defines the prompts or the server is checked on its own: samples made under another value
+    are another run's."""
+    run.SampleLog(tmp_path, "fp8", IDENTITY).append("m3_kv", [{"doc_id": "1024/0", "length": 1024, "score": 1.0}])
+    with pytest.raises(ValueError, match=rf"other \['{key}'\]"):
+        run.SampleLog(tmp_path, "fp8", {**IDENTITY, key: other})
+    assert run.SampleLog(tmp_path, "fp8", IDENTITY).done("m3_kv") == {"1024/0"}  # the same settings go on
+
+
+def test_sample_log_reads_the_last_row_of_an_id(tmp_path):
+    log = run.SampleLog(tmp_path, "fp8", IDENTITY)
+    log.append("m3_kv", [{"doc_id": "1024/0", "length": 1024, "score": 0.0, "response": "first"}])
+    log.append("m3_kv", [{"doc_id": "1024/0", "length": 1024, "score": 1.0, "response": "again"}])
+    assert log.rows["m3_kv"]["1024/0"]["response"] == "again"
+    (row,) = run.SampleLog(tmp_path, "fp8", IDENTITY).select(["m3_kv"], [1024])["m3_kv"]
+    assert row["response"] == "again" and row["score"] == 1.0
+
+
+def test_sample_log_selects_the_asked_lengths_and_samples_in_numeric_order(tmp_path):
+    """``select(tasks, lengths, n)``: rows at ``lengths`` with sample < n (a later, smaller --samples reports
+    fewer), by length then sample as a number (1024/10 after 1024/9)."""
+    rng = random.Random(7)
+    rows = [{"doc_id": f"{n}/{i}", "length": n, "score": float(rng.random() < 0.5)}
+            for n in (1024, 2048, 4096) for i in range(12)]
+    rng.shuffle(rows)
+    log = run.SampleLog(tmp_path, "fp8", IDENTITY)
+    log.append("m3_kv", rows)
+    picked = log.select(["m3_kv", "m3_vt"], [4096, 1024], 11)
+    assert [r["doc_id"] for r in picked["m3_kv"]] == [f"{n}/{i}" for n in (1024, 4096) for i in range(11)]
+    assert picked["m3_vt"] == []
+    assert len(log.select(["m3_kv"], [2048])["m3_kv"]) == 12
+    cover = run.coverage({"fp8": log}, ["m3_kv"], [1024, 2048], {"fp8": 3})
+    assert cover == {"fp8": {"m3_kv": {"1024": [3, 3], "2048": [3, 3]}}}
+
+
+def test_a_server_s_first_round_may_use_the_whole_budget(tmp_path, fake_completions):
+    """With two formats to serve, each has half the budget; fp8's first round, predicted (from the saved rates) at
+    70 % of the budget, is still run (a server's start-up is paid by then), and mxfp4 gets what is left."""
+    out = tmp_path / "acc"
+    out.mkdir()
+    tokens = 1024 + 2048  # one m3_kv sample at each length: the single round of each format
+    (out / "rates.json").write_text(json.dumps({"fp8": 70.0 / tokens, "mxfp4": 1e-6, "any": 1e-6}))
+    with fake_completions() as a, fake_completions() as b:
+        summary = run.compare_formats(_argv(out, {"fp8": a.url, "mxfp4": b.url}, "--tasks", "m3_kv", "--samples", "1",
+                                            "--budget-s", "100", "--min-format-s", "0"))
+        assert len(a.prompts) == 2 and len(b.prompts) == 2
+    assert summary["coverage"]["fp8"]["m3_kv"] == {"1024": [1, 1], "2048": [1, 1]}
