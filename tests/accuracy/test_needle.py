@@ -117,3 +117,18 @@ def test_questions_share_one_context(tokenizer):
     assert plain != needle.generate(tokenizer, [1024], 2, 4, 4, seed=3, questions=2)[:2]
     with pytest.raises(ValueError, match=r"questions must be in \[1, n_keys = 4\]"):
         needle.generate(tokenizer, [1024], 1, 4, 4, seed=3, questions=5)
+
+
+def test_the_saved_runs_prompts_are_pinned(tokenizer):
+    """Committed runs resume on these draws (``retrieval.DOCS_VERSION`` 2): a change to any generator's seed
+    (a single needle's drawing a multi-key sample's keys, say) must bump the version and re-pin these."""
+    def draws(n_keys, questions):
+        docs = needle.generate(tokenizer, [2048], 4, 10, n_keys, 0, questions=questions)
+        return [(d["key"], d["target"]) for d in docs]
+
+    assert draws(1, 1) == [("wandering-otter", "1723614"), ("painted-willow", "4501906"),
+                           ("velvet-otter", "1525700"), ("northern-juniper", "1376989")]
+    assert draws(4, 1) == [("frozen-kettle", "2392611"), ("silver-anchor", "2530820"),
+                           ("northern-bramble", "4738018"), ("wandering-kettle", "5305644")]
+    assert draws(4, 4) == [("bitter-lantern", "2090707"), ("northern-willow", "3666961"),
+                           ("gentle-beacon", "3101765"), ("quiet-otter", "7100695")]
