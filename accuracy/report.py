@@ -365,12 +365,11 @@ def restate_binary(summary: dict, confidence: float = 0.95) -> dict:
 def plot(summary: dict, path: Path):
     """Accuracy against context length, one panel per task with lengths, one line per format. For a
     ``build_pairs`` summary: in each task's panel the baseline and the first candidate with samples of that
-    task, on the samples they share, and below it a second row with every candidate's paired difference from
-    the baseline per length, in points with its interval as error bars: the candidate with the most pairs in the
-    task alone, its axis fitted to its intervals, then (a third row, when there are several candidates) every
-    candidate, whose small control arms' wide intervals would flatten the first. A format keeps one colour on
-    every row. Returns ``path``, or None (and removes a stale ``path``) when no task has a
-    length to plot."""
+    task, on the samples they share; below it, each candidate's paired difference from the baseline per length,
+    in points with its interval as error bars: a second row with the task's most-paired candidate alone (its axis
+    fitted to its intervals) and, when there are several candidates, a third with all of them (the small control
+    arms' wide intervals would flatten the second row's). A format keeps one colour on every row. Returns
+    ``path``, or None (and removes a stale ``path``) when no task has a length to plot."""
     if "pairs" in summary:
         top = {}  # task -> the first candidate pair's summary that has lengths for it
         for pair in summary["pairs"].values():
