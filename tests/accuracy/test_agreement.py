@@ -1,5 +1,6 @@
 """Selection agreement and needle recall from constructed records (the served run is test_agreement_e2e.py)."""
 
+import itertools
 import math
 from pathlib import Path
 
@@ -178,3 +179,84 @@ def test_saved_format_round_trip(tmp_path):
     assert agreement.load_format(tmp_path, "mxfp4", "abc") is None
     with pytest.raises(ValueError, match="other settings"):
         agreement.load_format(tmp_path, "fp8", "abd")
+
+
+def test_needle_token_span_skips_zero_width_tokens():
+    offsets = [(0, 0), (0, 5), (6, 6), (6, 10)]  # a zero-width token after an uncovered space
+    assert agreement.needle_token_span(offsets, 5, 10) == (3, 4)
+
+
+class _CharTokenizer:
+    """A fast-tokenizer stand-in: one token per character, offsets ``(i, i + 1)``."""
+
+    is_fast = True
+
+    def __call__(self, text, return_offsets_mapping=False):
+        return {"input_ids": [ord(c) for c in text], "offset_mapping": [(i, i + 1) for i in range(len(text))]}
+
+
+def test_prepare_takes_the_last_question_and_exact_needle_blocks():
+    sentence = needle.NEEDLE.format(key="k", value="42")
+    at = 2 * agreement.PAGE_SIZE - len(sentence)  # the needle ends exactly on a block boundary
+    prompt = ("x" * 10 + "\n\nQuestion: decoy?").ljust(at, "y") + sentence + "z" * 50 + "\n\nQuestion: k?"
+    d = agreement.prepare(_CharTokenizer(), {"input": prompt, "key": "k", "target": "42", "length": 300,
+                                             "depth": 50}, 0)
+    assert d["needle_tokens"] == [at, 2 * agreement.PAGE_SIZE] and d["needle_blocks"] == [1]
+    assert d["question_start"] == prompt.rindex("Question:") and d["prompt_len"] == len(prompt)
+
+
+def test_merge_ranks_checks_records_are_in_step():
+    r0 = [_record("extend", 1, [5], [[[0]]], heads=[0])]
+    r1 = [_record("extend", 2, [5], [[[1]]], heads=[1])]
+    with pytest.raises(ValueError, match="out of step"):
+        agreement.merge_ranks([r0, r1])
+    r2 = [_record("extend", 1, [6], [[[1]]], heads=[1])]
+    with pytest.raises(ValueError, match="out of step"):
+        agreement.merge_ranks([r0, r2])
+
+
+def test_request_rows_end_is_exclusive():
+    recs = [_record("extend", 1, [8, 9, 10, 11], [[[0], [1], [2], [3]]])]
+    rows = agreement.request_rows(recs, 9, 11)
+    assert rows[1]["positions"].tolist() == [9, 10] and rows[1]["selected"].tolist() == [[[1], [2]]]
+
+
+def test_set_agreement_of_empty_sets_and_needle_hits_of_the_exact_set():
+    empty = np.full((1, 2, 3), -1, dtype=np.int32)
+    assert agreement.set_agreement(empty, empty) == (2, 2, 2.0)
+    assert agreement.needle_hits(_sel([[[5, 6], [6, 5, 7], [5]]]), [5, 6]) == (3, 2, 3)
+
+
+def test_chance_recall_edges_against_counting():
+    # A needle block one past the row is not visible yet.
+    assert agreement.chance_recall(20, [20], 16) == 0.0
+    # Init blocks are always kept and leave the pool: 17 candidates, 13 ranked picks.
+    assert math.isclose(agreement.chance_recall(20, [3], 16, local_blocks=1, init_blocks=2), 13 / 17)
+    assert agreement.chance_recall(20, [1], 16, local_blocks=1, init_blocks=2) == 1.0
+    # As many needle blocks as ranked picks: exactly one draw of C(19, 15) holds them all.
+    assert math.isclose(agreement.chance_recall(20, list(range(15)), 16), 1 / math.comb(19, 15))
+
+
+def test_chance_recall_matches_enumeration():
+    """Brute force: every ranked draw from the candidate pool, counted exactly."""
+    n_visible, topk, local, init = 9, 6, 1, 1
+    pool = range(init, n_visible - local)
+    for blocks in ([2], [2, 5], [0, 4], [8], [3, 4, 6], [1, 2, 3, 4, 5]):
+        draws = list(itertools.combinations(pool, topk - init - local))
+        kept = set(range(init)) | set(range(n_visible - local, n_visible))
+        hits = sum(set(blocks) <= kept | set(draw) for draw in draws)
+        got = agreement.chance_recall(n_visible, blocks, topk, local, init)
+        assert math.isclose(got, hits / len(draws)), (blocks, got, hits / len(draws))
+
+
+def test_row_kinds_positions():
+    doc = {"prompt_len": 100, "question_start": 90}
+    assert agreement.row_kinds(doc, 3, 16) == {"prompt": (84, 100), "question": (90, 100), "answer": (99, 102)}
+    assert agreement.row_kinds(doc, 1, 500)["prompt"] == (0, 100)  # more rows asked than the prompt has
+
+
+def test_tally_without_rows_gives_none():
+    t = agreement.Tally()
+    t.add(4096, 1, "answer", "fp8", n=0, all=0)
+    (row, every) = t.table({"recall": ("all", "n")})
+    assert row["recall"] is None and every["layer"] == agreement.ALL_LAYERS and every["recall"] is None
