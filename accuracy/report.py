@@ -398,8 +398,9 @@ def _plot(top: dict, path: Path, pairs: dict | None):
     if pairs is None:
         rows, cands, color = 1, [], {}
     else:  # the candidates with samples of some plotted task, each in one colour on every row
-        cands = [f for f in pairs["pairs"] if any(g["length"] != ALL for t in tasks
-                                                  for g in pairs["pairs"][f]["tasks"].get(t, []))]
+        per_length = {f: {t: [g for g in pair["tasks"].get(t, []) if g["length"] != ALL] for t in tasks}
+                      for f, pair in pairs["pairs"].items()}  # candidate -> task -> its groups with a length
+        cands = [f for f, by_task in per_length.items() if any(by_task.values())]
         rows = 2 if len(cands) == 1 else 3
         color = {pairs["baseline"]: "C0"} | {f: f"C{i + 1}" for i, f in enumerate(cands)}
     fig, axes = plt.subplots(rows, len(tasks), figsize=(5 * len(tasks), 3.8 * rows), squeeze=False)
@@ -424,14 +425,14 @@ def _plot(top: dict, path: Path, pairs: dict | None):
         base = pairs["baseline"]
         label = {}  # one label a candidate over every panel, naming the range of its pairs a point
         for fmt in cands:
-            ns = [g["n"] for gs in pairs["pairs"][fmt]["tasks"].values() for g in gs if g["length"] != ALL]
+            ns = [g["n"] for gs in per_length[fmt].values() for g in gs]
             span = f"{min(ns)}" if min(ns) == max(ns) else f"{min(ns)}-{max(ns)}"
             label[fmt] = f"{fmt} ({span} pairs a point)"
 
         def differences(ax, task, fmts):
             levels = set()
             for i, fmt in enumerate(fmts):
-                groups = [g for g in pairs["pairs"][fmt]["tasks"].get(task, []) if g["length"] != ALL]
+                groups = per_length[fmt][task]
                 if not groups:
                     continue
                 shift = 2 ** (0.06 * (i - (len(fmts) - 1) / 2))  # side by side on the log axis
@@ -447,9 +448,8 @@ def _plot(top: dict, path: Path, pairs: dict | None):
             ax.set_ylabel(f"format - {base}, points ({'/'.join(f'{v:g}%' for v in sorted(levels))} CI)")
 
         for col, task in enumerate(tasks):
-            ns = {f: sum(g["n"] for g in pairs["pairs"][f]["tasks"].get(task, []) if g["length"] != ALL)
-                  for f in cands}
-            differences(axes[1][col], task, [max(cands, key=ns.get)])  # the first of the largest on a tie
+            task_pairs = {f: sum(g["n"] for g in per_length[f][task]) for f in cands}
+            differences(axes[1][col], task, [max(cands, key=task_pairs.get)])  # the first of the largest on a tie
             if rows == 3:
                 differences(axes[2][col], task, cands)
         legend = {}  # label -> handle, over every panel (a task a candidate lacks has none)
