@@ -161,9 +161,9 @@ def _cpu_openmp_waits(cls, args):
     # neither is set: the two defaults, and nothing else (SGLang's crash diagnostics stay as the user set them:
     # only launchers that stop a server through its process group turn them off, cpu_launch_env)
     os.environ.update(CPU_OPENMP_WAITS)
-    logger.info("--device cpu: %s=PASSIVE %s=%s for the server's processes (set either to override; "
-                "exported before the launch, they also let its children be forked: ready about 2x sooner)",
-                OMP_WAIT_POLICY, GOMP_SPINCOUNT, CPU_SPINCOUNT)
+    logger.info("--device cpu: %s for the server's processes (set either to override; exported before the "
+                "launch, they also let its children be forked: ready about 2x sooner)",
+                " ".join(f"{name}={value}" for name, value in CPU_OPENMP_WAITS.items()))
     return None
 
 
