@@ -131,27 +131,33 @@ def build(per_format: dict, formats: list[str], n_boot: int = 10000, seed: int =
     return {**summary, "served_on": served_on} if recorded else summary
 
 
+def _shared(per_format: dict, base: str, fmt: str, **kw) -> dict:
+    """``build`` of ``fmt`` against ``base`` on the doc ids both have, per task of ``base`` (``_pair`` then
+    checks their targets)."""
+    both = {task: {r["doc_id"] for r in rows} & {r["doc_id"] for r in per_format[fmt].get(task, [])}
+            for task, rows in per_format[base].items()}
+    pair = {f: {task: [r for r in per_format[f].get(task, []) if r["doc_id"] in both[task]] for task in both}
+            for f in (base, fmt)}
+    return build(pair, [base, fmt], baseline=base, **kw)
+
+
 def build_pairs(per_format: dict, formats: list[str], n_boot: int = 10000, seed: int = 0,
-                baseline: str | None = None, confidence: float = 0.95) -> dict:
+                baseline: str | None = None, confidence: float = 0.95, replicas: dict | None = None) -> dict:
     """Every candidate against the baseline on the samples both scored (a resumable run's formats can
     hold different samples): ``{"baseline", "formats", "pairs": {candidate: build(...) of the two}}``.
 
-    Per task, the pair keeps the doc ids both formats have (``_pair`` then checks their targets)."""
+    ``replicas`` maps a replica (``mxfp4@2``) to the variant it serves again (``mxfp4``), both in ``formats``:
+    each is also built against that variant, in ``"replicas": {replica: build(...)}``, so that what serving
+    again alone changes is counted for a format other than the baseline too."""
     base = formats[0] if baseline is None else baseline
     if base not in formats:
         raise ValueError(f"baseline {base!r} must be one of formats {formats}")
-    pairs = {}
-    for fmt in formats:
-        if fmt == base:
-            continue
-        both = {}
-        for task in per_format[base]:
-            ids = {r["doc_id"] for r in per_format[base][task]} & {r["doc_id"] for r in per_format[fmt].get(task, [])}
-            both[task] = ids
-        pair = {f: {task: [r for r in per_format[f].get(task, []) if r["doc_id"] in both[task]] for task in both}
-                for f in (base, fmt)}
-        pairs[fmt] = build(pair, [base, fmt], n_boot=n_boot, seed=seed, baseline=base, confidence=confidence)
-    return {"baseline": base, "formats": formats, "pairs": pairs}
+    kw = {"n_boot": n_boot, "seed": seed, "confidence": confidence}
+    pairs = {fmt: _shared(per_format, base, fmt, **kw) for fmt in formats if fmt != base}
+    summary = {"baseline": base, "formats": formats, "pairs": pairs}
+    if replicas:
+        summary["replicas"] = build_replicas({f: per_format[f] for f in formats}, replicas, **kw)
+    return summary
 
 
 def _pct(x):
@@ -182,22 +188,52 @@ _INTERVAL_NOTES = {
 
 
 def markdown(summary: dict) -> str:
-    """``markdown_pairs`` for a ``build_pairs`` summary, else ``markdown_table``."""
-    return markdown_pairs(summary) if "pairs" in summary else markdown_table(summary)
+    """``markdown_pairs`` for a ``build_pairs`` summary, else ``markdown_table`` and the tables of its
+    ``"replicas"`` (``build_replicas``), if any."""
+    if "pairs" in summary:
+        return markdown_pairs(summary)
+    return "\n".join([markdown_table(summary)] + _markdown_replicas(summary))
+
+
+def build_replicas(per_format: dict, replicas: dict, **kw) -> dict:
+    """``{replica: build(...)}`` of each replica (``mxfp4@2``) against the variant it serves again
+    (``mxfp4``), on the doc ids both have; ``replicas`` maps one to the other, both in ``per_format``.
+    ``kw`` as ``build``'s (``n_boot``, ``seed``, ``confidence``)."""
+    for rep, of in replicas.items():
+        if rep not in per_format or of not in per_format or rep == of:
+            raise ValueError(f"replicas: {rep!r} -> {of!r} must name two different variants of the formats "
+                             f"{list(per_format)}")
+    return {rep: _shared(per_format, of, rep, **kw) for rep, of in replicas.items()}
+
+
+def _markdown_replicas(summary: dict) -> list[str]:
+    return [f"## {fmt} vs {pair['baseline']}, served again (the samples both have)\n\n"
+            + markdown_table(pair, notes=False) for fmt, pair in (summary.get("replicas") or {}).items()]
 
 
 def _markdown_overview(summary: dict) -> str:
     """One row per candidate of a ``build_pairs`` summary: its pairs with the baseline, discordant
-    pairs each way and, per task, the difference pooled over lengths with its interval and n."""
+    pairs each way and, per task, the difference pooled over lengths with its interval and n; then
+    one row per replica against the variant it serves again, if any."""
     base = summary["baseline"]
-    tasks = list(dict.fromkeys(t for pair in summary["pairs"].values() for t in pair["tasks"]))
-    fmt0, pair0 = next(iter(summary["pairs"].items()))
+    head = [f"## Every format against {base}, pooled over lengths", "",
+            f"Format minus {base} in points, with the interval of each format's tables below.", ""]
+    text = _overview_rows(summary["pairs"], head, f"{base} right / format right")
+    if summary.get("replicas"):
+        head = ["## Each replica against the variant it serves again, pooled over lengths", "",
+                "Replica minus that variant in points: what serving again alone changes.", ""]
+        text += "\n" + _overview_rows(summary["replicas"], head, "variant right / replica right", first="replica")
+    return text
+
+
+def _overview_rows(pairs: dict, head: list[str], discordant: str, first: str = "format") -> str:
+    tasks = list(dict.fromkeys(t for pair in pairs.values() for t in pair["tasks"]))
+    fmt0, pair0 = next(iter(pairs.items()))
     level = 100 * next(iter(pair0["tasks"].values()))[0]["paired"][fmt0].get("confidence", 0.95)
-    lines = [f"## Every format against {base}, pooled over lengths", "",
-             f"Format minus {base} in points, with the interval of each format's tables below.", "",
-             f"| format | pairs | discordant ({base} right / format right) | "
-             + " | ".join(f"{t}: pts [{level:g}% CI] (n)" for t in tasks) + " |", "|---|---|---|" + "---|" * len(tasks)]
-    for fmt, pair in summary["pairs"].items():
+    lines = head + [f"| {first} | pairs | discordant ({discordant}) | "
+                    + " | ".join(f"{t}: pts [{level:g}% CI] (n)" for t in tasks) + " |",
+                    "|---|---|---|" + "---|" * len(tasks)]
+    for fmt, pair in pairs.items():
         pooled = {t: next(g for g in groups if g["length"] == ALL)["paired"][fmt]
                   for t, groups in pair["tasks"].items()}
         cells = [fmt, str(sum(p["n"] for p in pooled.values())),
@@ -220,6 +256,8 @@ def markdown_pairs(summary: dict) -> str:
     for fmt, pair in summary["pairs"].items():
         parts.append(f"## {fmt} vs {base} (the samples both have)\n\n" + markdown_table(pair, notes=False))
         used |= _used_kinds(pair)
+    parts += _markdown_replicas(summary)
+    used |= {kind for pair in (summary.get("replicas") or {}).values() for kind in _used_kinds(pair)}
     cov = summary.get("coverage")
     if cov:
         cells = [(t, L) for t, by_len in next(iter(cov.values())).items() for L in by_len]
@@ -336,16 +374,18 @@ def _markdown_served_on(counts: dict | None, base: str, cand: str) -> list[str]:
 
 
 def restate_binary(summary: dict, confidence: float = 0.95) -> dict:
-    """A copy of a ``build`` summary (a results.json) with every paired entry recomputed by
-    ``compare_counts`` from its stored counts (``n``, ``acc_a``, ``acc_b``, ``n10``, ``n01``).
+    """A copy of a ``build`` or ``build_pairs`` summary (a results.json) with every paired entry, its
+    replicas' too, recomputed by ``compare_counts`` from its stored counts (``n``, ``acc_a``, ``acc_b``,
+    ``n10``, ``n01``).
 
     For results of 0/1 scores; ValueError when the counts cannot come from 0/1 scores (``n * acc``
     not a whole number, or inconsistent with the discordant counts).
     """
-    if "pairs" in summary:
-        return {**summary, "pairs": {f: restate_binary(p, confidence) for f, p in summary["pairs"].items()}}
     out = copy.deepcopy(summary)
-    for task, groups in out["tasks"].items():
+    for key in ("pairs", "replicas"):  # a build_pairs summary, or a build summary's replicas
+        if summary.get(key):
+            out[key] = {f: restate_binary(p, confidence) for f, p in summary[key].items()}
+    for task, groups in out.get("tasks", {}).items():
         for g in groups:
             for fmt, p in g["paired"].items():
                 if p.get("ci_method") == "tango_rao_scott":  # clustered: its counts alone do not restate it

@@ -95,6 +95,14 @@ def is_dense(variant: str) -> bool:
     return served_as(variant) == DENSE
 
 
+def replicas_of(formats: list[str], baseline: str) -> dict:
+    """``{replica: the variant it serves again}`` for the replicas in ``formats`` of a variant other than
+    ``baseline`` that ``formats`` also holds (``mxfp4@2`` -> ``mxfp4``): the report pairs each with it too.
+    A replica of the baseline is already paired with it."""
+    return {f: served_as(f) for f in formats
+            if served_as(f) != f and served_as(f) != baseline and served_as(f) in formats}
+
+
 def parse_command_line(parser: argparse.ArgumentParser, argv=None) -> tuple:
     """``(args, formats, launch_args)`` of a tool's command line: the part before ``--`` parsed by
     ``parser`` (which has ``--formats``), formats canonical and distinct, what follows ``--`` as is."""
@@ -931,6 +939,9 @@ def compare_formats(argv=None) -> dict:
                 per_format[fmt], lengths = _evaluate(server.base_url, tokenizer, lengths, args)
         write_samples(args.out, fmt, per_format[fmt], {**settings, "lengths": lengths})
     summary = report.build(per_format, formats, n_boot=args.bootstrap, seed=args.seed, baseline=baseline)
+    replicas = replicas_of(formats, baseline)
+    if replicas:
+        summary["replicas"] = report.build_replicas(per_format, replicas, n_boot=args.bootstrap, seed=args.seed)
     summary["run"] = {"model": args.model, "formats": formats, "baseline": baseline, "tasks": args.tasks,
                       "lengths": lengths, "samples": args.samples, "depths": args.depths, "questions": args.questions,
                       "limit": args.limit, "api": args.api, "launch_args": launch_args, "dense_topk_blocks": dense_topk,
@@ -958,7 +969,8 @@ def _compare_resumable(args, formats, launch_args, urls, dense, tokenizer, targe
     logs, errors = _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, identity)
     lengths = sorted(args.lengths)
     per_format = {fmt: log.select(args.tasks, lengths, targets[fmt]) for fmt, log in logs.items()}
-    summary = report.build_pairs(per_format, formats, n_boot=args.bootstrap, seed=args.seed, baseline=baseline)
+    summary = report.build_pairs(per_format, formats, n_boot=args.bootstrap, seed=args.seed, baseline=baseline,
+                                 replicas=replicas_of(formats, baseline))
     summary["coverage"] = coverage(logs, args.tasks, lengths, targets)
     summary["errors"] = errors
     summary["run"] = {"model": args.model, "formats": formats, "baseline": baseline, "tasks": args.tasks,

@@ -399,3 +399,44 @@ def test_served_on_table_lists_most_pairs_first_and_counts_one_sided_records():
     assert summary["served_on"]["mxfp4"] == {f"{nr} / H200": [4, 1, 0], f"{nr} / H100": [2, 0, 0]}
     text = report.markdown(summary)
     assert text.index(f"| {nr} / H200 | 4 | 1/0 | 25.00 |") < text.index(f"| {nr} / H100 | 2 | 0/0 | 0.00 |")
+
+
+def test_a_replica_is_paired_with_the_variant_it_serves_again(tmp_path):
+    """``mxfp4@2`` (served on a prefix of mxfp4's docs) is paired with mxfp4 on the docs both have, counted
+    by a loop over them; its pair with fp8 and mxfp4's are what they are without it."""
+    rng = random.Random()
+    scores = {f: {L: [rng.random() < 0.6 for _ in range(12)] for L in (1024, 2048)} for f in ("fp8", "mxfp4")}
+    served_again = {L: [s if rng.random() < 0.7 else not s for s in scores["mxfp4"][L][:7]] for L in (1024, 2048)}
+    per_format = {f: {"t": _rows(scores[f])} for f in scores}
+    replica = [r for r in _rows({L: served_again[L] + [0] * 5 for L in (1024, 2048)}) if r["doc_id"] % 12 < 7]
+    per_format["mxfp4@2"] = {"t": replica}
+    formats = ["fp8", "mxfp4", "mxfp4@2"]
+    summary = report.build_pairs(per_format, formats, n_boot=10, replicas={"mxfp4@2": "mxfp4"})
+    plain = report.build_pairs(per_format, formats, n_boot=10)
+    assert summary["pairs"] == plain["pairs"] and "replicas" not in plain
+    n10 = n01 = 0
+    for L in (1024, 2048):
+        for a, b in zip(scores["mxfp4"][L][:7], served_again[L]):
+            n10 += a and not b
+            n01 += b and not a
+    pooled = summary["replicas"]["mxfp4@2"]["tasks"]["t"][-1]["paired"]["mxfp4@2"]
+    assert summary["replicas"]["mxfp4@2"]["baseline"] == "mxfp4"
+    assert (pooled["n"], pooled["n10"], pooled["n01"]) == (14, n10, n01)
+    assert (pooled["ci_lo"], pooled["ci_hi"]) == tango_interval(n10, n01, 14)
+    text = report.markdown(summary)
+    assert "## Each replica against the variant it serves again, pooled over lengths" in text
+    assert f"| mxfp4@2 | 14 | {n10} / {n01} |" in text and "## mxfp4@2 vs mxfp4, served again" in text
+    assert text.index("## mxfp4@2 vs fp8 (the samples both have)") < text.index("## mxfp4@2 vs mxfp4, served again")
+    # Restated from a results.json like the pairs (a wrong stored interval is recomputed from the counts).
+    saved = json.loads(json.dumps(summary))
+    saved["replicas"]["mxfp4@2"]["tasks"]["t"][-1]["paired"]["mxfp4@2"]["ci_lo"] = -1.0
+    assert report.restate_binary(saved)["replicas"] == json.loads(json.dumps(summary))["replicas"]
+    # A plain (build) summary carries its replicas' tables after its own.
+    flat = report.build(per_format, ["fp8", "mxfp4"], n_boot=10)
+    flat["replicas"] = report.build_replicas(per_format, {"mxfp4@2": "mxfp4"}, n_boot=10)
+    assert flat["replicas"] == summary["replicas"]
+    assert report.markdown(flat).index("### t") < report.markdown(flat).index("## mxfp4@2 vs mxfp4, served again")
+    assert report.restate_binary(flat)["replicas"] == flat["replicas"]
+    for bad in ({"mxfp4@2": "bf16"}, {"mxfp4@3": "mxfp4"}, {"mxfp4": "mxfp4"}):
+        with pytest.raises(ValueError, match="replicas: .* must name two different variants"):
+            report.build_pairs(per_format, formats, n_boot=10, replicas=bad)

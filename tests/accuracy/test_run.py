@@ -234,3 +234,10 @@ def test_a_format_s_identity_holds_only_its_own_settings():
     assert identity("dense", "--dense-via", "topk", dense_topk=257)["dense_via"] is None
     assert identity("dense", "--dense-via", "layers")["dense_via"] == "layers"
     assert identity("fp8", "--questions", "1") == plain and identity("fp8", "--questions", "4")["questions"] == 4
+
+
+def test_a_replica_of_a_candidate_is_also_paired_with_it():
+    formats = ["fp8", "mxfp4", "mxfp4@2", "fp8@2", "bf16@2", "mxfp4_rot", "mxfp4_rot@3"]
+    assert run.replicas_of(formats, "fp8") == {"mxfp4@2": "mxfp4", "mxfp4_rot@3": "mxfp4_rot"}
+    assert run.replicas_of(formats, "mxfp4") == {"fp8@2": "fp8", "mxfp4_rot@3": "mxfp4_rot"}
+    assert run.replicas_of(["fp8", "mxfp4"], "fp8") == {}

@@ -410,3 +410,25 @@ def test_a_server_s_first_round_may_use_the_whole_budget(tmp_path, fake_completi
                                             "--budget-s", "100", "--min-format-s", "0"))
         assert len(a.prompts) == 2 and len(b.prompts) == 2
     assert summary["coverage"]["fp8"]["m3_kv"] == {"1024": [1, 1], "2048": [1, 1]}
+
+
+def test_a_replica_of_a_candidate_is_paired_with_it_too(tmp_path, fake_completions, wrong_rule):
+    """mxfp4@2 served again (here by a stand-in that spoils other prompts than mxfp4's) is paired with fp8
+    like any candidate and with mxfp4 as its replica; its discordant pairs with mxfp4 are the prompts one of
+    the two spoils and the other does not."""
+    out = tmp_path / "acc"
+    spoil, spoil_again = wrong_rule(3), (lambda prompt: wrong_rule(2)(prompt + "again"))
+    with fake_completions() as a, fake_completions(wrong=spoil) as b, fake_completions(wrong=spoil_again) as c:
+        urls = {"fp8": a.url, "mxfp4": b.url, "mxfp4@2": c.url}
+        summary = run.compare_formats(_argv(out, urls, "--samples", "2"))
+    assert sorted(b.prompts) == sorted(c.prompts)
+    n10 = sum(1 for p in b.prompts if not spoil(p) and spoil_again(p))
+    n01 = sum(1 for p in b.prompts if spoil(p) and not spoil_again(p))
+    assert n10 + n01 > 0
+    pair = summary["replicas"]["mxfp4@2"]
+    pooled = [groups[-1]["paired"]["mxfp4@2"] for groups in pair["tasks"].values()]
+    assert pair["baseline"] == "mxfp4" and sum(p["n"] for p in pooled) == len(b.prompts)
+    assert (sum(p["n10"] for p in pooled), sum(p["n01"] for p in pooled)) == (n10, n01)
+    assert set(summary["pairs"]) == {"mxfp4", "mxfp4@2"}
+    md = (out / "report.md").read_text()
+    assert "## mxfp4@2 vs mxfp4, served again" in md and f"| mxfp4@2 | {len(b.prompts)} | {n10} / {n01} |" in md
