@@ -206,3 +206,78 @@ def test_repack_gives_the_same_bytes_a_second_later(tmp_path):
     with tarfile.open(tmp_path / "a.tgz") as tar:
         assert tar.getnames() == ["acc", "acc/samples", "acc/samples/fp8", "acc/samples/fp8/t.jsonl"]
         assert {m.mtime for m in tar.getmembers()} == {0}
+
+
+def _in_parts(call: Path, rng, size: int) -> None:
+    """``call``'s state.tgz replaced by its ``size``-byte parts, written in a shuffled order: the order they are
+    joined in must come from their names."""
+    whole = (call / "state.tgz").read_bytes()
+    chunks = [whole[at:at + size] for at in range(0, len(whole), size)]
+    assert len(chunks) > 5
+    order = list(range(len(chunks)))
+    rng.shuffle(order)
+    for i in order:
+        (call / f"state.tgz.part-a{chr(97 + i)}").write_bytes(chunks[i])
+    (call / "state.tgz").unlink()
+
+
+def test_two_calls_both_in_parts_are_joined_apart_and_in_name_order(tmp_path, committed):
+    rng, rows, perf = committed
+    a = {**rows, **_rows(rng, "fp8", 8, 12)}
+    b = {**a, **_rows(rng, "mxfp4", 8, 12)}
+    c6, c7 = _call(tmp_path, "6", a, "call 6\n"), _call(tmp_path, "7", b, "call 7\n")
+    size = max(200, (c7 / "state.tgz").stat().st_size // 12)
+    _in_parts(c6, rng, size)
+    _in_parts(c7, rng, size)
+    snapshot = {p.name: p.read_bytes() for p in perf.rglob("*") if p.is_file()}
+    with pytest.raises(SystemExit, match="6/state.tgz: lacks 8 rows of .*7/state.tgz"):  # given newest first
+        land.land([c7, c6], perf, "2026-12-04", report=False)
+    assert {p.name: p.read_bytes() for p in perf.rglob("*") if p.is_file()} == snapshot
+    out = land.land([c6, c7], perf, "2026-12-04", report=False)
+    assert out["rows"] == len(b) and out["rows_added"] == len(b) - len(rows)
+    assert land.read_state(perf / land.STATE) == b
+
+
+def test_a_dump_ahead_of_the_call_lands_nothing(tmp_path, committed):
+    """The committed dump holds a row the call's state lacks (or holds differently): refused, naming the dump."""
+    rng, rows, perf = committed
+    grown = {**rows, **_rows(rng, "fp8", 8, 12)}
+    extra = _rows(rng, "mxfp4", 8, 9)
+    with open(perf / land.SAMPLES, "a") as f:
+        f.writelines(json.dumps({"format": k[0], "task": k[1], **r}) + "\n" for k, r in extra.items())
+    snapshot = {p.name: p.read_bytes() for p in perf.rglob("*") if p.is_file()}
+    with pytest.raises(SystemExit, match=f"lacks {len(extra)} rows of {land.SAMPLES}"):
+        land.land([_call(tmp_path, "6", grown, "6\n")], perf, "2026-12-04", report=False)
+    victim = rng.choice(list(extra))
+    changed = {**grown, **extra, victim: {**extra[victim], "response": extra[victim]["response"] + "x"}}
+    with pytest.raises(SystemExit, match=f"1 rows differ from {land.SAMPLES}"):
+        land.land([_call(tmp_path, "7", changed, "7\n")], perf, "2026-12-04", report=False)
+    assert {p.name: p.read_bytes() for p in perf.rglob("*") if p.is_file()} == snapshot
+
+
+def test_a_log_landed_with_its_machine_paths_is_still_recognised(tmp_path, committed):
+    """A log committed before a path rule existed (or kept by hand) still holds machine paths; the same call landed
+    again is that log, not a new one."""
+    rng, rows, perf = committed
+    text = "accuracy_h200: start\n/home/u/ckpt/main/scripts/gpu/accuracy_h200.sh: ok, cache /scratch/x\n"
+    (perf / "accuracy_h200_2026-12-03_q4_call17.log").write_text(text)
+    call = _call(tmp_path, "6", {**rows, **_rows(rng, "fp8", 8, 10)}, text)
+    out = land.land([call], perf, "2026-12-04", report=False)
+    assert out["logs"] == [] and out["calls"] == [17]
+
+
+def test_a_call_without_its_log_lands_nothing(tmp_path, committed):
+    rng, rows, perf = committed
+    call = _call(tmp_path, "6", {**rows, **_rows(rng, "fp8", 8, 10)}, "6\n")
+    (call / "call.log").unlink()
+    snapshot = {p.name: p.read_bytes() for p in perf.rglob("*") if p.is_file()}
+    with pytest.raises(SystemExit, match="needs call.log and state.tgz"):
+        land.land([call], perf, "2026-12-04", report=False)
+    assert {p.name: p.read_bytes() for p in perf.rglob("*") if p.is_file()} == snapshot
+
+
+@pytest.mark.parametrize("date", ["2026-12-041", "2026-12-4", "x2026-12-04", "2026-12-04 "])
+def test_date_must_be_exactly_yyyy_mm_dd(tmp_path, capsys, date):
+    with pytest.raises(SystemExit) as e:
+        land.main(["--date", date, "--no-report", "--perf-data", str(tmp_path), str(tmp_path)])
+    assert e.value.code == 2 and "--date must be YYYY-MM-DD" in capsys.readouterr().err

@@ -8,6 +8,8 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu" / "call_timings.py"
 sys.path.insert(0, str(SCRIPT.parent))
@@ -91,3 +93,44 @@ def test_this_calls_server_only(tmp_path):
 def test_a_folder_without_call_log_is_named(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True)
     assert proc.returncode == 2 and f"calls: {tmp_path} holds no call.log" in proc.stderr
+
+
+def _tar(path: Path, members: list) -> None:
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in members:
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_rows_in_launch_order_from_the_start_second_on(tmp_path):
+    """Two servers whose logs lie in the archive later one first: rows in launch order. The fp8 server was launched
+    in the call's start second (1-s stamps: it is the call's), ran two rounds and logged its two prefill batches
+    in one second (no rate: no time span to divide by)."""
+    d = tmp_path / "8"
+    d.mkdir()
+    (d / "call.log").write_text("accuracy_h200: start 2026-12-03T10:00:00Z, model m\n"
+                                "[resume] fp8: round of 64 prompts in 12.0 s (64 this time)\n"
+                                "[resume] mxfp4: round of 64 prompts in 11.0 s (64 this time)\n"
+                                "[resume] fp8: round of 64 prompts in 9.5 s (128 this time)\n")
+    _tar(d / "logs.tgz", [
+        ("logs/acc-server-mxfp4.log", "[2026-12-03 10:05:00] server_args=ServerArgs()\n"
+                                      "[2026-12-03 10:05:30] The server is fired up and ready to roll!\n"),
+        ("logs/acc-server-fp8.log", "[2026-12-03 09:59:59] server_args=ServerArgs()\n"  # an earlier call's
+                                    "[2026-12-03 10:00:00] server_args=ServerArgs()\n"
+                                    "[2026-12-03 10:00:40] The server is fired up and ready to roll!\n"
+                                    "[2026-12-03 10:01:00] Prefill batch, #new-seq: 1, #new-token: 8192\n"
+                                    "[2026-12-03 10:01:00] Prefill batch, #new-seq: 1, #new-token: 8192\n"),
+    ])
+    _, _, servers, _ = call_timings.read_call(d)
+    assert [s.fmt for s in servers] == ["fp8", "mxfp4"] and servers[0].prefill_rate is None
+    assert call_timings.table([d], ["call 8"]).splitlines()[2:] == [
+        "| call 8 (10:00 UTC) | fp8 | 2 | 40 | - | 12.0; 9.5-9.5 | - | - |",
+        "| call 8 (10:00 UTC) | mxfp4 | 1 | 30 | - | 11.0; - | - | - |"]
+
+
+def test_a_call_log_without_its_start_line_is_named(tmp_path):
+    (tmp_path / "call.log").write_text("[resume] fp8: round of 64 prompts in 12.0 s\n")
+    with pytest.raises(SystemExit, match="call.log has no 'accuracy_h200: start' line"):
+        call_timings.read_call(tmp_path)

@@ -322,3 +322,56 @@ def test_an_inductor_cache_is_a_graph_cache_hit_under_another_path(tmp_path):
     before = _files(moved)
     assert compile_cache.unpack(full, tmp_path / "t3", tmp_path / "j3", inductor_dir=moved)["inductor_files"] == 0
     assert _files(moved) == before
+
+
+def test_pack_keeps_binaries_metadata_and_launchers_only(tmp_path):
+    """From a Triton entry: the cubin, its json files and the compiled launcher (.so), none of the IRs; from a JIT
+    build folder: the module named after the folder, not another .so built beside it."""
+    entry = tmp_path / "triton" / "KEY"
+    entry.mkdir(parents=True)
+    for name in ("k.cubin", "k.json", "__grp__k.json", "__triton_launcher.so", "k.ptx", "k.llir", "k.ttir",
+                 "k.ttgir", "k.source"):
+        (entry / name).write_bytes(os.urandom(64))
+    jit = _fake_jit(tmp_path / "jit")
+    build = next(jit.iterdir())
+    (build / "libhelper.so").write_bytes(os.urandom(256))  # a build by-product, not what load_jit loads
+    archive = tmp_path / "c.tar.xz"
+    stats = compile_cache.pack(tmp_path / "triton", jit, archive)
+    assert sorted(n for n, _ in compile_cache._read(archive)) == [
+        f"jit/{build.name}/sgl_kernel_jit_m3_score_decode_mxfp4_0123abcd.so",
+        "triton/KEY/__grp__k.json", "triton/KEY/__triton_launcher.so", "triton/KEY/k.cubin", "triton/KEY/k.json"]
+    assert stats["triton_files"] == 4 and stats["jit_modules"] == 1
+
+
+def test_pack_limit_is_in_mib(tmp_path):
+    """1,010,000 random bytes pack to more than 1 MB and less than 1 MiB: --max-mib 1 takes them."""
+    jit = _fake_jit(tmp_path / "jit")
+    next(jit.glob("*/*.so")).write_bytes(os.urandom(1_010_000))
+    out = tmp_path / "c.tar.xz"
+    stats = compile_cache.pack(tmp_path / "no-triton", jit, out, max_mib=1)
+    assert 10**6 < stats["bytes"] == out.stat().st_size <= 2**20
+
+
+def test_trim_keeps_a_jit_module_before_smaller_triton_entries(tmp_path):
+    """A JIT module (a nvcc build of 10-20 s) is kept before Triton entries, even ones smaller than it."""
+    triton = _fake_triton(tmp_path / "triton", {"a": 20, "b": 20, "c": 20})
+    jit = _fake_jit(tmp_path / "jit")
+    next(jit.glob("*/*.so")).write_bytes(os.urandom(100 * 1024))
+    full = tmp_path / "full.tar.xz"
+    compile_cache.pack(triton, jit, full)
+    stats = compile_cache.trim(full, tmp_path / "t.tar.xz", max_mib=130 / 1024)  # the module and one entry
+    assert stats["jit_modules"] == 1 and stats["triton_files"] == 3 and stats["dropped_units"] == 2
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["trim", "{d}/none.tar.xz", "{d}/out.tar.xz", "--max-mib", "1"], "trim: archive {d}/none.tar.xz is not a file"),
+    (["unpack", "{d}/none.tar.xz", "{d}/t", "{d}/j"], "unpack: archive {d}/none.tar.xz is not a file"),
+    (["unxz", "{d}/w.safetensors.xz"], "unxz: {d}/w.safetensors.xz is not an existing .xz file"),
+    (["unxz", "{d}/plain"], "unxz: {d}/plain is not an existing .xz file"),
+])
+def test_a_missing_input_is_named(tmp_path, capsys, argv, msg):
+    (tmp_path / "plain").write_bytes(b"x")
+    with pytest.raises(SystemExit) as e:
+        compile_cache.main([a.format(d=tmp_path) for a in argv])
+    assert e.value.code == 2 and msg.format(d=tmp_path) in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"]

@@ -71,3 +71,32 @@ def test_a_missing_marker_is_an_error_naming_it(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "files_written.py"),
                            str(tmp_path / "nope"), str(tmp_path)], capture_output=True, text=True)
     assert proc.returncode == 2 and "marker" in proc.stderr and "nope" in proc.stderr
+
+
+def test_a_file_as_old_as_the_marker_is_not_counted(tmp_path):
+    marker = tmp_path / "marker"
+    marker.touch()
+    os.utime(marker, (2_000_000, 2_000_000))
+    _write(tmp_path / "r" / "same", 10)
+    os.utime(tmp_path / "r" / "same", (2_000_000, 2_000_000))
+    _write(tmp_path / "r" / "later", 30)
+    os.utime(tmp_path / "r" / "later", (2_000_001, 2_000_001))
+    assert files_written.written_since(marker, [tmp_path / "r"], skip=[]) == {
+        os.path.realpath(tmp_path / "r"): [1, 0, 30]}
+
+
+def test_a_root_is_a_folder_not_a_name_prefix(tmp_path):
+    """Roots ``a`` and its parent: ``ab/x/y`` lies under the parent only, though its path starts with ``.../a``."""
+    t = os.path.realpath(tmp_path)
+    rows = {f"{t}/ab/x/y": [1, 0, 5], f"{t}/a/q": [2, 1, 7]}
+    assert files_written.summarize(rows, [tmp_path / "a", tmp_path], depth=2) == {
+        f"{t}/ab/x": [1, 0, 5], f"{t}/a/q": [2, 1, 7]}
+    names = {f"{t}/a": "A", t: "T"}
+    assert files_written.shown(f"{t}/ab/x", names) == "$T/ab/x"
+    assert files_written.shown(f"{t}/a", names) == "$A" and files_written.shown(f"{t}/a/q", names) == "$A/q"
+
+
+def test_a_root_whose_path_holds_an_equals_sign_is_a_bare_root(tmp_path):
+    root = tmp_path / "k=v"
+    assert files_written._named_root(str(root)) == (None, root)
+    assert files_written._named_root(f"HOME={root}") == ("HOME", root)

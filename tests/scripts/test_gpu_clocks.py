@@ -132,3 +132,31 @@ def test_bad_arguments_are_named(tmp_path, argv, msg):
     proc = subprocess.run([sys.executable, str(SCRIPT), *argv], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 2
     assert msg in proc.stderr
+
+
+def test_summary_edges(tmp_path):
+    """A row at exactly --busy counts; the hottest idle row (cooling after work) is not the busy rows' top; bits
+    reported but none set read "none", not "not reported"."""
+    path = tmp_path / "c.csv"
+    _rows(path, [
+        ("10:00:00", 1980, 3201, 600.0, 64, 50, "0x0", 1.0, 16),
+        ("10:00:05", 1980, 3201, 620.0, 66, 90, "0x0", 1.0, 16),
+        ("10:00:10", 345, 3201, 90.0, 80, 0, "0x1", 1.0, 16),
+    ])
+    line = gpu_clocks.summarize(path, 50)
+    assert line.startswith("GPU samples: 2 of 3 at >= 50% utilization: SM 1980 MHz, memory 3201 MHz, 610 W")
+    assert "up to 66 C" in line and "clock-event reasons (samples): none;" in line
+
+
+def test_reason_names_of_every_known_bit():
+    assert gpu_clocks.reason_names(0x1FF) == list(gpu_clocks.REASON_BITS.values())
+    assert gpu_clocks.reason_names(0x101) == ["idle", "display-clocks"]
+    assert gpu_clocks.reason_names(0x300) == ["display-clocks", "0x200"]
+
+
+def test_sampler_appends_to_an_existing_file_under_one_header(tmp_path):
+    _sample(tmp_path, rows=1)
+    proc, out = _sample(tmp_path, rows=3)  # the same OUT.csv again: a call resumed on a held machine
+    assert proc.returncode == 0
+    lines = out.read_text().splitlines()
+    assert lines[0] == ",".join(gpu_clocks.COLUMNS) and lines.count(lines[0]) == 1 and len(lines) >= 4

@@ -93,3 +93,31 @@ def test_refusals_name_the_argument_and_move_nothing(repo, tmp_path, args, msg):
     proc = _run(repo, *args)
     assert proc.returncode != 0 and msg in proc.stderr, proc.stderr
     assert _tree(repo) == before
+
+
+def test_an_empty_park_folder_and_a_path_with_spaces(repo, tmp_path):
+    """PARK may exist if empty; a parked path may hold spaces (the manifest keeps the rest of its line)."""
+    (repo / "my notes" / "two  spaces.md").parent.mkdir()
+    (repo / "my notes" / "two  spaces.md").write_bytes(os.urandom(100))
+    before = _tree(repo)
+    park = tmp_path / "park"
+    park.mkdir()
+    proc = _run(repo, "out", str(park), "my notes", "docs")
+    assert proc.returncode == 0, proc.stderr
+    assert not (repo / "my notes").exists() and (park / "my notes" / "two  spaces.md").is_file()
+    proc = _run(repo, "in", str(park))
+    assert proc.returncode == 0, proc.stderr
+    assert _tree(repo) == before and not park.exists()
+
+
+def test_in_refuses_when_a_parked_path_is_gone_and_keeps_the_manifest(repo, tmp_path):
+    park = tmp_path / "park"
+    assert _run(repo, "out", str(park), "docs", "tests").returncode == 0
+    manifest = (park / "parked.txt").read_text()
+    for f in sorted((park / "tests").rglob("*"), reverse=True):  # lost meanwhile
+        f.unlink() if f.is_file() else f.rmdir()
+    (park / "tests").rmdir()
+    proc = _run(repo, "in", str(park))
+    assert proc.returncode != 0 and f"tests neither under {park} nor in the checkout" in proc.stderr
+    assert (park / "parked.txt").read_text() == manifest and (park / "docs" / "a.md").is_file()
+    assert not (repo / "docs").exists()

@@ -138,3 +138,93 @@ def test_decode_timing_at_tp2_on_the_cpu(tmp_path):
         assert {"1024x1", "1024x2"} <= decode.keys() and all(d["tok_s"] > 0 for d in decode.values()), decode
     logs = (out / "server_logs.txt").read_text()
     assert "TP1]" in logs and "tp_size=2" in logs  # two ranks served
+
+
+def test_server_decode_rate_reads_eager_lines_and_skips_idle_ones():
+    """A server without CUDA graphs (``cuda graph: False``: the CPU, eager) logs the same lines; a line of rate 0
+    (no step in its interval) says nothing about a step's time."""
+    lines = [_line(4, r).replace("cuda graph: True", "cuda graph: False") for r in (100.0, 110.0, 120.0)]
+    got = sglang_h200.server_decode_rate("\n".join(lines + [_line(4, 0.0)]), 4)
+    assert got["lines"] == 3 and got["tok_s"] == 110.0 and got["tpot_ms"] == pytest.approx(4 / 110.0 * 1e3)
+
+
+class _LoggingServer(_TimedServer):
+    """Also logs one ``Decode batch`` line per request: the warm-up pair at ``warm`` tok/s, the timed ones at
+    ``rates`` in turn."""
+
+    def __init__(self, tmp_path, seconds, warm, rates):
+        super().__init__(tmp_path, seconds)
+        self.rates = [warm, warm, *rates]
+
+    def generate(self, ids, new_tokens):
+        with open(self.log_path, "a") as f:
+            f.write(_line(len(ids), self.rates.pop(0)) + "\n")
+        return super().generate(ids, new_tokens)
+
+
+def test_measure_decode_reads_the_scheduler_after_the_warm_up(tmp_path, monkeypatch):
+    rng = random.Random()
+    rates = [rng.uniform(900.0, 1100.0) for _ in range(6)]
+    server = _LoggingServer(tmp_path, {1: [9.0, 0.02, 0.03, 0.01], 5: [9.0, 0.22, 0.20, 0.27]}, 5.0, rates)
+    monkeypatch.setattr(sglang_h200.time, "perf_counter", lambda: server.now)
+    m = sglang_h200.measure_decode(server, [[1, 2, 3]] * 2, decode_tokens=4, repeats=3)
+    assert m["server"]["lines"] == 6
+    assert m["server"]["tok_s"] == pytest.approx(statistics.median(float(f"{r:.2f}") for r in rates))
+
+
+def test_measure_decode_with_equal_medians_is_below_noise(tmp_path, monkeypatch):
+    m = _measure(tmp_path, monkeypatch, {1: [9.0, 0.05, 0.05], 5: [9.0, 0.05, 0.05]}, batch=1, repeats=2)
+    assert m["below_noise"] and m["tok_s"] is None and m["tpot_ms"] is None
+
+
+def test_bytes_per_token_of_the_m3_geometry():
+    """Main K and V of 4 heads x 128 at one byte in every layer; the index key (128 dims) in sparse layers only:
+    bf16 2 bytes a dim, fp8 1, MXFP4 half a byte a dim plus one scale byte per 32 dims."""
+    main = 60 * 2 * 4 * 128
+    assert sglang_h200.bytes_per_token(3, 57, "bf16") == main + 57 * 128 * 2
+    assert sglang_h200.bytes_per_token(3, 57, "fp8") == main + 57 * 128
+    assert sglang_h200.bytes_per_token(3, 57, "mxfp4") == main + 57 * (128 // 2 + 128 // 32)
+    assert sglang_h200.bytes_per_token(1, 0, "mxfp4", kv_bytes=2) == 2 * 2 * 4 * 128
+
+
+def test_cpu_env_binds_ranks_round_robin_to_the_cores(monkeypatch):
+    monkeypatch.setattr(sglang_h200.os, "cpu_count", lambda: 2)
+    env = sglang_h200.cpu_env(4)
+    assert env["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1|0|1" and "SGLANG_NCCL_SO_PATH" in env
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in sglang_h200.cpu_env(1)
+
+
+def test_arm_and_config():
+    assert sglang_h200.arm("fp8") == ("fp8", {})
+    assert sglang_h200.arm("mxfp4@triton") == ("mxfp4", {"M3_SCORE_BACKEND": "triton"})
+
+
+def test_make_config_puts_the_dense_layers_first(tmp_path):
+    d = sglang_h200.make_config(tmp_path / "c", 2, 3, "mxfp4", 1000, 256, 8, 4096)
+    cfg = json.loads((d / "config.json").read_text())
+    sac = cfg["sparse_attention_config"]
+    assert cfg["num_hidden_layers"] == 5 and cfg["index_k_format"] == "mxfp4" and cfg["num_attention_heads"] == 8
+    assert sac["sparse_attention_freq"] == cfg["moe_layer_freq"] == [0, 0, 1, 1, 1]
+    assert sac["sparse_disable_index_value"] == [0, 0, 1, 1, 1]
+
+
+def test_table_ratio_uses_one_measure_for_both_and_names_contexts(tmp_path):
+    """One format with a scheduler rate and fp8 without: the ratio is of the HTTP rates. 1500 tokens is no "1k".
+    The capacity rows divide fp8's bytes by each format's."""
+    def row(tok_s, sched):
+        server = None if sched is None else {"tok_s": sched, "tpot_ms": 1e3 / sched, "lines": 5,
+                                             "tpot_iqr_half_ms": 0.01}
+        return {"tok_s": tok_s, "tpot_ms": 1e3 / tok_s, "server": server}
+
+    bpt = {f: sglang_h200.bytes_per_token(3, 57, f) for f in ("fp8", "mxfp4")}
+    cap = {"fp8": 1_000_000, "mxfp4": round(1_000_000 * bpt["fp8"] / bpt["mxfp4"])}
+    results = {"env": {"date_utc": "2026-12-02 14:15"}, "notes": [], "formats": {
+        f: {"capacity_tokens": cap[f], "capacity_bytes_per_token": bpt[f],
+            "decode": {"1500x1": row(100.0, None if f == "fp8" else 500.0), "2048x1": row(90.0, None)}}
+        for f in ("fp8", "mxfp4")}}
+    lines = sglang_h200.render_table(results, [1500, 2048], [1], 1, 19).splitlines()
+    assert next(ln for ln in lines if ln.startswith("| 1500 | 1 |")).rstrip(" |").endswith("| 1.000")
+    assert any(ln.startswith("| 2k | 1 |") for ln in lines)
+    mx = next(ln for ln in lines if ln.startswith("| mxfp4 |"))
+    assert mx == (f"| mxfp4 | {bpt['mxfp4']} | {cap['mxfp4']} | {cap['mxfp4'] / cap['fp8']:.4f} | "
+                  f"{bpt['fp8'] / bpt['mxfp4']:.4f} | yes |")
