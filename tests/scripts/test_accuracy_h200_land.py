@@ -65,6 +65,11 @@ def committed(tmp_path):
     return rng, rows, perf
 
 
+def _files(perf) -> dict:
+    """Every file under ``perf`` by its path there, with its bytes: what a refused landing must leave as it was."""
+    return {str(p.relative_to(perf)): p.read_bytes() for p in perf.rglob("*") if p.is_file()}
+
+
 def _dump(perf) -> list:
     return [json.loads(line) for line in (perf / land.SAMPLES).read_text().splitlines()]
 
@@ -147,7 +152,7 @@ def test_a_landing_cut_short_is_finished_by_landing_again(tmp_path, committed, m
 @pytest.mark.parametrize("fault", ["lost", "changed", "out_of_order"])
 def test_a_call_that_loses_or_changes_a_committed_row_lands_nothing(tmp_path, committed, fault):
     rng, rows, perf = committed
-    snapshot = {p.name: p.read_bytes() for p in perf.rglob("*") if p.is_file()}
+    snapshot = _files(perf)
     grown = {**rows, **_rows(rng, "fp8", 8, 12)}
     if fault == "lost":  # e.g. a fresh machine's call not resumed from the committed state
         victim = rng.choice(list(rows))
@@ -162,7 +167,7 @@ def test_a_call_that_loses_or_changes_a_committed_row_lands_nothing(tmp_path, co
         match = "6/state.tgz: lacks 8 rows of .*7/state.tgz"
     with pytest.raises(SystemExit, match=match):
         land.land(calls, perf, "2026-12-04", report=False)
-    assert {p.name: p.read_bytes() for p in perf.rglob("*") if p.is_file()} == snapshot
+    assert _files(perf) == snapshot
 
 
 def test_cli_names_the_bad_argument(tmp_path):
@@ -229,10 +234,10 @@ def test_two_calls_both_in_parts_are_joined_apart_and_in_name_order(tmp_path, co
     size = max(200, (c7 / "state.tgz").stat().st_size // 12)
     _in_parts(c6, rng, size)
     _in_parts(c7, rng, size)
-    snapshot = {p.name: p.read_bytes() for p in perf.rglob("*") if p.is_file()}
+    snapshot = _files(perf)
     with pytest.raises(SystemExit, match="6/state.tgz: lacks 8 rows of .*7/state.tgz"):  # given newest first
         land.land([c7, c6], perf, "2026-12-04", report=False)
-    assert {p.name: p.read_bytes() for p in perf.rglob("*") if p.is_file()} == snapshot
+    assert _files(perf) == snapshot
     out = land.land([c6, c7], perf, "2026-12-04", report=False)
     assert out["rows"] == len(b) and out["rows_added"] == len(b) - len(rows)
     assert land.read_state(perf / land.STATE) == b
@@ -245,14 +250,14 @@ def test_a_dump_ahead_of_the_call_lands_nothing(tmp_path, committed):
     extra = _rows(rng, "mxfp4", 8, 9)
     with open(perf / land.SAMPLES, "a") as f:
         f.writelines(json.dumps({"format": k[0], "task": k[1], **r}) + "\n" for k, r in extra.items())
-    snapshot = {p.name: p.read_bytes() for p in perf.rglob("*") if p.is_file()}
+    snapshot = _files(perf)
     with pytest.raises(SystemExit, match=f"lacks {len(extra)} rows of {land.SAMPLES}"):
         land.land([_call(tmp_path, "6", grown, "6\n")], perf, "2026-12-04", report=False)
     victim = rng.choice(list(extra))
     changed = {**grown, **extra, victim: {**extra[victim], "response": extra[victim]["response"] + "x"}}
     with pytest.raises(SystemExit, match=f"1 rows differ from {land.SAMPLES}"):
         land.land([_call(tmp_path, "7", changed, "7\n")], perf, "2026-12-04", report=False)
-    assert {p.name: p.read_bytes() for p in perf.rglob("*") if p.is_file()} == snapshot
+    assert _files(perf) == snapshot
 
 
 def test_a_log_landed_with_its_machine_paths_is_still_recognised(tmp_path, committed):
@@ -270,10 +275,10 @@ def test_a_call_without_its_log_lands_nothing(tmp_path, committed):
     rng, rows, perf = committed
     call = _call(tmp_path, "6", {**rows, **_rows(rng, "fp8", 8, 10)}, "6\n")
     (call / "call.log").unlink()
-    snapshot = {p.name: p.read_bytes() for p in perf.rglob("*") if p.is_file()}
+    snapshot = _files(perf)
     with pytest.raises(SystemExit, match="needs call.log and state.tgz"):
         land.land([call], perf, "2026-12-04", report=False)
-    assert {p.name: p.read_bytes() for p in perf.rglob("*") if p.is_file()} == snapshot
+    assert _files(perf) == snapshot
 
 
 @pytest.mark.parametrize("date", ["2026-12-041", "2026-12-4", "x2026-12-04", "2026-12-04 "])
