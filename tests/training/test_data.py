@@ -75,11 +75,11 @@ def test_eval_prompt_tokenizes_like_training(tok, rng):
 LENGTHS = [256, 383, 1024, 4096]  # 383: not a block multiple
 
 
-def _check_common(tok, s: data.Sample, length: int):
+def _check_common(tok, s: data.Sample, length: int, min_fill: int | None = None):
     assert tok.encode(s.text).ids == s.input_ids  # assembly == encoding the joined text
     assert len(s.input_ids) <= length
     if length >= 1024:
-        assert len(s.input_ids) >= length - 64  # filled up to a sentence or so
+        assert len(s.input_ids) >= (length - 64 if min_fill is None else min_fill)  # filled up to a sentence or so
     assert 0 < s.answer_start < len(s.input_ids)
     assert s.answer_rows() == list(range(s.answer_start - 1, len(s.input_ids) - 1))
     assert s.evidence and all(0 <= a < b <= s.answer_start for a, b in s.evidence)
@@ -156,7 +156,8 @@ def test_several_queries_each_answer_from_the_context(tok, gen, rng, task, lengt
     after = set(range(s.query_start - 1, len(s.input_ids) - 1))
     assert set(s.query_rows()) | set(s.answer_rows()) == after and not set(s.query_rows()) & set(s.answer_rows())
     first = gen.sample(task, random.Random(7), length, queries=1)
-    assert len(first.answers) == 1 and first.answer_rows() == list(range(first.answer_start - 1, len(first.input_ids) - 1))
+    assert len(first.answers) == 1
+    assert first.answer_rows() == list(range(first.answer_start - 1, len(first.input_ids) - 1))
 
 
 @pytest.mark.parametrize("length", LENGTHS)
@@ -196,10 +197,21 @@ def test_vt_answers_follow_from_the_statements(tok, gen, rng, ask, length):
     assert all(e.startswith("VAR ") for e in evidence) and len(evidence) >= 2
 
 
-def test_every_task_at_32k(tok, gen, rng):
+def test_every_task_at_32k(tok, gen, rng, monkeypatch):
+    """Each task fills 32k to within a sentence or so, plus the padding of ``_fit``'s last retry: kv's
+    first estimate runs about one token a line short (250-370 tokens at 32k), and a retry that doubles
+    its step can leave up to that step unfilled (seed 16: 77 tokens short after a step of 84)."""
+    slacks = []
+    fit = gen._fit
+
+    def recording_fit(build, length):
+        slacks.clear()
+        return fit(lambda slack: slacks.append(slack) or build(slack), length)
+
+    monkeypatch.setattr(gen, "_fit", recording_fit)
     for task in data.TASKS:
         s = gen.sample(task, rng, 32768)
-        _check_common(tok, s, 32768)
+        _check_common(tok, s, 32768, min_fill=32768 - 64 - (slacks[-1] - slacks[-2] if len(slacks) > 1 else 0))
         assert s.task == task
         assert all(b < 32768 // data.BLOCK for b in s.evidence_blocks())
 
