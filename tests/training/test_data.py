@@ -327,3 +327,120 @@ def test_vt_draws_fewer_chains_and_hops_where_a_short_context_needs_it(tok, gen)
         _check_common(tok, s, 256)
     with pytest.raises(ValueError, match="too short"):
         gen.vt(random.Random(0), 256, n_chains=3, hops=5, ask="members")
+
+
+# -- gaps a hand mutation run of training/data.py found ----------------------------------------------------
+@pytest.mark.parametrize("depth, where", [(0.0, "first"), (100.0, "last")])
+def test_needle_at_depth_0_opens_the_context_and_at_100_closes_it(gen, rng, depth, where):
+    """Depth is a token fraction of the context: 0 puts the needle before the first sentence, 100 after the
+    last one (accuracy.needle's convention), whatever the haystack window."""
+    head, tail = needle.PROMPT.split("{context}")
+    for _ in range(5):
+        s = gen.needles(rng, 1024, 1, depth=depth)
+        context = s.text[len(head): s.text.index("\n\nQuestion: ")]
+        value = s.answer_texts[0].strip()[:-1]
+        needle_re = r'The special number for "[a-z-]+" is ' + value + r"\."
+        if where == "first":
+            assert re.match(needle_re, context), context[:200]
+        else:
+            assert re.search(" " + needle_re + "$", context), context[-200:]
+
+
+def test_questions_fill_at_most_three_quarters_of_the_length(gen, tok):
+    """``_questions`` drops the last pairs until the fixed context plus every kept question and answer fit in
+    3/4 of the length; the first pair stays even when it alone is too long."""
+    qa = [(f'\n\nQuestion: what is the value of "key-{i}"?\nAnswer: it is', f" {1000000 + i}.") for i in range(40)]
+    per_pair = [len(tok.encode(q).ids) + len(tok.encode(a).ids) for q, a in qa]
+    for context, length in ((100, 512), (37, 1024), (300, 512)):
+        budget = 3 * length // 4
+        want = 1
+        while want < len(qa) and context + sum(per_pair[:want + 1]) <= budget:
+            want += 1
+        assert 1 < want < len(qa) and gen._questions(qa, context, length) == qa[:want], (context, length, want)
+    assert gen._questions(qa, 2000, 512) == qa[:1]
+
+
+def test_kv_draws_between_4_pairs_and_one_per_48_tokens(gen, rng):
+    lines = []
+    for _ in range(30):
+        s = gen.kv(rng, 1024)
+        lines.append(len(re.findall(r'^"[a-z-]+": \d{7}$', s.text, re.M)))
+    assert min(lines) >= 4 and max(lines) <= 1024 // 48, lines
+    assert max(lines) > 12, lines  # the draw spans the range (P(all <= 12 of 4..21) ~ 1e-6)
+    s = gen.kv(rng, 32768)
+    assert len(re.findall(r'^"[a-z-]+": \d{7}$', s.text, re.M)) <= data.MAX_KV_PAIRS
+
+
+def test_kv_without_repeat_asks_each_key_once(gen, rng):
+    s = gen.kv(rng, 2048, n_pairs=10, queries=6, repeat=False)
+    asked = re.findall(r'Answer: the value of "([a-z-]+)" is', s.text)
+    assert len(asked) == len(s.answers) == 6 and len(set(asked)) == 6
+    again = gen.kv(rng, 2048, n_pairs=10, queries=6)
+    asked = re.findall(r'Answer: the value of "([a-z-]+)" is', again.text)
+    assert len(asked) == 6 + 3 and len(set(asked)) == 6  # the default repeats half of them
+
+
+def test_vt_keeps_the_drawn_sizes_where_they_fit(gen, rng):
+    """At 384 tokens every drawn size fits (3 chains x 5 hops included), so none is shrunk: all 12 (chains, hops)
+    draws show up, as statement counts up to 15 (P(no 3 x 5 in 150 draws) ~ 2e-6)."""
+    counts = set()
+    for _ in range(150):
+        s = gen.vt(random.Random(rng.random()), 384)
+        counts.add(len(re.findall(r"VAR [A-Z]{5} = ", s.text.split("Question: ")[0])))
+    assert counts == {c * h for c in (1, 2, 3) for h in (2, 3, 4, 5)}
+
+
+def test_vt_last_asks_the_last_variable_of_the_chain(gen, rng):
+    for _ in range(20):
+        s = gen.vt(rng, 1024, ask="last")
+        context, question = s.text.split("Question: ")
+        name = re.search(r"value of VAR ([A-Z]{5}) in", question).group(1)
+        assert re.search(rf"VAR {name} = ", context)  # assigned ...
+        assert not re.search(rf"= VAR {name}\.", context), name  # ... and read by no later hop
+
+
+def test_evidence_blocks_are_the_blocks_the_spans_touch():
+    s = data.Sample(input_ids=[1] * 600, answer_start=590, evidence=[(120, 130), (300, 301), (128, 256)], task="kv")
+    assert s.evidence_blocks() == [0, 1, 2]
+    s.evidence = [(255, 257), (511, 512)]
+    assert s.evidence_blocks() == [1, 2, 3]
+    assert s.evidence_blocks(block=64) == [3, 4, 7]
+
+
+@pytest.mark.parametrize("query_rows", [False, True])
+def test_lm_rows_cover_the_prompt_before_the_first_supervised_row(gen, rng, query_rows):
+    """With more LM rows than prompt rows every row before the first answer row (or, with query rows, the
+    first question row) is an LM row, and none after it."""
+    samples = [gen.sample(task, rng, 512, queries=4) for task in ("single", "kv", "multikey", "vt", "copy")]
+    b = data.collate(samples, 512, rng, lm_rows=10**6, kl_random_rows=0, query_rows=query_rows)
+    for i, s in enumerate(samples):
+        first = s.query_start - 1 if query_rows else s.answer_start - 1
+        assert b.loss_rows[i][b.lm_mask[i]].tolist() == list(range(first)), s.task
+
+
+def test_kl_rows_are_the_answer_rows_then_distinct_other_rows(gen, rng):
+    """kl_rows: the answer rows, then ``kl_random_rows`` distinct rows that are not answer rows (ascending); a
+    shorter row list is padded with the sample's own rows, never another position."""
+    samples = [gen.sample(task, rng, 256) for task in ("copy", "single", "kv")]
+    b = data.collate(samples, 256, rng, lm_rows=8, kl_random_rows=200)
+    for i, s in enumerate(samples):
+        ans, n = s.answer_rows(), len(s.input_ids)
+        kl = b.kl_rows[i].tolist()
+        others = kl[len(ans):len(ans) + min(200, n - len(ans))]
+        assert kl[:len(ans)] == ans
+        assert others == sorted(set(others)) and not set(others) & set(ans) and all(0 <= r < n for r in others)
+        assert set(kl) == set(ans) | set(others)
+    b = data.collate(samples, 256, rng, lm_rows=8, kl_random_rows=0)
+    assert b.kl_rows.shape[1] == max(len(s.answer_rows()) for s in samples)
+    for i, s in enumerate(samples):
+        assert set(b.kl_rows[i].tolist()) == set(s.answer_rows()), s.task
+
+
+def test_batch_spec_rejects_negative_rows_and_zero_weights():
+    with pytest.raises(ValueError, match="kl_random_rows"):
+        data.BatchSpec((512,), 1024, kl_random_rows=-1)
+    with pytest.raises(ValueError, match="lm_rows"):
+        data.BatchSpec((512,), 1024, lm_rows=-1)
+    with pytest.raises(ValueError, match="at least one weight"):
+        data.BatchSpec((512,), 1024, task_weights=(("kv", 0.0), ("vt", 0.0)))
+    data.BatchSpec((512,), 1024, task_weights=(("kv", 0.0), ("vt", 0.5)))  # one positive weight is enough

@@ -383,7 +383,8 @@ def test_export_round_trip_and_shards(gen, tmp_path):
     assert len(shards) > 1 and set(index["weight_map"].values()) == {s.name for s in shards}
     assert all(s.stat().st_size < 2**20 + 2**16 for s in shards)
     assert set(index["weight_map"]) == set(model.state_dict())
-    assert (out / "tokenizer.json").is_file() and json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert (out / "tokenizer.json").is_file()
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     back = load_checkpoint(out)
     for name, t in model.state_dict().items():
         assert torch.equal(back.state_dict()[name], t.bfloat16().float()), name
@@ -711,3 +712,178 @@ def test_sparse_training_step_at_32k_tokens_on_cuda(gen):
               f"recall {aux['recall'].item():.3f}, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     assert torch.isfinite(lm) and torch.isfinite(aux["index_kl"])
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+# ---- gaps a hand mutation run of training/model.py found ------------------------------------------------
+
+def _dense_model_oracle(model, ids):
+    """float64 log-probabilities of the dense forward (module docstring), one sequence, heads looped."""
+    cfg = model.config
+    T = ids.shape[1]
+    x = model.model.embed_tokens.weight.double()[ids[0]]
+
+    def norm(t, w):
+        w = 1 + w.double() if cfg.use_gemma_norm else w.double()
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * w
+
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float64) / cfg.rotary_dim))
+    ang = torch.arange(T, dtype=torch.float64)[:, None, None] * inv
+    half = cfg.rotary_dim // 2
+
+    def rope(t):
+        x1, x2 = t[..., :half], t[..., half: 2 * half]
+        return torch.cat((x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin(), t[..., 2 * half:]), -1)
+
+    def lin(layer, t):
+        return t @ layer.weight.double().T
+
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    for layer in model.model.layers:
+        a = layer.self_attn
+        h = norm(x, layer.input_layernorm.weight)
+        q = rope(norm(lin(a.q_proj, h).view(T, -1, cfg.head_dim), a.q_norm.weight))
+        k = rope(norm(lin(a.k_proj, h).view(T, -1, cfg.head_dim), a.k_norm.weight))
+        v = lin(a.v_proj, h).view(T, -1, cfg.head_dim)
+        heads = []
+        for j in range(cfg.num_attention_heads):
+            kv = j // cfg.group
+            logits = (q[:, j] @ k[:, kv].T / math.sqrt(cfg.head_dim)).masked_fill(~causal, float("-inf"))
+            heads.append(torch.softmax(logits, -1) @ v[:, kv])
+        x = x + lin(a.o_proj, torch.cat(heads, -1))
+        m = norm(x, layer.post_attention_layernorm.weight)
+        gate, up = lin(layer.mlp.gate_proj, m), lin(layer.mlp.up_proj, m)
+        if cfg.hidden_act == "swigluoai":
+            gate, up = gate.clamp(max=cfg.swiglu_limit), up.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
+            act = gate * torch.sigmoid(cfg.swiglu_alpha * gate) * (up + 1)
+        else:
+            act = F.silu(gate) * up
+        x = x + lin(layer.mlp.down_proj, act)
+    return lin(model.lm_head, norm(x, model.model.norm.weight)).log_softmax(-1)
+
+
+@pytest.mark.parametrize("act", ["swigluoai", "silu"])
+def test_dense_forward_matches_float64_oracle(gen, act):
+    """The whole dense forward (norms, RoPE, GQA attention, MLP, residuals, final norm) against a float64 loop;
+    MLP inputs scaled so that SwiGLU-OAI's clamps at +-swiglu_limit really cut some gate and up values."""
+    model = random_model(gen, config_dict(hidden_act=act))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate_proj.weight.mul_(60.0)
+            layer.mlp.up_proj.weight.mul_(60.0)
+    T = 70
+    ids = torch.randint(3, 2048, (1, T), generator=gen)
+    with torch.no_grad():
+        logits, _ = model(ids, "dense")
+        m = model.model.layers[0].post_attention_layernorm(model.model.embed_tokens(ids))
+        gate = model.model.layers[0].mlp.gate_proj(m)
+    assert (gate > model.config.swiglu_limit).float().mean() > 0.05  # the clamps matter
+    want = _dense_model_oracle(model, ids)
+    torch.testing.assert_close(logits[0].log_softmax(-1).double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_init_weights_scales_output_projections_and_keeps_norms_at_identity():
+    model = MSAForCausalLM(MSAConfig.from_dict(config_dict()))
+    model.init_weights(int(torch.randint(2**31, (1,))), std=0.03)
+    out_std = 0.03 / math.sqrt(2 * model.config.num_hidden_layers)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            assert (p == 0).all(), name  # Gemma norms store the offset: 0 is identity
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            assert p.std().item() == pytest.approx(out_std, rel=0.05), name
+        else:
+            assert p.std().item() == pytest.approx(0.03, rel=0.05), name
+            assert abs(p.mean().item()) < 0.1 * 0.03, name
+
+
+@pytest.mark.parametrize("over, key", [
+    ({"num_attention_heads": 6}, "num_attention_heads"),
+    ({"rotary_dim": 130}, "rotary_dim"),
+    ({"rotary_dim": 63}, "rotary_dim"),
+    ({"rotary_dim": 0}, "rotary_dim"),
+    ({"sparse": {"sparse_index_dim": 64}}, "sparse_index_dim"),
+])
+def test_config_rejects_a_geometry_the_kernels_cannot_serve(over, key):
+    with pytest.raises(ValueError, match=key):
+        MSAConfig.from_dict(config_dict(**over))
+
+
+def test_config_accepts_rope_over_the_whole_head():
+    assert MSAConfig.from_dict(config_dict(rotary_dim=128)).rotary_dim == 128
+
+
+def test_served_bf16_selection_scores_bf16_q_against_the_bf16_cache(gen):
+    """``index_k_format="bf16"``: the block scores are the m3_kernels reference's on bf16 q and a bf16 cache of
+    the model's fp32 index q and k (not the fp32 scores)."""
+    model = random_model(gen)
+    T = 300
+    ids = torch.randint(3, 2048, (1, T), generator=gen)
+    inputs, _ = _layer_inputs(model, ids, "sparse")
+    with torch.no_grad():
+        _, aux = model(ids, "sparse", index_k_format="bf16", return_selection=True)
+    for lid, x in inputs.items():
+        attn = model.model.layers[lid].self_attn
+        with torch.no_grad():
+            iq, ik = attn.index_qk(x, *_cos_sin(model, T))
+        ref = _reference_scores(iq, ik, attn.cfg.index_dim**-0.5)
+        ours = aux["index_scores"][lid]
+        fin = torch.isfinite(ref)
+        assert torch.equal(fin, torch.isfinite(ours))
+        torch.testing.assert_close(ours[fin].double(), ref[fin], rtol=1e-5, atol=1e-5)
+
+
+# ---- gaps a hand mutation run of training/export.py found -----------------------------------------------
+
+def test_shards_fill_up_to_the_limit_in_order():
+    from training.export import _shards
+
+    t = {name: torch.zeros(10) for name in "abcde"}  # 40 bytes each
+    assert _shards(t, 80) == [["a", "b"], ["c", "d"], ["e"]]  # exactly at the limit: still one shard
+    assert _shards(t, 119) == [["a", "b"], ["c", "d"], ["e"]]
+    assert _shards(t, 200) == [list("abcde")]
+    with pytest.raises(ValueError, match="max_shard_bytes"):
+        _shards(t, 39)
+
+
+def _micro(gen):
+    d = json.loads((REPO / "training" / "configs" / "msa-micro.json").read_text())
+    return random_model(gen, d), d
+
+
+def test_reexport_replaces_the_old_shards_and_load_checkpoint_is_strict(gen, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model, d = _micro(gen)
+    out = export_checkpoint(model, d, TINY, tmp_path / "ckpt", max_shard_bytes=2**19)
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    export_checkpoint(model, d, TINY, out)
+    assert sorted(f.name for f in out.glob("model*.safetensors")) == ["model-00001-of-00001.safetensors"]
+    back = load_checkpoint(out, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in back.parameters())
+    for name, t in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], t.bfloat16()), name
+    shard = out / "model-00001-of-00001.safetensors"
+    tensors = load_file(str(shard))
+    tensors.pop("lm_head.weight")
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match="lm_head.weight"):
+        load_checkpoint(out)
+
+
+def test_export_state_writes_the_weights_and_step_of_a_training_state(gen, tmp_path):
+    from training import train
+    from training.export import export_state
+
+    config = tmp_path / "micro.json"
+    config.write_text((REPO / "training" / "configs" / "msa-micro.json").read_text())
+    plan = train._complete_plan(train._plan_from(train.parse_args(["--out", "x", "--config", str(config)])))
+    model, *_ = train.build_model(plan, "cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+    train.save_state(tmp_path / "ckpt", model, train.build_optimizer(model, plan), plan, 7, 12.5)
+    out = export_state(tmp_path / "ckpt" / train.STATE_FILE, tmp_path / "export")
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert (state["step"], state["trained_s"], state["exported_from"]) == (7, 12.5, train.STATE_FILE)
+    back = load_checkpoint(out)
+    for name, t in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], t.bfloat16().float()), name

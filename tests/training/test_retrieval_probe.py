@@ -91,3 +91,65 @@ def test_wilson_matches_newcombe_table_1():
         got = retrieval_probe.wilson(k, n)
         assert got == pytest.approx((lo, hi), abs=5e-5), (k, n)
     assert retrieval_probe.wilson(0, 0) == (0.0, 1.0)
+
+
+class _Recorder(torch.nn.Module):
+    """A reader (shift 1) that records the attention mode, index-K format and prompts of every forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def forward(self, input_ids, attention, logit_rows, index_k_format=None):
+        self.calls.append((attention, index_k_format, input_ids.clone()))
+        return _Reader(1)(input_ids, attention, logit_rows)
+
+
+def test_each_mode_scores_the_same_prompts_with_its_attention_and_format():
+    model = _Recorder()
+    results = retrieval_probe.run(model, [512], ["kv"], list(retrieval_probe.MODES), samples=3, budget_s=600,
+                                  device=torch.device("cpu"), round_size=3, log=lambda _: None)
+    assert [r["index"] for r in results] == [0, 1, 2] and all(r[m] == 1 for r in results for m in retrieval_probe.MODES)
+    assert [(a, f) for a, f, _ in model.calls] == [("dense", None), ("sparse", None), ("sparse", "bf16"),
+                                                   ("sparse", "fp8"), ("sparse", "mxfp4"), ("sparse", "mxfp4_rot")]
+    prompts = model.calls[0][2]
+    assert all(torch.equal(ids, prompts) for _, _, ids in model.calls)
+    assert len({tuple(row.tolist()) for row in prompts}) == 3  # each index its own prompt
+
+
+def test_budget_skips_a_batch_predicted_to_end_past_it(monkeypatch):
+    """A clock that moves 10 s per forward and a 15 s budget: the first batch runs (nothing predicted yet), the
+    second is predicted to end at 20 s and skipped."""
+    import types
+
+    now = [0.0]
+
+    class Slow(_Reader):
+        def forward(self, *args, **kw):
+            now[0] += 10.0
+            return super().forward(*args, **kw)
+
+    monkeypatch.setattr(retrieval_probe, "time", types.SimpleNamespace(time=lambda: now[0]))
+    logged = []
+    results = retrieval_probe.run(Slow(1), [512], ["single", "kv"], ["dense"], samples=1, budget_s=15,
+                                  device=torch.device("cpu"), log=logged.append)
+    assert [(r["task"], r["index"]) for r in results] == [("single", 0)]
+    assert any("1 samples not scored" in line for line in logged), logged
+
+
+def test_summary_counts_pairs_and_intervals_per_cell():
+    """20 rows of one cell: fp8 right on none, mxfp4 right on rows 0-4: counts, accuracy, the Wilson interval of
+    0/20 from Newcombe (1998), Table I, and the discordant pairs either way."""
+    rows = [{"task": "kv", "length": 512, "index": i, "fp8": 0, "mxfp4": int(i < 5)} for i in range(20)]
+    cells = retrieval_probe.summarize(rows, [512, 1024], ["kv"], ["fp8", "mxfp4"], [("fp8", "mxfp4"), ("mxfp4", "fp8")])
+    cell = cells["kv/512"]
+    assert cell["n"] == 20 and cell["fp8"]["correct"] == 0 and cell["mxfp4"]["correct"] == 5
+    assert cell["mxfp4"]["acc"] == 0.25 and cell["fp8"]["ci95"] == pytest.approx((0.0, 0.1611), abs=5e-5)
+    assert cell["pairs"]["fp8:mxfp4"]["a_only"] == 0 and cell["pairs"]["fp8:mxfp4"]["b_only"] == 5
+    assert cell["pairs"]["mxfp4:fp8"]["a_only"] == 5 and cell["pairs"]["mxfp4:fp8"]["b_only"] == 0
+    assert cells["kv/1024"]["n"] == 0 and cells["kv/1024"]["fp8"]["acc"] is None
+
+
+def test_a_pair_must_name_two_different_modes(tmp_path):
+    with pytest.raises(ValueError, match="--pairs"):
+        retrieval_probe.main([str(tmp_path), "--device", "cpu", "--modes", "fp8,mxfp4", "--pairs", "fp8:fp8"])

@@ -2,10 +2,13 @@
 resumed from its checkpoint gives the same losses as an uninterrupted one; plan checks; export."""
 
 import json
+import random
 import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from training import data, train
 
@@ -225,3 +228,182 @@ def test_portable_resume_from_split_parts(interrupted, tmp_path, moments):
             assert torch.equal(t, opt.state[params[name]][key].bfloat16()), name
     with pytest.raises(ValueError, match="--lr"):
         train.main(CALL + ["--out", str(tmp_path / "d"), "--resume", str(carried), "--lr", "0.5"])
+
+
+# -- gaps a hand mutation run of training/train.py found ---------------------------------------------------
+def test_schedule_peaks_at_the_end_of_warm_up_and_ends_at_the_floor():
+    plan = {"lr": 1.0, "warmup_steps": 10, "steps": 110, "min_lr_frac": 0.1, "dense_steps": 30}
+    lrs = [train.learning_rate(plan, s) for s in range(120)]
+    assert lrs[10] == pytest.approx(1.0) and max(lrs) == pytest.approx(1.0)  # the cosine starts at the peak
+    assert all(a < b for a, b in zip(lrs[:9], lrs[1:10])) and all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lrs[115] == pytest.approx(0.1)  # past the plan: the floor, not back up the cosine
+    timed = plan | {"train_s": 200.0}
+    assert train.learning_rate(timed, 50, trained_s=300.0) == pytest.approx(0.1)  # past train_s: the floor
+
+
+def test_plan_bounds(config):
+    def complete(*args):
+        return train._complete_plan(train._plan_from(train.parse_args(["--out", "x", "--config", config, *args])))
+
+    assert complete("--steps", "10", "--dense-steps", "10")["dense_steps"] == 10  # dense only: allowed
+    assert complete("--steps", "10", "--dense-steps", "0")["dense_steps"] == 0  # sparse only: allowed
+    for args, match in ((["--short-steps", "-1"], "--short-steps"), (["--train-s", "-5"], "--train-s"),
+                        (["--steps", "10", "--dense-steps", "11"], "--dense-steps"),
+                        (["--curriculum", "0:512;0.5:1024;0.5:2048"], "--curriculum")):
+        with pytest.raises(ValueError, match=match):
+            complete(*args)
+    assert train._spec(complete("--query-weight", "0"), 0).query_rows is False
+    assert train._spec(complete("--query-weight", "0.5"), 0).query_rows is True
+
+
+def _batch(samples, T, **kw):
+    return data.collate(samples, T, random.Random(0), lm_rows=kw.get("lm_rows", 16), kl_random_rows=0,
+                        query_rows=kw.get("query_rows", False))
+
+
+@pytest.fixture(scope="module")
+def heldout_gen():
+    return data.TaskGenerator(data.load_tokenizer(), data.HELDOUT_HAYSTACK_SEED, num_sentences=2048)
+
+
+@pytest.mark.parametrize("query_rows", [False, True])
+def test_batch_losses_are_means_over_their_rows(heldout_gen, query_rows):
+    """Each loss is the mean CE over the rows of its mask (0 without rows), accuracy the share of answer rows
+    whose argmax is the target: checked row by row against random logits right on a random half of the rows."""
+    seed = random.SystemRandom().randrange(2**31)
+    print(f"seed {seed}")
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    samples = [heldout_gen.sample(t, rng, 512, queries=3) for t in ("single", "kv", "copy")]
+    b = _batch(samples, 512, query_rows=query_rows)
+    logits = torch.randn(*b.loss_rows.shape, 64, generator=g)
+    targets = torch.randint(64, b.loss_targets.shape, generator=g)
+    right = torch.rand(targets.shape, generator=g) < 0.5
+    logits[right] += 20 * F.one_hot(targets[right], 64)
+    b.loss_targets = targets
+    got = train.batch_losses(logits, b)
+    rows = {"answer_loss": [], "lm_loss": [], "query_loss": [], "answer_acc": []}
+    for i, j in torch.nonzero(torch.ones_like(targets, dtype=torch.bool)).tolist():
+        ce = float(F.cross_entropy(logits[i, j], targets[i, j]))
+        for key, mask in (("answer_loss", b.answer_mask), ("lm_loss", b.lm_mask), ("query_loss", b.query_mask)):
+            if mask[i, j]:
+                rows[key].append(ce)
+        if b.answer_mask[i, j]:
+            rows["answer_acc"].append(float(int(logits[i, j].argmax()) == int(targets[i, j])))
+    assert bool(rows["query_loss"]) == query_rows
+    for key, values in rows.items():
+        want = sum(values) / len(values) if values else 0.0
+        assert float(got[key]) == pytest.approx(want, rel=1e-5, abs=1e-6), key
+
+
+def test_optimizer_decays_matrices_only(config):
+    plan = train._complete_plan(train._plan_from(train.parse_args(["--out", "x", "--config", config])))
+    model, *_ = train.build_model(plan, "cpu")
+    opt = train.build_optimizer(model, plan)
+    decay = {id(p) for g in opt.param_groups if g["weight_decay"] == plan["weight_decay"] for p in g["params"]}
+    plain = {id(p) for g in opt.param_groups if g["weight_decay"] == 0.0 for p in g["params"]}
+    names = dict(model.named_parameters())
+    assert {n for n, p in names.items() if id(p) in plain} == {n for n in names if n.endswith("norm.weight")}
+    assert {n for n, p in names.items() if id(p) in decay} == {n for n in names if not n.endswith("norm.weight")}
+
+
+def test_portable_second_moments_restart_the_first_at_zero(config, tmp_path):
+    plan = train._complete_plan(train._plan_from(train.parse_args(["--out", "x", "--config", config])))
+    model, *_ = train.build_model(plan, "cpu")
+    opt = train.build_optimizer(model, plan)
+    ids = torch.randint(3, 2048, (1, 256))
+    model(ids)[0].logsumexp(-1).mean().backward()
+    opt.step()
+    train.save_portable(tmp_path / "p.pt", model, opt, plan, 1, 0.0, "second")
+    fresh, *_ = train.build_model(plan | {"seed": 1}, "cpu")
+    fresh_opt = train.build_optimizer(fresh, plan)
+    assert "first moments restarted" in train.restore_portable(train.load_portable(tmp_path / "p.pt"), fresh, fresh_opt)
+    old = dict(model.named_parameters())
+    stepped = [n for n, p in old.items() if p in opt.state]  # the index branch got no gradient
+    assert stepped and {n for n, p in fresh.named_parameters() if p in fresh_opt.state} == set(stepped)
+    for name, p in fresh.named_parameters():
+        assert torch.equal(p, old[name]), name
+        if name not in stepped:
+            continue
+        st = fresh_opt.state[p]
+        assert (st["exp_avg"] == 0).all(), name
+        assert torch.equal(st["exp_avg_sq"], opt.state[old[name]]["exp_avg_sq"].bfloat16().float()), name
+
+
+class _Oracle(torch.nn.Module):
+    """Logits on ``input_ids[row + 1]`` (every answer right) and, in sparse mode, a selection holding exactly
+    the evidence blocks at each sample's first answer row (-1 elsewhere)."""
+
+    def __init__(self, batches):
+        super().__init__()
+        self.sel = {id(b.input_ids): b for b in batches}
+
+    def forward(self, input_ids, attention, logit_rows, return_selection=False):
+        target = input_ids.gather(1, (logit_rows + 1).clamp(max=input_ids.shape[1] - 1))
+        aux = {}
+        if return_selection:
+            b = self.sel[id(input_ids)]
+            sel = torch.full((input_ids.shape[0], 2, input_ids.shape[1], 4), -1, dtype=torch.int32)
+            for i, blocks in enumerate(b.evidence_blocks):
+                sel[i, :, int(b.first_answer_row[i]), :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            aux["selected"] = {1: sel}
+        return F.one_hot(target, 2048).float(), aux
+
+
+def test_evaluate_scores_exact_match_and_evidence_recall(heldout_gen):
+    """Samples with answers of different lengths share a batch (padded answer rows): an oracle model scores 1,
+    and recall reads the selection at the first answer row."""
+    seed = random.SystemRandom().randrange(2**31)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    batches = [_batch([heldout_gen.sample(t, rng, 512) for t in ("single", "copy")], 512),
+               _batch([heldout_gen.sample(t, rng, 512) for t in ("vt", "kv")], 512)]
+    assert any(not b.answer_mask.all(-1).all() for b in batches)  # some answer rows are padding
+    result = train.evaluate(_Oracle(batches), batches, torch.device("cpu"), None)
+    assert set(result) == {f"{m}/{t}/512" for m in ("dense", "sparse") for t in ("single", "copy", "vt", "kv")} | {
+        f"recall/L1/{t}/512" for t in ("single", "copy", "vt", "kv")}
+    assert all(v == 1.0 for v in result.values()), result
+
+
+def test_heldout_batches_are_whole_training_batches():
+    tok = data.load_tokenizer()
+    plan = {"token_budget": 1024, "seed": 3}
+    batches = train.heldout_batches(plan, tok, [256, 512], ["single", "kv", "vt"], 1)
+    by_len = {}
+    for b in batches:
+        assert b.input_ids.shape[0] == 1024 // b.input_ids.shape[1]
+        by_len.setdefault(b.input_ids.shape[1], []).extend(b.tasks)
+    assert by_len == {256: ["single", "kv", "vt", "single"], 512: ["single", "kv", "vt", "single"]}
+
+
+def test_a_run_sums_its_weighted_losses_and_follows_the_plan(config, tmp_path):
+    """A dense-only plan run past --stop-at-step: it ends at --steps; each step's loss is the weighted sum of its
+    terms; the optimizer ran at the schedule's learning rate; the export records the stage of the last step."""
+    out = tmp_path / "run"
+    args = _plan(config)
+    args[args.index("--dense-steps") + 1] = "4"
+    args[args.index("--steps") + 1] = "4"
+    done = train.main(args + CALL + ["--out", str(out), "--stop-at-step", "99", "--lm-weight", "0.5",
+                                     "--query-weight", "2", "--kl-weight", "3"])
+    assert done["step"] == 4 and len(done["losses"]) == 4
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        want = r["answer_loss"] + 0.5 * r["lm_loss"] + 2 * r["query_loss"] + 3 * r["index_kl"]
+        assert r["loss"] == pytest.approx(want, rel=1e-5) and r["lm_loss"] > 0 and r["index_kl"] > 0
+    state = torch.load(out / "ckpt" / train.STATE_FILE, weights_only=False)
+    lr = train.learning_rate(state["plan"], 3)
+    assert lr != state["plan"]["lr"] and all(g["lr"] == pytest.approx(lr) for g in state["optimizer"]["param_groups"])
+    assert json.loads((out / "export" / train.TRAINER_STATE).read_text())["stage"] == "dense"
+    with pytest.raises(ValueError, match="--seed"):
+        train.main(CALL + ["--out", str(out), "--resume", str(out), "--seed", "7"])
+
+
+def test_gradient_clipping_bounds_the_update(config, tmp_path):
+    """--grad-clip 1e-12 leaves Adam a gradient far below its eps: one step moves no weight by more than 1e-6
+    (an unclipped step moves them by about the learning rate, 1e-3 here)."""
+    train.main(_plan(config) + CALL + ["--out", str(tmp_path), "--stop-at-step", "1", "--grad-clip", "1e-12",
+                                       "--weight-decay", "0", "--no-export"])
+    state = torch.load(tmp_path / "ckpt" / train.STATE_FILE, weights_only=False)
+    init, *_ = train.build_model(state["plan"], "cpu")
+    moved = max(float((state["model"][n] - p).abs().max()) for n, p in init.state_dict().items())
+    assert moved < 1e-6
