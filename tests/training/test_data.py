@@ -199,8 +199,9 @@ def test_vt_answers_follow_from_the_statements(tok, gen, rng, ask, length):
 
 def test_every_task_at_32k(tok, gen, rng, monkeypatch):
     """Each task fills 32k to within a sentence or so, plus the padding of ``_fit``'s last retry: kv's
-    first estimate runs about one token a line short (250-370 tokens at 32k), and a retry that doubles
-    its step can leave up to that step unfilled (seed 16: 77 tokens short after a step of 84)."""
+    first estimate runs about 0.8 token a key-value line short (up to about 400 tokens at 32k), and a
+    retry that doubles its step can leave up to that step unfilled (seed 16: 77 tokens short after a
+    step of 84)."""
     slacks = []
     fit = gen._fit
 
