@@ -23,7 +23,11 @@ from pathlib import Path
 
 from scipy.stats import chi2_contingency, fisher_exact
 
-DEFAULT = Path(__file__).resolve().parents[1] / "docs" / "perf_data" / "accuracy_h200_2026-12-02_q4_samples.jsonl"
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from accuracy.stats import discordant  # noqa: E402
+
+DEFAULT = REPO / "docs" / "perf_data" / "accuracy_h200_2026-12-02_q4_samples.jsonl"
 
 
 def load_pairs(path: Path, base: str, cand: str) -> list[dict]:
@@ -56,8 +60,8 @@ def load_pairs(path: Path, base: str, cand: str) -> list[dict]:
 
 
 def counts(pairs: list[dict]) -> tuple[int, int, int]:
-    """(pairs, base right only, cand right only)."""
-    return (len(pairs), sum(p["base"] > p["cand"] for p in pairs), sum(p["cand"] > p["base"] for p in pairs))
+    """(pairs, base right only, cand right only), the latter two by ``accuracy.stats.discordant``."""
+    return (len(pairs), *discordant([p["base"] for p in pairs], [p["cand"] for p in pairs]))
 
 
 def split_test(pairs: list[dict], split: int) -> dict:
