@@ -25,6 +25,7 @@ from scipy.stats import chi2_contingency, fisher_exact
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from accuracy.report import NOT_RECORDED  # noqa: E402
 from accuracy.stats import discordant  # noqa: E402
 
 DEFAULT = REPO / "docs" / "perf_data" / "accuracy_h200_2026-12-02_q4_samples.jsonl"
@@ -32,8 +33,9 @@ DEFAULT = REPO / "docs" / "perf_data" / "accuracy_h200_2026-12-02_q4_samples.jso
 
 def load_pairs(path: Path, base: str, cand: str) -> list[dict]:
     """``{task, length, index, base, cand, base_on, cand_on}`` per (task, doc_id) both formats answered, in
-    (task, length, index) order; ValueError on a row whose score is not 0 or 1 or whose doc_id is not
-    ``<length>/<index>``, or a format that answered one doc twice."""
+    (task, length, index) order, a card ``NOT_RECORDED`` where a row lacks ``served_on``; ValueError on a row
+    whose score is not 0 or 1 or whose doc_id is not ``<length>/<index>``, a format that answered one doc
+    twice, or a pair whose two rows name different targets (the formats did not see the same data)."""
     rows: dict[str, dict] = {base: {}, cand: {}}
     with open(path) as f:
         for line_no, line in enumerate(f, 1):
@@ -54,8 +56,12 @@ def load_pairs(path: Path, base: str, cand: str) -> list[dict]:
         length, sep, index = key[1].partition("/")
         if not (sep and length.isdigit() and index.isdigit()):
             raise ValueError(f"doc_id {key[1]!r} of {key[0]} is not <length>/<index>")
+        if b.get("target") != c.get("target"):
+            raise ValueError(f"{key[0]} doc {key[1]}: target {b.get('target')!r} in {base} but "
+                             f"{c.get('target')!r} in {cand}; the formats did not see the same data")
         pairs.append({"task": key[0], "length": int(length), "index": int(index), "base": int(b["score"]),
-                      "cand": int(c["score"]), "base_on": b.get("served_on"), "cand_on": c.get("served_on")})
+                      "cand": int(c["score"]), "base_on": b.get("served_on", NOT_RECORDED),
+                      "cand_on": c.get("served_on", NOT_RECORDED)})
     return sorted(pairs, key=lambda p: (p["task"], p["length"], p["index"]))
 
 

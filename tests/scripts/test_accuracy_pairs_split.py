@@ -128,6 +128,27 @@ def test_a_doc_answered_twice_is_named(tmp_path):
         aps.load_pairs(_write(tmp_path, [row, row]), "fp8", "mxfp4")
 
 
+def test_a_target_that_differs_between_formats_is_named(tmp_path):
+    rows = [{"format": f, "task": "t", "doc_id": "8192/3", "score": 1.0, "target": target}
+            for f, target in (("fp8", "123"), ("mxfp4", "124"))]
+    with pytest.raises(ValueError, match=r"t doc 8192/3: target '123' in fp8 but '124' in mxfp4"):
+        aps.load_pairs(_write(tmp_path, rows), "fp8", "mxfp4")
+    rows[1]["target"] = "123"
+    assert len(aps.load_pairs(_write(tmp_path, rows), "fp8", "mxfp4")) == 1
+
+
+def test_a_missing_card_is_not_recorded(tmp_path):
+    rows = [{"format": "fp8", "task": "t", "doc_id": "8192/3", "score": 1.0, "served_on": "H200"},
+            {"format": "mxfp4", "task": "t", "doc_id": "8192/3", "score": 0.0}]
+    pairs = aps.load_pairs(_write(tmp_path, rows), "fp8", "mxfp4")
+    assert aps.by_cards(pairs) == {"H200 / not recorded": (1, 1, 0)}
+
+
+def test_the_default_dump_is_the_one_the_landing_script_appends_to():
+    import accuracy_h200_land
+    assert aps.DEFAULT.name == accuracy_h200_land.SAMPLES and aps.DEFAULT.is_file()
+
+
 def test_printed_text(tmp_path, capsys):
     rows = [{"format": f, "task": t, "doc_id": f"8192/{i}", "score": float(s), "served_on": "H200"}
             for t in ("a", "b") for i in range(4) for f, s in (("fp8", i != 1), ("mxfp4", i != 2))]
