@@ -144,6 +144,20 @@ def test_a_missing_card_is_not_recorded(tmp_path):
     assert aps.by_cards(pairs) == {"H200 / not recorded": (1, 1, 0)}
 
 
+def test_cards_count_as_the_report_counts(tmp_path):
+    from accuracy.report import served_on_pairs
+    rows = [r for r in _rows(random.Random(), n_docs=40) if r["format"] != "bf16"]
+    docs = {f: {(r["task"], r["doc_id"]) for r in rows if r["format"] == f} for f in ("fp8", "mxfp4")}
+    rows = [{**r, "target": "x"} for r in rows
+            if (r["task"], r["doc_id"]) in docs["fp8"] & docs["mxfp4"]]  # the report needs both, and targets
+    expect = {}
+    for task in {r["task"] for r in rows}:
+        per = {f: [r for r in rows if r["format"] == f and r["task"] == task] for f in ("fp8", "mxfp4")}
+        for key, n in served_on_pairs(per["fp8"], per["mxfp4"], task, "mxfp4").items():
+            expect[key] = tuple(a + b for a, b in zip(expect.get(key, (0, 0, 0)), n))
+    assert aps.by_cards(aps.load_pairs(_write(tmp_path, rows), "fp8", "mxfp4")) == dict(sorted(expect.items()))
+
+
 def test_the_default_dump_is_the_one_the_landing_script_appends_to():
     import accuracy_h200_land
     assert aps.DEFAULT.name == accuracy_h200_land.SAMPLES and aps.DEFAULT.is_file()
