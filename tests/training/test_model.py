@@ -264,6 +264,23 @@ def _layer_inputs(model, ids, attention):
 
 
 @torch.no_grad()
+def _norm64(t, weight, cfg):
+    """float64 RMS norm over the last dim; a Gemma norm's weight stores the offset from 1."""
+    w = 1 + weight.double() if cfg.use_gemma_norm else weight.double()
+    return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * w
+
+
+def _rope64(t, cfg):
+    """float64 partial RoPE of ``t [T, heads, dim]`` at positions 0..T-1 (the first ``rotary_dim`` dims, halves
+    rotated), the rest passed through."""
+    half = cfg.rotary_dim // 2
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float64) / cfg.rotary_dim))
+    ang = torch.arange(t.shape[0], dtype=torch.float64)[:, None, None] * inv
+    c, s = ang.cos(), ang.sin()
+    x1, x2 = t[..., :half], t[..., half : 2 * half]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, t[..., 2 * half :]), -1)
+
+
 def _kl_oracle(attn, x, rows, attention, selected):
     """float64 indexer KL and recall of one layer at ``rows`` (one sequence), a loop over rows and heads.
 
@@ -274,14 +291,7 @@ def _kl_oracle(attn, x, rows, attention, selected):
     T = x.shape[0]
 
     def proj_norm(proj, norm, heads, dim):
-        t = (x @ proj.weight.double().T).view(T, heads, dim)
-        t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * (1 + norm.weight.double())
-        half = cfg.rotary_dim // 2
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float64) / cfg.rotary_dim))
-        ang = torch.arange(T, dtype=torch.float64)[:, None, None] * inv
-        c, s = ang.cos(), ang.sin()
-        x1, x2 = t[..., :half], t[..., half : 2 * half]
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, t[..., 2 * half :]), -1)
+        return _rope64(_norm64((x @ proj.weight.double().T).view(T, heads, dim), norm.weight, cfg), cfg)
 
     q = proj_norm(attn.q_proj, attn.q_norm, cfg.num_attention_heads, cfg.head_dim)
     k = proj_norm(attn.k_proj, attn.k_norm, cfg.num_key_value_heads, cfg.head_dim)
@@ -722,27 +732,15 @@ def _dense_model_oracle(model, ids):
     T = ids.shape[1]
     x = model.model.embed_tokens.weight.double()[ids[0]]
 
-    def norm(t, w):
-        w = 1 + w.double() if cfg.use_gemma_norm else w.double()
-        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * w
-
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float64) / cfg.rotary_dim))
-    ang = torch.arange(T, dtype=torch.float64)[:, None, None] * inv
-    half = cfg.rotary_dim // 2
-
-    def rope(t):
-        x1, x2 = t[..., :half], t[..., half: 2 * half]
-        return torch.cat((x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin(), t[..., 2 * half:]), -1)
-
     def lin(layer, t):
         return t @ layer.weight.double().T
 
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     for layer in model.model.layers:
         a = layer.self_attn
-        h = norm(x, layer.input_layernorm.weight)
-        q = rope(norm(lin(a.q_proj, h).view(T, -1, cfg.head_dim), a.q_norm.weight))
-        k = rope(norm(lin(a.k_proj, h).view(T, -1, cfg.head_dim), a.k_norm.weight))
+        h = _norm64(x, layer.input_layernorm.weight, cfg)
+        q = _rope64(_norm64(lin(a.q_proj, h).view(T, -1, cfg.head_dim), a.q_norm.weight, cfg), cfg)
+        k = _rope64(_norm64(lin(a.k_proj, h).view(T, -1, cfg.head_dim), a.k_norm.weight, cfg), cfg)
         v = lin(a.v_proj, h).view(T, -1, cfg.head_dim)
         heads = []
         for j in range(cfg.num_attention_heads):
@@ -750,7 +748,7 @@ def _dense_model_oracle(model, ids):
             logits = (q[:, j] @ k[:, kv].T / math.sqrt(cfg.head_dim)).masked_fill(~causal, float("-inf"))
             heads.append(torch.softmax(logits, -1) @ v[:, kv])
         x = x + lin(a.o_proj, torch.cat(heads, -1))
-        m = norm(x, layer.post_attention_layernorm.weight)
+        m = _norm64(x, layer.post_attention_layernorm.weight, cfg)
         gate, up = lin(layer.mlp.gate_proj, m), lin(layer.mlp.up_proj, m)
         if cfg.hidden_act == "swigluoai":
             gate, up = gate.clamp(max=cfg.swiglu_limit), up.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
@@ -758,7 +756,7 @@ def _dense_model_oracle(model, ids):
         else:
             act = F.silu(gate) * up
         x = x + lin(layer.mlp.down_proj, act)
-    return lin(model.lm_head, norm(x, model.model.norm.weight)).log_softmax(-1)
+    return lin(model.lm_head, _norm64(x, model.model.norm.weight, cfg)).log_softmax(-1)
 
 
 @pytest.mark.parametrize("act", ["swigluoai", "silu"])
