@@ -40,6 +40,11 @@ def _plan(config):
 CALL = ["--eval-samples", "0", "--log-every", "1", "--budget-s", "600", "--reserve-s", "0"]
 
 
+def _complete(config, *args) -> dict:
+    """The completed plan of ``--config config`` and ``args`` (train.main's ``_plan_from`` then ``_complete_plan``)."""
+    return train._complete_plan(train._plan_from(train.parse_args(["--out", "x", "--config", config, *args])))
+
+
 def test_resume_continues_exactly(config, tmp_path):
     straight = train.main(_plan(config) + CALL + ["--out", str(tmp_path / "a"), "--no-export"])
     first = train.main(_plan(config) + CALL + ["--out", str(tmp_path / "b"), "--stop-at-step", "3", "--no-export"])
@@ -242,18 +247,15 @@ def test_schedule_peaks_at_the_end_of_warm_up_and_ends_at_the_floor():
 
 
 def test_plan_bounds(config):
-    def complete(*args):
-        return train._complete_plan(train._plan_from(train.parse_args(["--out", "x", "--config", config, *args])))
-
-    assert complete("--steps", "10", "--dense-steps", "10")["dense_steps"] == 10  # dense only: allowed
-    assert complete("--steps", "10", "--dense-steps", "0")["dense_steps"] == 0  # sparse only: allowed
+    assert _complete(config, "--steps", "10", "--dense-steps", "10")["dense_steps"] == 10  # dense only: allowed
+    assert _complete(config, "--steps", "10", "--dense-steps", "0")["dense_steps"] == 0  # sparse only: allowed
     for args, match in ((["--short-steps", "-1"], "--short-steps"), (["--train-s", "-5"], "--train-s"),
                         (["--steps", "10", "--dense-steps", "11"], "--dense-steps"),
                         (["--curriculum", "0:512;0.5:1024;0.5:2048"], "--curriculum")):
         with pytest.raises(ValueError, match=match):
-            complete(*args)
-    assert train._spec(complete("--query-weight", "0"), 0).query_rows is False
-    assert train._spec(complete("--query-weight", "0.5"), 0).query_rows is True
+            _complete(config, *args)
+    assert train._spec(_complete(config, "--query-weight", "0"), 0).query_rows is False
+    assert train._spec(_complete(config, "--query-weight", "0.5"), 0).query_rows is True
 
 
 def _batch(samples, T, **kw):
@@ -296,7 +298,7 @@ def test_batch_losses_are_means_over_their_rows(heldout_gen, query_rows):
 
 
 def test_optimizer_decays_matrices_only(config):
-    plan = train._complete_plan(train._plan_from(train.parse_args(["--out", "x", "--config", config])))
+    plan = _complete(config)
     model, *_ = train.build_model(plan, "cpu")
     opt = train.build_optimizer(model, plan)
     decay = {id(p) for g in opt.param_groups if g["weight_decay"] == plan["weight_decay"] for p in g["params"]}
@@ -307,7 +309,7 @@ def test_optimizer_decays_matrices_only(config):
 
 
 def test_portable_second_moments_restart_the_first_at_zero(config, tmp_path):
-    plan = train._complete_plan(train._plan_from(train.parse_args(["--out", "x", "--config", config])))
+    plan = _complete(config)
     model, *_ = train.build_model(plan, "cpu")
     opt = train.build_optimizer(model, plan)
     ids = torch.randint(3, 2048, (1, 256))
