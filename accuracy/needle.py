@@ -34,12 +34,12 @@ PROMPT = (
     'Answer: the special number for "{key}" is'
 )
 NEEDLE = 'The special number for "{key}" is {value}.'
-_KEY_A = ["amber", "silver", "quiet", "northern", "crooked", "velvet", "hollow", "bitter", "golden", "rusty",
+KEY_FIRST_WORDS = ["amber", "silver", "quiet", "northern", "crooked", "velvet", "hollow", "bitter", "golden", "rusty",
           "painted", "frozen", "scarlet", "gentle", "iron", "wandering"]
-_KEY_B = ["falcon", "orchard", "lantern", "harbour", "thistle", "anchor", "meadow", "compass", "sparrow",
+KEY_SECOND_WORDS = ["falcon", "orchard", "lantern", "harbour", "thistle", "anchor", "meadow", "compass", "sparrow",
           "kettle", "willow", "beacon", "otter", "bramble", "chapel", "juniper"]
 GEN_TOKENS = 24  # tokens the model may generate; a 7-digit answer needs far fewer
-_POOL_SEED = 1234  # haystack stream shared by all samples (each sample reads its own window)
+POOL_SEED = 1234  # haystack stream shared by all samples (each sample reads its own window)
 
 
 def depth_grid(num_depths: int) -> list[float]:
@@ -54,12 +54,12 @@ def depth_grid(num_depths: int) -> list[float]:
 POOL_BATCH = 512  # sentences the pool grows by
 
 
-class _Pool:
+class HaystackPool:
     """Haystack sentences with their token counts and prefix sums, grown on demand."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.stream = sentences(_POOL_SEED)
+        self.stream = sentences(POOL_SEED)
         self.text: list[str] = []
         self.cum = [0]  # cum[i] = tokens of sentences [0, i)
 
@@ -80,18 +80,18 @@ def _count(tokenizer, text: str) -> int:
 
 def _key(rng: random.Random, used: set) -> str:
     while True:
-        key = f"{rng.choice(_KEY_A)}-{rng.choice(_KEY_B)}"
+        key = f"{rng.choice(KEY_FIRST_WORDS)}-{rng.choice(KEY_SECOND_WORDS)}"
         if key not in used:
             used.add(key)
             return key
 
 
-def make_sample(tokenizer, pool: _Pool, length: int, depth: float, n_keys: int, rng: random.Random, index: int) -> dict:
+def make_sample(tokenizer, pool: HaystackPool, length: int, depth: float, n_keys: int, rng: random.Random, index: int) -> dict:
     """One sample of at most ``length - GEN_TOKENS`` prompt tokens (see module doc)."""
     return make_context(tokenizer, pool, length, depth, n_keys, rng, index, 1)[0]
 
 
-def make_context(tokenizer, pool: _Pool, length: int, depth: float, n_keys: int, rng: random.Random, index: int,
+def make_context(tokenizer, pool: HaystackPool, length: int, depth: float, n_keys: int, rng: random.Random, index: int,
                  questions: int) -> list[dict]:
     """``questions`` samples on one context, each of at most ``length - GEN_TOKENS`` prompt tokens: the
     same chronicle and needles, sample ``j`` asking for needle ``j`` (needle 0 sits at ``depth``, the
@@ -145,17 +145,17 @@ def make_context(tokenizer, pool: _Pool, length: int, depth: float, n_keys: int,
     raise RuntimeError(f"could not fit a sample into {length} tokens")
 
 
-_POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> its _Pool
+_POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> its HaystackPool
 
 
-def _pool(tokenizer) -> _Pool:
+def _pool(tokenizer) -> HaystackPool:
     """The haystack pool of ``tokenizer``, kept while the tokenizer lives (its counts are its own)."""
     try:
         pool = _POOLS.get(tokenizer)
     except TypeError:  # not weak-referenceable: a pool per call
-        return _Pool(tokenizer)
+        return HaystackPool(tokenizer)
     if pool is None:
-        pool = _POOLS[tokenizer] = _Pool(tokenizer)
+        pool = _POOLS[tokenizer] = HaystackPool(tokenizer)
     return pool
 
 
@@ -176,8 +176,8 @@ def generate(tokenizer, lengths, num_samples: int, num_depths: int, n_keys: int,
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     if any(i < 0 for i in ids):
         raise ValueError(f"sample_ids must be >= 0, got {ids}")
-    if not 1 <= n_keys <= len(_KEY_A) * len(_KEY_B):  # more would loop forever looking for a new key
-        raise ValueError(f"n_keys must be in [1, {len(_KEY_A) * len(_KEY_B)}] (distinct keys), got {n_keys}")
+    if not 1 <= n_keys <= len(KEY_FIRST_WORDS) * len(KEY_SECOND_WORDS):  # more would loop forever looking for a new key
+        raise ValueError(f"n_keys must be in [1, {len(KEY_FIRST_WORDS) * len(KEY_SECOND_WORDS)}] (distinct keys), got {n_keys}")
     pool = _pool(tokenizer)
     grid = depth_grid(num_depths)
     docs = []

@@ -6,9 +6,9 @@ Six tasks (``TASKS``, lm-eval names):
   queried one at a depth of the ``num_depths`` grid), scored by ``accuracy.needle.score`` (the 7 digits
   anywhere in the response as a whole number);
 - ``m3_kv`` (key-value retrieval) and ``m3_vt`` (variable tracking): the ``kv`` and ``vt`` samples of
-  ``training.data.TaskGenerator``, the formats the MSA models here are trained on, with one question
+  ``accuracy.prompts.TaskGenerator``, the formats the MSA models here are trained on, with one question
   and every parameter drawn as in training (``TaskGenerator.sample``), over the evaluation's haystack
-  stream (``training.data.EVAL_HAYSTACK_SEED``, never trained on). The prompt is the sample without
+  stream (``accuracy.prompts.EVAL_HAYSTACK_SEED``, never trained on). The prompt is the sample without
   its answer; the answer is the trained one (``" 1234567."``, ``" ABCDE, FGHIJ, KLMNO."``), and
   ``exact`` scores 1 only when the response begins with it, final period included (leading
   whitespace aside): a value with a digit more, or a chain with a name more or less, scores 0.
@@ -51,7 +51,7 @@ from . import needle
 
 NEEDLE_KEYS = {"m3_niah_single": 1, "m3_niah_multikey": 4}  # needles per sample (one asked)
 KV_FIXED_PAIRS = 64  # m3_kv_64: the pair count at every length (m3_kv draws 4 .. min(512, length // 48))
-# lm-eval task -> (training.data task, the parameters fixed instead of drawn: TaskGenerator.sample)
+# lm-eval task -> (accuracy.prompts task, the parameters fixed instead of drawn: TaskGenerator.sample)
 TRAINED = {"m3_kv": ("kv", {}), "m3_vt": ("vt", {}),
            "m3_kv_64": ("kv", {"n_pairs": KV_FIXED_PAIRS}), "m3_vt_value": ("vt", {"ask": "last"})}
 TASKS = (*NEEDLE_KEYS, *TRAINED)
@@ -94,7 +94,7 @@ def tokenizer(name: str):
 
 @functools.cache
 def _generator(name: str):
-    from training.data import EVAL_HAYSTACK_SEED, TaskGenerator
+    from .prompts import EVAL_HAYSTACK_SEED, TaskGenerator
 
     tok = tokenizer(name)
     backend = getattr(tok, "backend_tokenizer", None)

@@ -114,7 +114,7 @@ def needle_doc(tokenizer, length: int, seed: int) -> dict:
 
     depth = random.Random(seed).uniform(5.0, 95.0)
     rng = random.Random(f"demo-{seed}")
-    doc = needle.make_sample(tokenizer, needle._Pool(tokenizer), length, depth, 1, rng, 0)
+    doc = needle.make_sample(tokenizer, needle.HaystackPool(tokenizer), length, depth, 1, rng, 0)
     return doc | agreement.prepare(tokenizer, doc, 0)
 
 

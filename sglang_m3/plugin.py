@@ -155,7 +155,7 @@ def _cpu_openmp_waits(cls, args):
     cores (measured on a 2-core box: 1-token decode at 0.9 tokens/s, 13.7 with PASSIVE); no spin at all
     makes a thread sleep between the many small ops of a decode step (PASSIVE alone: 31 tokens/s at
     batch 1 and 4k on a quiet box, 40 with 3000 spins, which cost 15% when a busy process holds a core;
-    docs/perf-cpu-log.md, fourth round)."""
+    lab/logs/perf-cpu-log.md, fourth round)."""
     if getattr(args, "device", None) != "cpu" or OMP_WAIT_POLICY in os.environ or GOMP_SPINCOUNT in os.environ:
         return None
     # neither is set: the two defaults, and nothing else (SGLang's crash diagnostics stay as the user set them:

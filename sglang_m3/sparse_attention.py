@@ -13,8 +13,8 @@ decode over 8 per batch-size bucket, picked during CUDA-graph capture (SGLang 0.
 Hopper with a fixed 8 warps, 2 stages instead, which no variable here reaches). Candidates with different warps need
 not round alike, so two servers of one model can differ in their last bits. ``M3_SPARSE_PREFILL_CONFIG`` and
 ``M3_SPARSE_DECODE_CONFIG`` (``"WARPS,STAGES"``, e.g. ``"4,3"``) hold every server process to one candidate instead
-(the backend calls ``pin_from_env`` once at start-up; ``scripts/gpu/bench_sparse_prefill.py`` and
-``scripts/gpu/bench_sparse_decode.py`` time them all at a model's shapes).
+(the backend calls ``pin_from_env`` once at start-up; ``lab/gpu/bench_sparse_prefill.py`` and
+``lab/gpu/bench_sparse_decode.py`` time them all at a model's shapes).
 """
 
 import functools

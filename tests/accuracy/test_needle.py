@@ -90,10 +90,10 @@ def test_a_grown_pool_gives_the_fresh_pool_s_sample(tokenizer):
     # (sglang_m3.demo draws from a fresh pool: its seeds replay the prompts they always had).
     import random
 
-    grown = needle._Pool(tokenizer)
+    grown = needle.HaystackPool(tokenizer)
     grown.ensure(100000)
     for n_keys in (1, 4):
-        fresh = needle.make_sample(tokenizer, needle._Pool(tokenizer), 3000, 40.0, n_keys, random.Random("a"), 0)
+        fresh = needle.make_sample(tokenizer, needle.HaystackPool(tokenizer), 3000, 40.0, n_keys, random.Random("a"), 0)
         assert needle.make_sample(tokenizer, grown, 3000, 40.0, n_keys, random.Random("a"), 0) == fresh
 
 

@@ -1,6 +1,6 @@
 """The long-context task documents (accuracy.retrieval): seeded per (task, length, index), the same
 prompts however they are asked for, answers a reader can find in the prompt (the oracle of conftest),
-prompts sized in the served tokenizer's tokens, and kv / vt in exactly training/data.py's formats."""
+prompts sized in the served tokenizer's tokens, and kv / vt in exactly lab/training/data.py's formats."""
 
 import random
 import re
@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 from accuracy import needle, retrieval
-from training import data
+from accuracy import prompts as data
 
 ROOT = Path(__file__).resolve().parents[2]
-MSA = str(ROOT / "configs" / "msa-small")  # the training tokenizer (training/tokenizer), as the MSA models serve it
+MSA = str(ROOT / "configs" / "msa-small")  # the training tokenizer (lab/training/tokenizer), as the MSA models serve it
 TINY = str(ROOT / "configs" / "minimax-m3.1-tiny")  # another BPE: merges across digits and words
 TASKS = retrieval.TASKS
 
@@ -104,7 +104,7 @@ def test_long_prompts_fill_their_length(task):
     (d,) = _fresh(task, MSA, [length], [7])
     tokens = _tokens(MSA, d["input"])
     assert tokens == d["tokens"] and length - retrieval.gen_tokens(task) - 128 <= tokens <= length - 24
-    assert ROOT.joinpath("training", "tokenizer", "tokenizer.json").read_bytes() == \
+    assert ROOT.joinpath("lab", "training", "tokenizer", "tokenizer.json").read_bytes() == \
         ROOT.joinpath("configs", "msa-small", "tokenizer.json").read_bytes()
 
 
@@ -204,7 +204,7 @@ def test_questions_beyond_what_a_task_takes_are_refused(task):
 
 
 def test_evaluation_haystack_is_the_needles_and_never_training_s():
-    assert data.EVAL_HAYSTACK_SEED == needle._POOL_SEED
+    assert data.EVAL_HAYSTACK_SEED == needle.POOL_SEED
     tok = retrieval.tokenizer(MSA).backend_tokenizer
     with pytest.raises(ValueError, match="evaluation"):
         data.Haystack(tok, data.EVAL_HAYSTACK_SEED, 16)

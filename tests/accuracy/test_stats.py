@@ -314,7 +314,7 @@ def _agreeing_points(rng, count, max_discordant=0.3):
 def test_exact_coverage_at_small_n(n):
     # Exact coverage at fresh random points where the formats agree on most samples. Over 3,000 such
     # points at each n of 5, 10, 20, 40 the minimum was 0.93-0.99 for Tango and 0.90-0.97 for Newcombe
-    # (scripts/interval_coverage.py; corners with nearly every pair discordant one way, not this
+    # (lab/scripts/interval_coverage.py; corners with nearly every pair discordant one way, not this
     # project's case, dip to 0.81-0.88 for both).
     seed = int(np.random.default_rng().integers(1 << 31))
     points = _agreeing_points(np.random.default_rng(seed), 40)

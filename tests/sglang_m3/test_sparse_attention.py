@@ -152,7 +152,7 @@ def test_the_environment_holds_each_kernel_and_unset_leaves_it_alone(tuners, mon
         fixed_on_hopper = hasattr(importlib.import_module(sa.KERNELS["decode"][1]), "_gqa_share_sparse_decode_pinned")
         warned = [r for r in caplog.records if r.levelname == "WARNING" and "fixed config" in r.getMessage()]
         assert len(warned) == (bool(decode) and fixed_on_hopper)  # SGLang 0.5.23 on Hopper: the variable is told
-        if prefill:  # the line scripts/gpu/call_timings.py reads
+        if prefill:  # the line lab/gpu/call_timings.py reads
             assert f"sparse prefill attention held to {prefill.replace(',', ' warps, ')} stages" in logged[0]
 
 

@@ -1,5 +1,5 @@
 """TP2 and TP4 against TP1 on the CPU: real SGLang servers (``--tp 2`` or ``--tp 4``, and ``--tp 1``, torch
-paths) load one random checkpoint; ``scripts/gpu/sglang_tp2.py --cpu --tp N`` compares greedy tokens, prompt
+paths) load one random checkpoint; ``lab/gpu/sglang_tp2.py --cpu --tp N`` compares greedy tokens, prompt
 logprobs and the selected blocks (the TPn ranks' records merged in index-head order). At TP4 each rank holds
 one index head, as MiniMax-M3 is served in production; on a 2-core box its four ranks share the cores.
 
@@ -24,13 +24,13 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-DRIVER = REPO / "scripts" / "gpu" / "sglang_tp2.py"
+DRIVER = REPO / "lab" / "gpu" / "sglang_tp2.py"
 PROMPT_TOKENS = 2200
 TIE_MARGIN = 0.25  # nats; TP1-vs-TP2 prompt logprobs differ by up to ~0.1 here (bf16 all-reduce order)
 
 
 def _load_check_entry_point(root: Path) -> Path:
-    """A dist-info registering scripts/gpu/m3_load_check.py as an SGLang plugin (checkpoint coverage)."""
+    """A dist-info registering lab/gpu/m3_load_check.py as an SGLang plugin (checkpoint coverage)."""
     dist = root / "m3_tp_cpu_check-0.dist-info"
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: m3-tp-cpu-check\nVersion: 0\n")
@@ -43,7 +43,7 @@ def results(request, tmp_path_factory):
     tp = request.param
     root = tmp_path_factory.mktemp(f"tp{tp}")
     ep = _load_check_entry_point(root / "ep")
-    paths = [str(ep), str(REPO / "scripts" / "gpu")] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+    paths = [str(ep), str(REPO / "lab" / "gpu")] + [p for p in [os.environ.get("PYTHONPATH")] if p]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
     for attempt in (1, 2):
         out = root / f"out{attempt}"
