@@ -76,11 +76,11 @@ VT_PROMPT = (
 VT_ASK_MEMBERS = ("which variables are assigned the value {value} in the chronicle above?",
                   "the variables assigned the value {value} are")
 VT_ASK_LAST = ("what is the value of VAR {name} in the chronicle above?", "the value of VAR {name} is")
-_KV_A = ["amber", "silver", "quiet", "northern", "crooked", "velvet", "hollow", "bitter", "golden", "rusty",
+KV_FIRST_WORDS = ["amber", "silver", "quiet", "northern", "crooked", "velvet", "hollow", "bitter", "golden", "rusty",
          "painted", "frozen", "scarlet", "gentle", "iron", "wandering", "little", "broken", "distant", "hidden",
          "woollen", "copper", "sleepy", "bright", "ancient", "hungry", "patient", "restless", "narrow", "salted",
          "western", "eastern", "tall", "humble", "careful", "windy", "dusty", "lucky", "silent", "stony"]
-_KV_B = ["falcon", "orchard", "lantern", "harbour", "thistle", "anchor", "meadow", "compass", "sparrow",
+KV_SECOND_WORDS = ["falcon", "orchard", "lantern", "harbour", "thistle", "anchor", "meadow", "compass", "sparrow",
          "kettle", "willow", "beacon", "otter", "bramble", "chapel", "juniper", "badger", "cottage", "ferry",
          "granary", "heron", "island", "ladder", "mill", "needle", "pasture", "quarry", "ribbon", "saddle",
          "tavern", "valley", "wagon", "barrel", "candle", "fiddle", "garden", "hammer", "mirror", "pebble",
@@ -284,7 +284,7 @@ class TaskGenerator:
     def needles(self, rng: random.Random, length: int, n_keys: int, depth: float | None = None,
                 queries: int = 1) -> Sample:
         """``accuracy.needle`` format: ``n_keys`` needles; the first ``min(queries, n_keys)`` keys are
-        asked in turn (question, answer, next question, ...; see ``_asked``), the first at ``depth``."""
+        asked in turn (question, answer, next question, ...; see ``asked_keys``), the first at ``depth``."""
         depth = rng.uniform(0.0, 100.0) if depth is None else depth
         keys = _keys(rng, n_keys, needle.KEY_FIRST_WORDS, needle.KEY_SECOND_WORDS)
         values = [_value7(rng) for _ in keys]
@@ -295,7 +295,7 @@ class TaskGenerator:
             facts.append([Piece(text=key_part), Piece(text=value_part, cont=True, evidence=i == 0)])
         context = self._count([head]) + self._count([" " + " ".join(p.text for p in f) for f in facts])
         qa = self._questions([(self._frame(needle.PROMPT, key=keys[i])[1], f" {values[i]}.")
-                              for i in _asked(rng, n_keys, queries, length)], context, length)
+                              for i in asked_keys(rng, n_keys, queries, length)], context, length)
         fixed = context + self._count([t for pair in qa for t in pair])
         task = "single" if n_keys == 1 else "multikey"
         return self._fit(lambda slack: self._assemble(
@@ -305,11 +305,11 @@ class TaskGenerator:
     def kv(self, rng: random.Random, length: int, n_pairs: int | None = None, depth: float | None = None,
            queries: int = 1, repeat: bool = True) -> Sample:
         """``"key": value`` lines in the prose; the first ``min(queries, n_pairs)`` keys are asked in turn
-        (``_asked``; ``repeat=False``: no key asked twice)."""
+        (``asked_keys``; ``repeat=False``: no key asked twice)."""
         depth = rng.uniform(0.0, 100.0) if depth is None else depth
         if n_pairs is None:
             n_pairs = rng.randint(4, max(4, min(MAX_KV_PAIRS, length // 48)))
-        keys = _keys(rng, n_pairs, _KV_A, _KV_B)
+        keys = _keys(rng, n_pairs, KV_FIRST_WORDS, KV_SECOND_WORDS)
         values = [_value7(rng) for _ in keys]
         head, _ = self._frame(KV_PROMPT, key=keys[0])
         facts = [[Piece(text=KV_LINE_KEY.format(key=k), line=True), Piece(text=v, cont=True, evidence=i == 0)]
@@ -317,7 +317,7 @@ class TaskGenerator:
         context = self._count([head]) + self._count(
             ["\n" + KV_LINE_KEY.format(key=k) + " " + v + "\n" for k, v in zip(keys, values)]) - n_pairs
         qa = self._questions([(self._frame(KV_PROMPT, key=keys[i])[1], f" {values[i]}.")
-                              for i in _asked(rng, n_pairs, queries, length, repeat)], context, length)
+                              for i in asked_keys(rng, n_pairs, queries, length, repeat)], context, length)
         fixed = context + self._count([t for pair in qa for t in pair])
         return self._fit(lambda slack: self._assemble(
             head, self._place(random.Random(rng.random()), length, fixed + slack, depth, facts), qa, "kv"),
@@ -422,7 +422,7 @@ class TaskGenerator:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
 
 
-def _asked(rng: random.Random, n_keys: int, queries: int, length: int, repeat: bool = True) -> list[int]:
+def asked_keys(rng: random.Random, n_keys: int, queries: int, length: int, repeat: bool = True) -> list[int]:
     """Indices of the keys asked, in order: keys ``0 .. k - 1`` with ``k = min(queries, n_keys,
     max(1, length // QUERY_TOKENS))`` (questions fill at most about a third of the sample), then (only
     when ``k > 1``) ``k // 2`` of them, drawn at random, asked again. A repeated question's answer can be

@@ -1,23 +1,15 @@
 #!/usr/bin/env bash
-# On a CUDA GPU: the gpu-marked kernel tests, then the scorer/writer benchmark (correctness first).
+# On a CUDA GPU: the gpu-marked tests, then the scorer/writer benchmark (correctness first).
 #   scripts/run_gpu_tests.sh [bench args...]     logs and tables go to $OUT (default ./out)
 #   scripts/run_gpu_tests.sh --multi-gpu         only the 2-GPU context-parallel scorer test (NCCL,
 #                                                 NVLink multicast off), log in $OUT/pytest_multi_gpu.log
-# SGLang (its JIT loader builds the CUDA MXFP4 scorer; its M3 scorer is the peer baseline) comes
-# from the bundle of lab/gpu/build_wheel_bundle.sh when .whl1/ is present (carry it), else from
-# $WHEELS (a folder of .whl files) when that is set.
+# Needs torch, Triton and SGLang importable by python3 (SGLang's JIT loader builds the CUDA MXFP4
+# scorer; its M3 scorer is the peer baseline): an environment made by scripts/setup.sh, or any other.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-SITE=${SITE:-$PWD/build/gpu-site}  # where carried wheels are installed
-if [ -f .whl1/gpu-site.tar.xz.part ]; then
-    source lab/gpu/bundle_env.sh || exit 1
-elif [ -n "${WHEELS:-}" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl \
-        && export PYTHONPATH="$SITE"${PYTHONPATH:+:$PYTHONPATH}
-fi
 export PYTHONPATH=$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}
 if [ "${1:-}" = "--multi-gpu" ]; then
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -29,7 +21,6 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/ops/write/test_triton.py \
     tests/kernels/ops/score/test_triton.py tests/kernels/ops/score/backends/test_cuda.py \
     tests/kernels/ops/select/test_triton.py tests/kernels/ops/test_pdl.py tests/sglang_m3/test_sparse_attention.py \
-    lab/tests/scripts/test_bench_sparse_prefill.py lab/tests/scripts/test_bench_sparse_decode.py \
     ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
 tests_rc=${PIPESTATUS[0]}
 echo "gpu tests exit code: $tests_rc" | tee -a "$OUT/pytest_gpu.log"

@@ -48,7 +48,7 @@ _CALL_LOG = re.compile(r"accuracy_h200_\d{4}-\d{2}-\d{2}_q4_call(\d+)(?:_[\w-]+)
 # (the first slash follows a space, a quote or a bracket), nor one through a hidden folder or an installed package
 # (/home/u/.cache/torch/kernels/x, .../site-packages/kernels/x are not the repo's).
 _REPO_PATH = re.compile(r"(?<![\w./:~-])/(?:(?!(?:site|dist)-packages/)[\w+@-][\w.+@-]*/)+?"
-                        r"(?=(?:build|scripts|configs|accuracy|sglang_m3|kernels|training|tests|docs|out)/)")
+                        r"(?=(?:build|scripts|configs|accuracy|sglang_m3|kernels|lab|training|tests|docs|out)/)")
 # What is left of a machine's own folders after that: their root becomes <machine>.
 _MACHINE_PATH = re.compile(r"(?<![\w./:~-])/(?:root|tmp|work|home|farm|scratch|mnt)(?=/)")
 

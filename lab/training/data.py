@@ -26,7 +26,7 @@ from tokenizers import Tokenizer
 from accuracy.prompts import (  # noqa: F401  (the trainer, the probes and their tests read them as data.*)
     BLOCK, COPY_MAX_NUMBERS, DEFAULT_TASK_WEIGHTS, EVAL_HAYSTACK_SEED, EVAL_TASKS, HELDOUT_HAYSTACK_SEED, KV_LINE_KEY,
     KV_PROMPT, MAX_KV_PAIRS, MULTIKEY_RANGE, QUERY_TOKENS, TASKS, TRAIN_HAYSTACK_SEED, VT_ASK_LAST, VT_ASK_MEMBERS,
-    VT_PROMPT, COPY_PROMPT, Haystack, Piece, Sample, TaskGenerator,
+    VT_PROMPT, COPY_PROMPT, KV_FIRST_WORDS, KV_SECOND_WORDS, Haystack, Piece, Sample, TaskGenerator, asked_keys,
 )
 
 TOKENIZER_DIR = Path(__file__).resolve().parent / "tokenizer"

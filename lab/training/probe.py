@@ -4,7 +4,7 @@ questions, and the loss on the asked key's words in the questions.
     python -m training.probe <run dir or state.pt> [--length 512] [--samples 48]
 
 Held-out ``kv`` and ``multikey`` samples (``training.data.HELDOUT_HAYSTACK_SEED``) with up to 8
-questions each (``training.data._asked``: a second, shorter round repeats half of them). Chance,
+questions each (``training.data.asked_keys``: a second, shorter round repeats half of them). Chance,
 for a model that does not read the context: answer digits 1/10 (the first digit 1/9), exact match
 of a 7-digit answer 1e-7, key words ln(40) = 3.69 nats in ``kv`` and ln(16) = 2.77 in ``multikey``
 (each key word is drawn uniformly from a list of 40, resp. 16; ``KEY_WORD_CHANCE``).
@@ -25,7 +25,7 @@ from accuracy import needle
 from training import data
 
 # CE of a key word for a model that does not read the context: each word is uniform over its list
-KEY_WORD_CHANCE = {"kv": math.log(len(data._KV_A)), "multikey": math.log(len(needle.KEY_FIRST_WORDS))}
+KEY_WORD_CHANCE = {"kv": math.log(len(data.KV_FIRST_WORDS)), "multikey": math.log(len(needle.KEY_FIRST_WORDS))}
 
 
 def load(path: str | Path):
@@ -51,7 +51,7 @@ def probe(model, length: int = 512, samples: int = 48, seed: int = 5) -> dict:
     tok = data.load_tokenizer()
     gen = data.TaskGenerator(tok, data.HELDOUT_HAYSTACK_SEED, num_sentences=4096)
     key_words = {task: {tok.encode(w, add_special_tokens=False).ids[0] for w in a + b}
-                 for task, a, b in (("kv", data._KV_A, data._KV_B), ("multikey", needle.KEY_FIRST_WORDS, needle.KEY_SECOND_WORDS))}
+                 for task, a, b in (("kv", data.KV_FIRST_WORDS, data.KV_SECOND_WORDS), ("multikey", needle.KEY_FIRST_WORDS, needle.KEY_SECOND_WORDS))}
     rng = random.Random(seed)
     acc = {kind: {"n": 0, "exact": 0.0, "digit1": 0.0, "digits2_7": 0.0} for kind in ("first", "repeat")}
     key_ce: dict = {"kv": [], "multikey": []}

@@ -46,7 +46,7 @@ def test_probe_splits_the_first_digit_from_the_others():
     exact 0, key-word loss about 0, for first and repeated questions alike."""
     tok = data.load_tokenizer()
     words = {tok.encode(w, add_special_tokens=False).ids[0]
-             for w in data._KV_A + data._KV_B + needle.KEY_FIRST_WORDS + needle.KEY_SECOND_WORDS}
+             for w in data.KV_FIRST_WORDS + data.KV_SECOND_WORDS + needle.KEY_FIRST_WORDS + needle.KEY_SECOND_WORDS}
     out = probe.probe(_FirstDigitAndKeyReader(tok.token_to_id("Ġ"), words), length=512, samples=4)
     for kind in ("first", "repeat"):
         assert out[kind]["n"] > 0
