@@ -6,7 +6,7 @@
 # config with dummy weights instead (gibberish answers, by construction).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-.venv/bin/python -m sglang_m3.demo --index-k-format mxfp4 "$@"
+.venv/bin/python examples/needle_demo.py --index-k-format mxfp4 "$@"
 
 # Accuracy hook: the fp8-vs-MXFP4 comparison (accuracy/) on the small MSA model trained here
 # (configs/msa-small, real weights): one CPU server per format, real lm-eval on single-needle prompts

@@ -87,7 +87,7 @@ def test_each_sample_has_its_own_seed(tokenizer, n_keys):
 
 def test_a_grown_pool_gives_the_fresh_pool_s_sample(tokenizer):
     # make_sample's window depends on the sample, not on how far other samples grew the shared pool
-    # (sglang_m3.demo draws from a fresh pool: its seeds replay the prompts they always had).
+    # (examples/needle_demo.py draws from a fresh pool: its seeds replay the prompts they always had).
     import random
 
     grown = needle.HaystackPool(tokenizer)

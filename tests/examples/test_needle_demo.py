@@ -1,8 +1,14 @@
-"""The demo's pieces that need no server: the needle prompt, the selection read-back and its lines."""
+"""examples/needle_demo.py: the pieces that need no server: the needle prompt, the selection read-back and its lines."""
+
+import importlib.util
+from pathlib import Path
 
 import pytest
 
-from sglang_m3 import demo
+_SPEC = importlib.util.spec_from_file_location(
+    "needle_demo", Path(__file__).resolve().parents[2] / "examples" / "needle_demo.py")
+demo = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(demo)
 
 
 def test_trained_model_is_the_default_and_has_weights():

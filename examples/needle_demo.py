@@ -1,6 +1,6 @@
 """Serve a MiniMax-M3.1-geometry model on the CPU, ask one needle question, show what MSA picked, stop.
 
-    python -m sglang_m3.demo [--model configs/msa-small] [--index-k-format mxfp4] [--length 8192] [--seed N]
+    python examples/needle_demo.py [--model configs/msa-small] [--index-k-format mxfp4] [--length 8192] [--seed N]
 
 By default it serves ``configs/msa-small`` (the small MSA model trained here, real weights) with the
 chosen index-K cache, builds a needle prompt it has never seen (``accuracy.needle``: the evaluation
@@ -28,11 +28,11 @@ from pathlib import Path
 
 from m3_kernels.formats import PAGE_SIZE, TOPK_BLOCKS, IndexKFormat
 
-from . import prewarm
-from .config import register_config
-from .plugin import cpu_launch_env, free_port
+from sglang_m3 import prewarm
+from sglang_m3.config import register_config
+from sglang_m3.plugin import cpu_launch_env, free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent  # the checkout this example sits in
 TRAINED_MODEL = REPO / "configs" / "msa-small"
 TINY_MODEL = REPO / "configs" / "minimax-m3.1-tiny"
 # The tiny model's old demo prompt (about 2450 tokens with its tokenizer): kept for the CPU benchmark.
