@@ -96,14 +96,19 @@ def verify_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_b
     return availability(q.device)
 
 
-def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
-                 cp_world=1):
-    """Decode block scores through aiter (contract: ``ops.score.score_decode``)."""
-    ok, reason = availability(q.device)
-    if not ok:
-        raise NotImplementedError(reason)
-    args, kwargs, out = decode_call(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank,
-                                    cp_world)
+def check_plan(fmt, S, H, batch, max_block, block_table, out, cp_world) -> None:
+    """The plan-time rules of aiter's scorer (``ops.score.plan_decode``'s hook): MXFP4 cache, no CP shard."""
+    if fmt is not IndexKFormat.MXFP4:
+        raise ValueError(f"aiter's {ENTRY_POINT} reads MXFP4 caches only, got a {fmt.value} cache")
+    if cp_world != 1:
+        raise ValueError(f"aiter's {ENTRY_POINT} takes no context-parallel shard, got cp_world={cp_world}")
+
+
+def score_decode(plan, q, cache, out=None):
+    """Decode block scores of ``plan`` through aiter (contract: ``ops.score.score_decode``). ``decode_call``
+    still re-checks the call as loose tensors (untested on a GPU here; left as it was)."""
+    args, kwargs, out = decode_call(q, cache.data, cache.scale_e8m0, plan.block_table, plan.seq_lens, plan.S,
+                                    plan.sm_scale, plan.max_block, out, plan.cp_rank, plan.cp_world)
     if out.shape[1] and out.shape[2]:
         find_scorer()(*args, **kwargs)
     return out
