@@ -1,7 +1,7 @@
 """Triton block scorers (decode and prefill) over the paged index-K cache: bf16, fp8 and MXFP4.
 
 Contract: ``naive.score_decode_ref`` / ``naive.score_prefill_ref`` (``docs/design.md``, "The block
-scores"). Validation happens in the plans (``plan_decode`` / ``plan_prefill``) and when the
+scorer contract"). Validation happens in the plans (``plan_decode`` / ``plan_prefill``) and when the
 ``IndexKCache`` is made; nothing here re-checks what they check.
 
 Work map: one program per (chunk of ``PP`` local pages, query tile). A decode query tile is one
