@@ -20,8 +20,17 @@ from dataclasses import dataclass
 import torch
 
 from ...formats import IndexKFormat
-from .common import check_decode_args, check_decode_meta, check_decode_q, check_prefill_args, decode_supported  # noqa: F401
-from .common import check_prefill_meta, check_prefill_offsets, _check_one_device, _check_q
+from .common import (  # noqa: F401
+    _check_one_device,
+    _check_q,
+    check_decode_args,
+    check_decode_meta,
+    check_decode_q,
+    check_prefill_args,
+    check_prefill_meta,
+    check_prefill_offsets,
+    decode_supported,
+)
 from .resolve import BACKENDS, ENV_BACKEND, choose_backend, resolve_backend  # noqa: F401
 
 

@@ -124,7 +124,7 @@ def verify_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_b
 
 def load_module(source=SOURCE, name="m3_score_decode_mxfp4"):
     """The TVM-FFI module compiled from ``source`` (built, or loaded from SGLang's JIT cache) under
-    ``name``, for ``score_decode_checked(..., module=)``. The benchmark passes an earlier revision of
+    ``name``, for ``score_decode(plan, q, cache, out, module=)``. The benchmark passes an earlier revision of
     the source to time it beside this one."""
     try:
         from sglang.jit_kernel.utils import load_jit  # SGLang 0.5.16
