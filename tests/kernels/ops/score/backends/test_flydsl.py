@@ -359,6 +359,30 @@ def test_prepare_allocates_minus_inf_and_skips_empty_launch():
     assert launcher is None and out.shape == (1, 0, NUM_PAGES)
 
 
+@needs_flydsl
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_planned_run_marshals_the_launch_of_the_checked_call(fmt):
+    """The run of a plan (no checks) builds the very launch the checked loose call builds; a misaligned Q
+    view is copied once instead of refused."""
+    from m3_kernels.formats import IndexKCache
+    from m3_kernels.ops.score import plan_decode
+    from m3_kernels.ops.score.backends.flydsl.host import prepare_decode, prepare_run
+
+    (q, k_cache, k_scale, bt, sl, S, sm), _ = decode_call(fmt, "bf16", 2, 4)
+    cache = IndexKCache.of(k_cache, k_scale)
+    want_launcher, want, _ = prepare_decode(q, k_cache, k_scale, bt, sl, S, sm)
+    plan = plan_decode(cache, bt, sl, S, 4, sm, backend="torch")  # the plan's fields; the launch is FlyDSL's
+    launcher, got, out = prepare_run(plan, q, cache)
+    assert launcher is want_launcher and len(got) == len(want)
+    for a, b in zip(got, want):
+        assert (a is b or torch.equal(a, b)) if isinstance(a, torch.Tensor) else a == b
+    store = torch.zeros(q.numel() + 4, dtype=q.dtype)
+    shifted = store[4:].view_as(q)
+    shifted.copy_(q)
+    launcher, got, _ = prepare_run(plan, shifted, cache)
+    assert got[0].data_ptr() % 16 == 0 and torch.equal(got[0], want[0])
+
+
 # On a ROCm gfx950 GPU only (written for MI350/MI355X; never run: no such GPU was available).
 
 ON_GFX950 = torch.cuda.is_available() and flydsl_backend.is_available(torch.device("cuda", 0))

@@ -81,6 +81,10 @@ def decode_call(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_blo
     _, batch, H, max_block, sm_scale = check_aiter_decode(
         q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank, cp_world
     )
+    return _call(q, k_cache, k_scale, block_table, seq_lens, S, H, batch, max_block, sm_scale, out)
+
+
+def _call(q, k_cache, k_scale, block_table, seq_lens, S, H, batch, max_block, sm_scale, out):
     if out is None:
         out = torch.full((H, batch * S, max_block), float("-inf"), dtype=torch.float32, device=q.device)
     args = (q, k_cache, k_scale, block_table, seq_lens, S, H, sm_scale / LOG2E, max_block)
@@ -105,10 +109,13 @@ def check_plan(fmt, S, H, batch, max_block, block_table, out, cp_world) -> None:
 
 
 def score_decode(plan, q, cache, out=None):
-    """Decode block scores of ``plan`` through aiter (contract: ``ops.score.score_decode``). ``decode_call``
-    still re-checks the call as loose tensors (untested on a GPU here; left as it was)."""
-    args, kwargs, out = decode_call(q, cache.data, cache.scale_e8m0, plan.block_table, plan.seq_lens, plan.S,
-                                    plan.sm_scale, plan.max_block, out, plan.cp_rank, plan.cp_world)
+    """Decode block scores of ``plan`` through aiter (contract: ``ops.score.score_decode``); checks nothing
+    (the plan did). A Q view whose base or strides are not 16-byte aligned is copied once."""
+    es = q.element_size()
+    if any(x % VIEW_ALIGN_BYTES for x in (q.data_ptr(), q.stride(0) * es, q.stride(1) * es)):
+        q = q.clone(memory_format=torch.contiguous_format)
+    args, kwargs, out = _call(q, cache.data, cache.scale_e8m0, plan.block_table, plan.seq_lens, plan.S, plan.H,
+                              plan.batch, plan.max_block, plan.sm_scale, out)
     if out.shape[1] and out.shape[2]:
         find_scorer()(*args, **kwargs)
     return out

@@ -72,18 +72,15 @@ def verify_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_b
 
 def check_plan(fmt, S, H, batch, max_block, block_table, out, cp_world) -> None:
     """The plan-time rules of this kernel (``ops.score.plan_decode``'s hook): 32-bit offsets of
-    ``block_table`` and ``out``."""
+    ``block_table``, ``out`` and a contiguous Q of the batch."""
     from .checks import check_flydsl_plan
 
     check_flydsl_plan(H, S, batch, max_block, block_table, out)
 
 
 def score_decode(plan, q, cache, out=None, nt_k=None):
-    """Decode block scores of ``plan`` for ``q`` over ``cache`` (contract: ``ops.score.score_decode``).
+    """Decode block scores of ``plan`` for ``q`` over ``cache`` (contract: ``ops.score.score_decode``);
+    checks nothing (the plan did). ``nt_k``: K tiles whose loads are issued ahead."""
+    from .host import run
 
-    The launch goes through ``host.score_decode``, which still re-checks the call as loose tensors
-    (the kernel has not run on a GPU yet; moving those checks into the plan is left for then)."""
-    from .host import score_decode as run
-
-    return run(q, cache.data, cache.scale_e8m0, plan.block_table, plan.seq_lens, plan.S, plan.sm_scale,
-               plan.max_block, out, plan.cp_rank, plan.cp_world, nt_k)
+    return run(plan, q, cache, out, nt_k)

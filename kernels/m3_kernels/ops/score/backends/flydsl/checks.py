@@ -35,7 +35,9 @@ def check_flydsl_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale,
 
 
 def check_flydsl_plan(H, S, batch, max_block, block_table, out) -> None:
-    """The batch-level rules: ``block_table`` and ``out`` offsets fit int32."""
+    """The batch-level rules: ``block_table``, ``out`` and a contiguous bf16 Q of the batch fit int32 offsets."""
+    if batch * S * H * 128 * 2 >= INT32_LIMIT:
+        raise ValueError(f"q [{batch * S}, {H}, 128] must be < 2^31 B for the FlyDSL scorer (32-bit offsets)")
     for name, t in (("block_table", block_table), ("out", out)):
         if t is not None and _byte_span(t) >= INT32_LIMIT:
             raise ValueError(f"{name} spans {_byte_span(t)} B; the FlyDSL scorer needs < 2^31 B (32-bit offsets)")
