@@ -118,7 +118,8 @@ def check_decode_meta(cache, block_table, seq_lens, S, H, sm_scale, max_block=No
     return batch, max_block, check_sm_scale(sm_scale)
 
 
-def check_decode_args(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0, cp_world=1):
+def check_decode_args(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
+                      cp_world=1):
     """Validate a decode scoring call given as loose tensors (the ROCm backends' own entry points);
     returns ``(format, batch, H, max_block, sm_scale)``: the cache views (``check_index_k_cache``),
     ``check_decode_meta``'s rules and ``q [batch*S, H, 128]`` bf16 | e4m3 (last dim contiguous)."""
@@ -157,7 +158,8 @@ def check_prefill_meta(cache, block_table, seq_lens, cu_seqlens_q, H, num_tokens
     ``out fp32 [H, num_tokens, max_block]`` (last dim contiguous) or None.
     """
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.stride(1) != 1:
-        raise ValueError(f"block_table must be int32 [batch, max_block], got {block_table.dtype} {tuple(block_table.shape)}")
+        raise ValueError(f"block_table must be int32 [batch, max_block], got {block_table.dtype} "
+                         f"{tuple(block_table.shape)}")
     batch = block_table.shape[0]
     _check_int32_vector("seq_lens", seq_lens, batch)
     _check_int32_vector("cu_seqlens_q", cu_seqlens_q, batch + 1)

@@ -68,7 +68,8 @@ def choose_backend(device, fmt, op: str = "decode", backend: str | None = None,
         if op == "prefill" and requested == "cuda":
             ok, why = _cuda_prefill_available(device)
             if not ok:
-                return Choice(_auto(device, storage, op, query_vectors).backend, f"cuda prefill: {why}; resolves as auto")
+                auto = _auto(device, storage, op, query_vectors).backend
+                return Choice(auto, f"cuda prefill: {why}; resolves as auto")
             return Choice("cuda", "forced")
         return Choice(requested, f"forced by {'the backend argument' if backend else ENV_BACKEND}")
     return _auto(device, storage, op, query_vectors)
