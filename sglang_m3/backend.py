@@ -4,15 +4,18 @@ Subclasses SGLang's ``MiniMaxSparseAttnBackend`` (which ``MiniMaxHybridAttnBacke
 the dense backend for layers 0-2) and replaces its index path. Per sparse layer and forward:
 
 1. store main K/V and the index key at ``out_cache_loc`` (``write_index_k`` inside the pool);
-2. score every visible 128-token block from the paged index cache (``score_prefill`` /
-   ``score_decode``; radix-cached prefixes are read from the cache like any other page);
+2. score every visible 128-token block from the layer's ``IndexKCache`` (``score_prefill`` /
+   ``score_decode`` on the batch's plan; radix-cached prefixes are read from the cache like any other page);
 3. pick the top blocks (``select_blocks``);
 4. attend over the picked blocks (``sparse_attention``: SGLang's Triton kernels on CUDA, torch
    elsewhere).
 
-Plan, then run: host work (block tables for prefill, decode buffer views) happens in
+Plan, then run: host work (block tables for prefill, decode buffer views, and the scorers' plans,
+``plan_decode`` / ``plan_prefill``: backend choice and every metadata check, once per batch) happens in
 ``init_forward_metadata_out_graph``; decode metadata is refreshed by device ops in
-``init_forward_metadata_in_graph`` into buffers that CUDA-graph capture and replay share.
+``init_forward_metadata_in_graph`` into buffers that CUDA-graph capture and replay share. A captured
+batch size's decode plan is made at capture and reused by its replays (it holds the same buffers).
+Each layer's run checks nothing.
 
 Decode buffers in CUDA-graph mode: ``init_cuda_graph_state(max_bs)`` allocates one set for
 ``max_bs`` rows and every batch size up to it gets leading views of that set (``scores`` as the first
@@ -32,9 +35,17 @@ from typing import Optional
 
 import torch
 
-from m3_kernels.formats import FP8_DTYPE, PAGE_SIZE, prepare_index_q
-from m3_kernels.ops.score import ENV_BACKEND, PrefillPlan, plan_prefill, prepare_decode, score_decode, score_prefill
-from m3_kernels.ops.score.cpu import score_decode_cpu, score_prefill_cpu
+from m3_kernels.formats import FP8_DTYPE, PAGE_SIZE
+from m3_kernels.ops.score import (
+    ENV_BACKEND,
+    DecodePlan,
+    PrefillPlan,
+    plan_decode,
+    plan_prefill,
+    resolve_backend,
+    score_decode,
+    score_prefill,
+)
 from m3_kernels.ops.select import check_select_params, select_blocks, visible_blocks
 from sglang.srt.configs.model_config import get_minimax_sparse_attention_config
 from sglang.srt.layers.attention.minimax_sparse_backend import MiniMaxSparseAttnBackend
@@ -56,6 +67,7 @@ class _DecodeMeta:
     seq_lens: torch.Tensor  # int32 [bs]
     n_visible: torch.Tensor  # int64 [bs]: blocks the decode row sees
     scores: torch.Tensor  # fp32 [H_idx, bs, max_blocks]
+    plan: Optional[DecodePlan] = None  # the scorer's plan over these buffers, made once (per captured size)
 
 
 @dataclass
@@ -67,11 +79,11 @@ class _ExtendMeta:
     max_seqlen_q: int
     max_block: int
     num_tokens: int
-    plan: PrefillPlan  # the scorer's work map, made once here for every sparse layer
+    plan: Optional[PrefillPlan]  # the scorer's plan, made once here for every sparse layer
 
 
 def check_decode_scorer(scorer: str, device_type: str, cuda_graph: bool) -> None:
-    """ValueError if decode scorer ``scorer`` (``prepare_decode``'s name) cannot be captured in the CUDA graphs
+    """ValueError if decode scorer ``scorer`` (``resolve_backend``'s name) cannot be captured in the CUDA graphs
     a server on ``device_type`` will capture: the torch reference reads sizes back to the host."""
     if scorer == "torch" and device_type == "cuda" and cuda_graph:
         raise ValueError(
@@ -120,11 +132,13 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
         self._block_starts = self.req_to_token[:, ::PAGE_SIZE]
         self.max_blocks = self._block_starts.shape[1]
         self._graph_decode_buffers: Optional[_DecodeMeta] = None  # for max_bs rows, in CUDA-graph mode
+        self._graph_decode_plans: dict[int, _DecodeMeta] = {}  # per batch size: views of those buffers, planned
         self._in_graph_mode = False
         self._decode_meta: Optional[_DecodeMeta] = None
         self._extend_meta: Optional[_ExtendMeta] = None
         self.recorder = SelectionRecorder.from_config(runner.model_config.hf_config, self.sparse_layer_ids)
-        self.decode_scorer = prepare_decode(self.device, settings.fmt.is_mxfp4)  # JIT builds now, not mid-capture
+        # Resolved now (the CUDA kernel's JIT build happens here, not mid-capture); each plan resolves the same way.
+        self.decode_scorer = resolve_backend(self.device, settings.fmt, "decode", query_vectors=self.num_idx_heads)
         check_decode_scorer(self.decode_scorer, self.device.type,
                             not setting(runner.server_args, "disable_cuda_graph", False))
         if self.device.type == "cuda":
@@ -140,6 +154,7 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
         shared = self._graph_decode_buffers
         if shared is None or shared.seq_lens.shape[0] < max_bs:
             self._graph_decode_buffers = self._new_decode_meta(max_bs)
+            self._graph_decode_plans = {}
 
     def _new_decode_meta(self, bs: int) -> _DecodeMeta:
         dev = self.device
@@ -172,9 +187,12 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
             bs = forward_batch.seq_lens.shape[0]
             shared = self._graph_decode_buffers if self._in_graph_mode else None
             if shared is not None and bs <= shared.seq_lens.shape[0]:  # capture, replay, or eager up to max_bs
-                self._decode_meta = self._graph_decode_views(bs)
+                meta = self._graph_decode_plans.get(bs)
+                if meta is None:  # first use of this size (its capture): views and plan made once
+                    meta = self._graph_decode_plans[bs] = self._plan_decode(self._graph_decode_views(bs))
+                self._decode_meta = meta
             else:
-                self._decode_meta = self._new_decode_meta(bs)
+                self._decode_meta = self._plan_decode(self._new_decode_meta(bs))
             return
         # Extend (prefill, chunked prefill, mixed): eager, host metadata allowed.
         seq_lens_cpu = forward_batch.seq_lens_cpu
@@ -194,8 +212,27 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
             max_seqlen_q=int(max(extend_lens_cpu)),
             max_block=max_block,
             num_tokens=cu_host[-1],
-            plan=plan_prefill(cu_host, seq_lens_cpu.tolist(), self.num_idx_heads, self.device),
+            plan=None,
         )
+        meta, cache = self._extend_meta, self._any_cache()
+        if cache is not None:
+            # Rows seeing at most topk blocks take them all (no scores needed) unless the recorder keeps scores.
+            meta.plan = plan_prefill(cache, meta.block_table, seq_lens, cu, self.num_idx_heads, self.idx_sm_scale,
+                                     max_block, cu_seqlens_host=cu_host, seq_lens_host=seq_lens_cpu.tolist(),
+                                     skip_rows_seeing=self.topk_blocks if self.recorder is None else 0)
+
+    def _any_cache(self):
+        """A sparse layer's ``IndexKCache`` (every layer shares format, geometry and device, so plans take any);
+        None where this rank holds no sparse layer."""
+        caches = self.kv_pool.index_k_pool.caches
+        return caches[0] if caches else None
+
+    def _plan_decode(self, meta: _DecodeMeta) -> _DecodeMeta:
+        cache = self._any_cache()
+        if cache is not None:
+            meta.plan = plan_decode(cache, meta.block_table, meta.seq_lens, 1, self.num_idx_heads, self.idx_sm_scale,
+                                    self.max_blocks, meta.scores)
+        return meta
 
     def init_forward_metadata_in_graph(self, forward_batch):
         meta = self._decode_meta
@@ -212,15 +249,16 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
 
     # ---- run ---------------------------------------------------------------------------------
 
-    def _index_q(self, idx_q: torch.Tensor) -> torch.Tensor:
-        """Index Q as the scorers take it: bf16 (or e4m3), rotated for ``mxfp4_rot``. A float32 model's
-        (CPU) Q is rounded to bf16; any other dtype raises (float16 models are refused at start-up)."""
+    def _index_q(self, idx_q: torch.Tensor, cache) -> torch.Tensor:
+        """Index Q as the scorers take it: bf16 (or e4m3), then ``cache.prepare_q`` (rotated for ``mxfp4_rot``).
+        A float32 model's (CPU) Q is rounded to bf16; any other dtype raises (float16 models are refused at
+        start-up)."""
         if idx_q.dtype == torch.float32:
             idx_q = idx_q.to(torch.bfloat16)
         elif idx_q.dtype not in (torch.bfloat16, FP8_DTYPE):
             raise ValueError(f"idx_q must be bfloat16, float8_e4m3fn or float32 (rounded to bfloat16), "
                              f"got {idx_q.dtype}")
-        return prepare_index_q(idx_q, self.settings.fmt, self.settings.sign_seed)
+        return cache.prepare_q(idx_q)
 
     def _select(self, scores: torch.Tensor, n_visible: torch.Tensor) -> torch.Tensor:
         return select_blocks(scores, n_visible, self.topk_blocks, self.local_blocks, self.init_blocks)
@@ -229,19 +267,11 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
         meta = self._extend_meta
         self.kv_pool.set_fused_kv_index_buffer(layer, forward_batch.out_cache_loc, k, v, idx_k, idx_v)
         k_cache, v_cache = self.kv_pool.get_kv_buffer(layer.layer_id)
-        idx_cache, idx_scale = self.kv_pool.get_index_k_buffer(layer.layer_id)
+        cache = self.kv_pool.get_index_k_buffer(layer.layer_id)
 
         padded_tokens, n = q.shape[0], meta.num_tokens  # DP attention may pad q past the real tokens
         q, idx_q, positions = q[:n], idx_q[:n], forward_batch.positions[:n]
-        if q.device.type == "cpu":  # the fast torch scorer (checked against naive.py in tests/kernels)
-            # Rows seeing at most topk blocks take them all (no scores needed) unless the recorder keeps scores.
-            skip = self.topk_blocks if self.recorder is None else 0
-            scores = score_prefill_cpu(self._index_q(idx_q), idx_cache, idx_scale, meta.block_table, meta.seq_lens,
-                                       meta.cu_seqlens_q, self.idx_sm_scale, max_block=meta.max_block,
-                                       skip_rows_seeing=skip)
-        else:
-            scores = score_prefill(self._index_q(idx_q), idx_cache, idx_scale, meta.block_table, meta.seq_lens,
-                                   meta.cu_seqlens_q, self.idx_sm_scale, max_block=meta.max_block, plan=meta.plan)
+        scores = score_prefill(meta.plan, self._index_q(idx_q, cache), cache)
         n_visible = visible_blocks(positions, PAGE_SIZE)
         selected = self._select(scores, n_visible)
         o = sparse_attention_extend(q, k_cache, v_cache, self.req_to_token, forward_batch.req_pool_indices,
@@ -259,11 +289,9 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
         meta = self._decode_meta
         self.kv_pool.set_fused_kv_index_buffer(layer, forward_batch.out_cache_loc, k, v, idx_k, idx_v)
         k_cache, v_cache = self.kv_pool.get_kv_buffer(layer.layer_id)
-        idx_cache, idx_scale = self.kv_pool.get_index_k_buffer(layer.layer_id)
+        cache = self.kv_pool.get_index_k_buffer(layer.layer_id)
 
-        score = score_decode_cpu if q.device.type == "cpu" else score_decode
-        scores = score(self._index_q(idx_q), idx_cache, idx_scale, meta.block_table, meta.seq_lens, 1,
-                       self.idx_sm_scale, max_block=self.max_blocks, out=meta.scores)
+        scores = score_decode(meta.plan, self._index_q(idx_q, cache), cache, meta.scores)
         selected = self._select(scores, meta.n_visible)
         o = sparse_attention_decode(q, k_cache, v_cache, self.req_to_token, forward_batch.req_pool_indices,
                                     meta.seq_lens, selected, self.block_size_k, layer.scaling)

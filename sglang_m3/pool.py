@@ -6,8 +6,10 @@ freed or reused by SGLang's allocator is freed or reused for both. Slot ``loc`` 
 ``loc // PAGE_SIZE``, row ``loc % PAGE_SIZE``; this needs SGLang's ``--page-size`` to equal
 ``PAGE_SIZE`` (128, one MSA block), so that a request's block ``p`` is one cache page.
 
-Quantization is one call to ``m3_kernels.ops.write.write_index_k``; byte sizes come from
-``IndexKFormat.token_bytes``.
+Each layer's index cache is one ``m3_kernels.formats.IndexKCache`` (format, views, scale rule, sign
+seed), checked once when the pool makes it; ``get_index_k_buffer`` returns it and the writer and
+scorers take it. Quantization is one call to ``m3_kernels.ops.write.write_index_k``; byte sizes come
+from ``IndexKFormat.token_bytes``.
 """
 
 from contextlib import nullcontext
@@ -15,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from m3_kernels.formats import INDEX_DIM, PAGE_SIZE, alloc_index_k_cache
+from m3_kernels.formats import INDEX_DIM, PAGE_SIZE, IndexKCache, alloc_index_k_cache
 from m3_kernels.ops.write import write_index_k
 from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
 from sglang.srt.mem_cache.memory_pool import KVCache, MHATokenToKOnlyPool, MiniMaxSparseKVPool
@@ -38,8 +40,8 @@ def num_index_pages(size: int, page_size: int) -> int:
 
 
 class IndexKPool(MHATokenToKOnlyPool):
-    """K-only index pool in one ``IndexKFormat``: per layer ``(k_cache, k_scale)`` as
-    ``m3_kernels.formats.alloc_index_k_cache`` makes them (MXFP4: single-region 8704 B pages)."""
+    """K-only index pool in one ``IndexKFormat``: per layer one ``IndexKCache`` (``caches``; MXFP4 in
+    single-region 8704 B pages). ``k_buffer`` / ``k_scale_buffer`` hold the same views for SGLang's code."""
 
     def __init__(
         self,
@@ -63,24 +65,23 @@ class IndexKPool(MHATokenToKOnlyPool):
         # (transfer over NVLink for PD disaggregation), its custom memory pool, so the index cache is transferable too
         custom_pool = torch.cuda.use_mem_pool(self.custom_mem_pool) if self.enable_custom_mem_pool else nullcontext()
         with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE), custom_pool:
-            caches = [alloc_index_k_cache(self.num_pages, fmt, device, single_region=True) for _ in range(layer_num)]
-        self.k_buffer = [k for k, _ in caches]
-        self.k_scale_buffer = [s for _, s in caches]
+            self.caches = [IndexKCache.new(self.num_pages, fmt, device, settings.scale_rule, settings.sign_seed)
+                           for _ in range(layer_num)]
+        self.k_buffer = [c.data for c in self.caches]
+        self.k_scale_buffer = [c.scale_e8m0 for c in self.caches]
         self._finalize_allocation_log(size)
 
-    def get_key_buffer(self, layer_id: int):
-        """``(k_cache, k_scale)`` of pool-local layer ``layer_id`` (k_scale None for bf16/fp8)."""
+    def get_key_buffer(self, layer_id: int) -> IndexKCache:
+        """The ``IndexKCache`` of pool-local layer ``layer_id``."""
         if self.layer_transfer_counter is not None:
             self.layer_transfer_counter.wait_until(layer_id)
-        return self.k_buffer[layer_id], self.k_scale_buffer[layer_id]
+        return self.caches[layer_id]
 
     def set_key_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor) -> None:
         """Quantize index keys ``k [tokens, 1, 128]`` or ``[tokens, 128]`` into slots ``loc [tokens]`` (0 tokens:
         nothing written)."""
-        s = self.settings
         # Slots come from SGLang's allocator: skip the writer's slot check (a device sync per call).
-        write_index_k(k.flatten(1), loc, self.k_buffer[layer_id], self.k_scale_buffer[layer_id],
-                      s.fmt, s.scale_rule, s.sign_seed, check_loc=False)
+        write_index_k(self.caches[layer_id], k.flatten(1), loc, check_loc=False)
 
     def get_kv_size_bytes(self):
         storages = {k.untyped_storage().data_ptr(): k.untyped_storage().nbytes() for k in self.k_buffer}
@@ -94,7 +95,7 @@ class MiniMaxM31SparseKVPool(MiniMaxSparseKVPool):
     """SGLang's M3 pool (main K/V of every layer) with an ``IndexKPool`` for the sparse layers.
 
     Every sparse layer must be K-only (``sparse_disable_index_value``), as in MiniMax-M3.
-    ``get_index_k_buffer`` returns ``(k_cache, k_scale)`` instead of one tensor.
+    ``get_index_k_buffer`` returns the layer's ``IndexKCache`` instead of one tensor.
     """
 
     def __init__(
@@ -148,8 +149,8 @@ class MiniMaxM31SparseKVPool(MiniMaxSparseKVPool):
                              f"{list(self.index_k_layer_id_mapping)}")
         return mapped
 
-    def get_index_k_buffer(self, layer_id: int):
-        """``(k_cache, k_scale)`` of sparse layer ``layer_id`` (``m3_kernels.formats.pages`` layout)."""
+    def get_index_k_buffer(self, layer_id: int) -> IndexKCache:
+        """The ``IndexKCache`` of sparse layer ``layer_id`` (``m3_kernels.formats.pages`` layout)."""
         self._wait_for_layer(layer_id)
         return self.index_k_pool.get_key_buffer(self._index_layer(layer_id))
 

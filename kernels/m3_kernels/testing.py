@@ -159,3 +159,24 @@ def worker_threads(cpus: int, workers: int) -> int:
     oversubscribe it whenever both compute). Servers and other subprocesses keep their own settings;
     ``OMP_NUM_THREADS`` set by the user wins."""
     return max(1, cpus // max(1, workers))
+
+
+def score_decode_views(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
+                       cp_world=1, backend=None):
+    """``ops.score.score_decode_once`` over loose views (``IndexKCache.of(k_cache, k_scale)``, the storage
+    format): the tests' and benchmarks' one-call form, in the references' argument order."""
+    from .formats import IndexKCache
+    from .ops.score import score_decode_once
+
+    return score_decode_once(q, IndexKCache.of(k_cache, k_scale), block_table, seq_lens, S, sm_scale, max_block, out,
+                             cp_rank, cp_world, backend)
+
+
+def score_prefill_views(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None, out=None,
+                        backend=None):
+    """``ops.score.score_prefill_once`` over loose views, as ``score_decode_views``."""
+    from .formats import IndexKCache
+    from .ops.score import score_prefill_once
+
+    return score_prefill_once(q, IndexKCache.of(k_cache, k_scale), block_table, seq_lens, cu_seqlens_q, sm_scale,
+                              max_block, out, backend)

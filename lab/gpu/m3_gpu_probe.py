@@ -47,7 +47,8 @@ def _wrap_forward_decode(original):
         finally:
             del self._select
         meta = self._decode_meta
-        idx_cache, idx_scale = self.kv_pool.get_index_k_buffer(layer.layer_id)
+        cache = self.kv_pool.get_index_k_buffer(layer.layer_id)
+        idx_cache, idx_scale = cache.views()
         seq_lens = meta.seq_lens.long()
         n_pages = (seq_lens + 127) // 128
         used = torch.arange(meta.block_table.shape[1], device=seq_lens.device)[None] < n_pages[:, None]
@@ -56,7 +57,7 @@ def _wrap_forward_decode(original):
         remap[pages] = torch.arange(pages.numel(), device=pages.device)
         table = torch.where(used, remap[meta.block_table.long().clamp(min=0)], 0).to(torch.int32)
         record = {
-            "q": self._index_q(idx_q).cpu(),
+            "q": self._index_q(idx_q, cache).cpu(),
             "k_cache": idx_cache[pages].cpu(),
             "k_scale": None if idx_scale is None else idx_scale[pages].cpu(),
             "block_table": table.cpu(),

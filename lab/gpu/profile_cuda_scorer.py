@@ -13,8 +13,8 @@ import math
 
 import torch
 
-from m3_kernels.formats import INDEX_DIM, MXFP4_PAGE_BYTES, PAGE_SIZE, mxfp4_page_views
-from m3_kernels.ops.score.backends import cuda
+from m3_kernels.formats import INDEX_DIM, MXFP4_PAGE_BYTES, PAGE_SIZE, IndexKCache, mxfp4_page_views
+from m3_kernels.ops.score import plan_decode, score_decode
 
 
 def main():
@@ -33,8 +33,10 @@ def main():
     seq = torch.full((args.batch,), args.ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(args.batch * args.S, args.H, INDEX_DIM, device="cuda").bfloat16()
     out = torch.empty(args.H, args.batch * args.S, npg, device="cuda")
+    cache = IndexKCache("mxfp4", k_data, k_scale)
+    plan = plan_decode(cache, bt, seq, args.S, args.H, 0.1, npg, out, backend="cuda")
     for _ in range(5):
-        cuda.score_decode(q, k_data, k_scale, bt, seq, args.S, 0.1, npg, out)
+        score_decode(plan, q, cache, out)
     torch.cuda.synchronize()
     print("done", tuple(out.shape))
 

@@ -35,9 +35,11 @@ from m3_kernels.formats import (
     MXFP4_PAGE_BYTES,
     PAGE_SIZE,
     TOPK_BLOCKS,
+    IndexKCache,
     IndexKFormat,
     mxfp4_page_views,
 )
+from m3_kernels.ops.score import plan_decode
 from m3_kernels.ops.score.backends import cuda as cuda_backend
 from m3_kernels.ops.score.naive import score_decode_ref
 from m3_kernels.ops.score.triton import score_decode_triton
@@ -148,11 +150,14 @@ class Pools:
             for i in range(0, pages * PAGE_SIZE, 1 << 22):
                 self.bf16[i : i + (1 << 22)].normal_(generator=gen)
         self.perm = torch.randperm(pages, device="cuda", generator=gen).to(torch.int32)
+        self.caches = {IndexKFormat.MXFP4: IndexKCache("mxfp4", self.mx_data, self.mx_scale),
+                       IndexKFormat.FP8: IndexKCache("fp8", self.fp8)}
 
-    def cache(self, fmt):
-        if fmt is IndexKFormat.MXFP4:
-            return self.mx_data, self.mx_scale
-        return self.fp8, None
+    def cache(self, fmt) -> IndexKCache:
+        """The ``IndexKCache`` over this pool's pages of ``fmt``'s storage (mxfp4_rot: the MXFP4 pages)."""
+        if fmt.is_mxfp4:
+            return IndexKCache(fmt, self.mx_data, self.mx_scale) if fmt.is_rotated else self.caches[IndexKFormat.MXFP4]
+        return self.caches[fmt]
 
 
 def check_against_ref(scores, q, k_cache, k_scale, bt, seq_lens, S, sm_scale, name):
@@ -187,20 +192,21 @@ def bench_cell(pools, peer, S, H, B, ctx, copy_gbs, sm_scale=0.088, peer_max_bat
     pos = (seq.long()[:, None] - S + torch.arange(S, device="cuda")).flatten()
     nvis = (pos // PAGE_SIZE + 1).to(torch.int32)
 
-    checked = {}
+    plans = {}
 
     def scorer(fmt, qq, r, with_select=False, kernel="triton", pdl=None, sel_warps=None):
         """One call (scorer, then the selector if asked) on region r; ``pdl`` None = the default (M3_PDL)."""
-        kc, ks = pools.cache(fmt)
-        if kernel in ("cuda", "base") and (r, qq.dtype) not in checked:  # validated once, outside the graph
-            checked[r, qq.dtype] = cuda_backend.check_cuda_decode(qq, kc, ks, bts[r], seq, S, sm_scale, npg, outs[r])
+        cache = pools.cache(fmt)
+        backend = "cuda" if kernel in ("cuda", "base") else "triton"
+        if kernel != "none" and (r, fmt, backend) not in plans:  # planned (validated) once, outside the graph
+            plans[r, fmt, backend] = plan_decode(cache, bts[r], seq, S, H, sm_scale, npg, outs[r], backend=backend)
 
         def f():
             if kernel in ("cuda", "base"):  # the baseline build is launched as the current one is
-                cuda_backend.score_decode_checked(checked[r, qq.dtype], qq, kc, ks, bts[r], seq, S, outs[r], 0, 1,
-                                                  module=base if kernel == "base" else None, pdl=pdl)
+                cuda_backend.score_decode(plans[r, fmt, backend], qq, cache, outs[r],
+                                          module=base if kernel == "base" else None, pdl=pdl)
             elif kernel == "triton":
-                score_decode_triton(qq, kc, ks, fmt, B, npg, bts[r], seq, S, sm_scale, outs[r], pdl=pdl)
+                score_decode_triton(plans[r, fmt, backend], qq, cache, outs[r], pdl=pdl)
             if with_select:
                 select_blocks_triton(outs[r], nvis, TOPK_BLOCKS, 1, 0, out=sel[r], pdl=pdl, num_warps=sel_warps)
 
@@ -218,7 +224,7 @@ def bench_cell(pools, peer, S, H, B, ctx, copy_gbs, sm_scale=0.088, peer_max_bat
     for fmt, qq, name, kernel in arms:
         outs[0].fill_(float("nan"))
         scorer(fmt, qq, 0, kernel=kernel)()
-        kc, ks = pools.cache(fmt)
+        kc, ks = pools.cache(fmt).views()
         try:
             res[f"{name}_err"] = check_against_ref(outs[0], qq, kc, ks, bts[0], seq, S, sm_scale, name)
         except AssertionError as e:
@@ -304,10 +310,10 @@ def bench_writer(pools, copy_gbs, tokens=32768, sets=8):
         if fmt is IndexKFormat.BF16:
             if bf16_cache is None:
                 continue
-            kc, kss = bf16_cache, None
+            cache = IndexKCache(fmt, bf16_cache)
         else:
-            kc, kss = pools.cache(IndexKFormat.MXFP4 if fmt.is_mxfp4 else IndexKFormat.FP8)
-        t = graph_time_us([lambda i=i: write_index_k_triton(ks[i], locs[i], kc, kss, fmt) for i in range(sets)])
+            cache = pools.cache(fmt)
+        t = graph_time_us([lambda i=i: write_index_k_triton(cache, ks[i], locs[i]) for i in range(sets)])
         moved = tokens * (4 * INDEX_DIM + 8 + fmt.token_bytes)
         rows.append({"fmt": fmt.value, "us": t, "mtok_s": tokens / t, "gbs": moved / (t * 1e-6) / 1e9,
                      "pct": 100 * moved / (t * 1e-6) / 1e9 / copy_gbs})

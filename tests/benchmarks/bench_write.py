@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from m3_kernels.formats import INDEX_DIM, PAGE_SIZE, IndexKFormat, alloc_index_k_cache, quantize_index_k
+from m3_kernels.formats import INDEX_DIM, PAGE_SIZE, IndexKCache, IndexKFormat, alloc_index_k_cache, quantize_index_k
 from m3_kernels.ops.write.triton import write_index_k_triton
 
 from bench_score import graph_time_us, log  # same timing method (this script's folder is on sys.path)
@@ -63,7 +63,7 @@ def gate(inputs, fmt, launch, seed, n=4096):
     passes, else what failed."""
     k_cache, k_scale = inputs.cache(fmt)
     k, loc = inputs.keys[0][:n], inputs.locs[0][:n]
-    write_index_k_triton(k, loc, k_cache, k_scale, fmt, *launch_kw(launch, seed))
+    write_index_k_triton(IndexKCache(fmt, k_cache, k_scale, "rceil", seed), k, loc, *launch_kw(launch))
     torch.cuda.synchronize()
     rows, scales = quantize_index_k(k.cpu(), fmt, sign_seed=seed)
     page, row = loc.cpu() // PAGE_SIZE, loc.cpu() % PAGE_SIZE
@@ -76,17 +76,16 @@ def gate(inputs, fmt, launch, seed, n=4096):
     return "" if ok else "not bitwise equal"
 
 
-def launch_kw(launch, seed):
-    """Positional tail of ``write_index_k_triton`` after ``fmt``: scale rule, sign seed, launch shape."""
+def launch_kw(launch):
+    """Positional tail of ``write_index_k_triton`` after the cache, keys and slots: the launch shape."""
     bt, nw = launch if launch else (None, None)
-    return "rceil", seed, bt, nw
+    return bt, nw
 
 
 def arm(inputs, fmt, launch, seed):
-    k_cache, k_scale = inputs.cache(fmt)
-    tail = launch_kw(launch, seed)
-    return [lambda i=i: write_index_k_triton(inputs.keys[i], inputs.locs[i], k_cache, k_scale, fmt, *tail)
-            for i in range(SETS)]
+    cache = IndexKCache(fmt, *inputs.cache(fmt), "rceil", seed)
+    tail = launch_kw(launch)
+    return [lambda i=i: write_index_k_triton(cache, inputs.keys[i], inputs.locs[i], *tail) for i in range(SETS)]
 
 
 def bench(tokens, gen):

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from m3_kernels.formats import PAGE_SIZE, IndexKFormat, ScaleRule
+from m3_kernels.formats import PAGE_SIZE, IndexKCache, IndexKFormat, ScaleRule
 from sglang.srt.layers.attention.minimax_sparse_backend import MiniMaxSparseAttnBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang_m3.backend import MiniMaxM31SparseAttnBackend
@@ -52,16 +52,23 @@ def test_a_decode_scorer_that_cannot_be_captured_fails_at_start_up(scorer, devic
         check_decode_scorer(scorer, device_type, cuda_graph)
 
 
-def _plan_only_backend(req_to_token, max_bs=None, num_idx_heads=2):
-    """The backend's plan half (no runner): the attributes ``init_forward_metadata_*`` read; with
-    ``max_bs``, in CUDA-graph mode as the decode graph runner leaves it (``init_cuda_graph_state``)."""
+def _plan_only_backend(req_to_token, max_bs=None, num_idx_heads=2, fmt="mxfp4"):
+    """The backend's plan half (no runner): the attributes ``init_forward_metadata_*`` read (a pool of one
+    ``IndexKCache``); with ``max_bs``, in CUDA-graph mode as the decode graph runner leaves it
+    (``init_cuda_graph_state``)."""
     backend = MiniMaxM31SparseAttnBackend.__new__(MiniMaxM31SparseAttnBackend)
     backend.device = req_to_token.device
     backend.req_to_token = req_to_token
     backend._block_starts = req_to_token[:, ::PAGE_SIZE]
     backend.max_blocks = backend._block_starts.shape[1]
     backend.num_idx_heads = num_idx_heads
+    backend.idx_sm_scale = 128**-0.5
+    backend.topk_blocks, backend.recorder = 16, None
+    pages = int(req_to_token.max()) // PAGE_SIZE + 1
+    backend.kv_pool = SimpleNamespace(index_k_pool=SimpleNamespace(caches=[IndexKCache.new(pages, fmt,
+                                                                                           req_to_token.device)]))
     backend._graph_decode_buffers = None
+    backend._graph_decode_plans = {}
     backend._in_graph_mode = False
     if max_bs is not None:
         backend.init_cuda_graph_state(max_bs, max_bs)
@@ -75,7 +82,8 @@ def _paged_req_to_token(num_reqs, blocks, gen):
     return rows.reshape(num_reqs, blocks * PAGE_SIZE).to(torch.int32), pages
 
 
-def test_extend_plan_block_table_and_offsets(gen):
+def test_extend_plan_block_table_and_offsets(gen, monkeypatch):
+    monkeypatch.setenv("M3_SCORE_BACKEND", "triton")  # the Triton work map, planned on the CPU
     req_to_token, pages = _paged_req_to_token(6, 4, gen)
     backend = _plan_only_backend(req_to_token)
     seq_lens = torch.tensor([1, 127, 128, 129, 300])
@@ -96,6 +104,7 @@ def test_extend_plan_block_table_and_offsets(gen):
     # The scorer's work map, made once per batch from host lengths: every new-token row of every
     # request covered by exactly one tile of that request.
     plan = meta.plan
+    assert plan.backend == "triton" and plan.block_table is meta.block_table and plan.max_block == 3
     assert (plan.H, plan.batch, plan.num_tokens) == (2, 5, 456) and plan.tiles.device == req_to_token.device
     covered = [(b, r) for b, r0 in plan.tiles.tolist() for r in range(r0, min(r0 + plan.rows, 456))
                if r < meta.cu_seqlens_q[b + 1]]
@@ -121,6 +130,7 @@ def test_decode_plan_reuses_captured_buffers_and_refreshes_them_in_place(gen):
     for name in ("block_table", "seq_lens", "n_visible", "scores"):  # the graph's addresses, same shapes
         a, b = getattr(meta, name), getattr(captured, name)
         assert a.data_ptr() == b.data_ptr() and a.shape == b.shape
+    assert meta.plan is captured.plan and meta.plan.out is captured.scores  # planned once, at capture
     backend.init_forward_metadata_in_graph(replay)
     assert captured.block_table.tolist() == pages[[3, 1]].tolist()
     assert captured.seq_lens.tolist() == [128, 129] and captured.n_visible.tolist() == [1, 2]
@@ -173,20 +183,28 @@ def test_captured_batch_sizes_share_one_set_of_decode_buffers(gen):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64, torch.int32])
 def test_index_q_refuses_dtypes_the_scorers_do_not_take(dtype):
     backend = _plan_only_backend(torch.zeros(1, PAGE_SIZE, dtype=torch.int32))
-    backend.settings = IndexKSettings(IndexKFormat.MXFP4, ScaleRule.RCEIL, None)
     with pytest.raises(ValueError, match=f"idx_q must be bfloat16, float8_e4m3fn or float32.*got {dtype}"):
-        backend._index_q(torch.zeros(2, 1, 128, dtype=dtype))
+        backend._index_q(torch.zeros(2, 1, 128, dtype=dtype), backend._any_cache())
 
 
 def test_index_q_keeps_bf16_and_e4m3_and_rounds_a_float32_models_q():
     from m3_kernels.formats import FP8_DTYPE
 
     backend = _plan_only_backend(torch.zeros(1, PAGE_SIZE, dtype=torch.int32))
-    backend.settings = IndexKSettings(IndexKFormat.MXFP4, ScaleRule.RCEIL, None)
+    cache = backend._any_cache()
     q = torch.randn(2, 1, 128)
-    assert torch.equal(backend._index_q(q), q.bfloat16())  # a float32 model on the CPU
+    assert torch.equal(backend._index_q(q, cache), q.bfloat16())  # a float32 model on the CPU
     for kept in (q.bfloat16(), q.to(FP8_DTYPE)):
-        assert backend._index_q(kept) is kept
+        assert backend._index_q(kept, cache) is kept
+
+
+def test_index_q_is_rotated_by_the_cache_of_mxfp4_rot(gen):
+    """The Q-side transform is the cache's: ``mxfp4_rot`` rotates by the keys' rotation, the rest pass Q through."""
+    from m3_kernels.formats import rotate
+
+    backend = _plan_only_backend(torch.zeros(1, PAGE_SIZE, dtype=torch.int32), fmt="mxfp4_rot")
+    q = torch.randn(2, 1, 128, generator=gen).bfloat16()
+    assert torch.equal(backend._index_q(q, backend._any_cache()), rotate(q.float()).bfloat16())
 
 
 def test_a_same_size_graph_state_keeps_its_decode_buffers(gen):
@@ -325,3 +343,36 @@ def test_the_decode_scorer_guard_is_told_whether_decode_graphs_are_on(monkeypatc
     _real_backend(monkeypatch, disable_cuda_graph=False)
     _real_backend(monkeypatch, disable_cuda_graph=True)
     assert seen == [True, False]
+
+
+@RUNNER_STAND_IN
+def test_a_decode_step_checks_its_metadata_once_for_all_layers(monkeypatch, gen):
+    """Plan once per batch, run per layer: over a decode step of every sparse layer the batch metadata is
+    checked once (at plan) and the caches not at all (they were checked when the pool made them)."""
+    import m3_kernels.ops.score as score_module
+    from m3_kernels.formats import cache as cache_module
+    from m3_kernels.ops.score import common as common_module
+
+    backend, req_to_token = _real_backend(monkeypatch)
+    seq_len = 3 * PAGE_SIZE + 7
+    inputs = _inputs(seq_len, gen)
+    _extend(backend, req_to_token, 0, 0, seq_len - 1, [t[:-1] for t in inputs])
+    counts = {"meta": 0, "cache": 0}
+    check_meta, check_cache = score_module.check_decode_meta, cache_module.check_index_k_cache
+    monkeypatch.setattr(score_module, "check_decode_meta",
+                        lambda *a: counts.__setitem__("meta", counts["meta"] + 1) or check_meta(*a))
+    for module in (cache_module, common_module):  # the cache's own check, and the loose-view one of the old calls
+        monkeypatch.setattr(module, "check_index_k_cache",
+                            lambda *a: counts.__setitem__("cache", counts["cache"] + 1) or check_cache(*a))
+    batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, seq_lens=torch.tensor([seq_len]),
+                            req_pool_indices=torch.tensor([0]),
+                            out_cache_loc=req_to_token[0, seq_len - 1:seq_len].long())
+    backend.init_forward_metadata_out_graph(batch)
+    backend.init_forward_metadata_in_graph(batch)
+    q, k, v, idx_q, idx_k = [t[-1:] for t in inputs]
+    layer_ids = sorted(backend.kv_pool.index_k_layer_id_mapping)
+    assert len(layer_ids) == 3
+    outs = [backend.forward_decode(q, k, v, SimpleNamespace(layer_id=i, scaling=LAYER.scaling), batch, idx_q=idx_q,
+                                   idx_k=idx_k, idx_v=None)[1] for i in layer_ids]
+    assert counts == {"meta": 1, "cache": 0}
+    assert all(torch.isfinite(o.float()).all() for o in outs)

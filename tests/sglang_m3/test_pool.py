@@ -1,5 +1,5 @@
-"""Index-K pools: buffers from ``alloc_index_k_cache``, writes through ``write_index_k``, sizes
-from ``IndexKFormat.token_bytes``."""
+"""Index-K pools: one ``IndexKCache`` per sparse layer (checked when made), writes through ``write_index_k``,
+sizes from ``IndexKFormat.token_bytes``."""
 
 import pytest
 import torch
@@ -7,6 +7,7 @@ import torch
 from m3_kernels.formats import (
     MXFP4_PAGE_BYTES,
     PAGE_SIZE,
+    IndexKCache,
     IndexKFormat,
     ScaleRule,
     quantize_index_k,
@@ -47,9 +48,10 @@ def _poison(t):
 def test_set_index_k_stores_the_format_rows_at_loc_only(fmt, scale_rule, gen):
     pool = _pool(fmt, sign_seed=7 if fmt == "mxfp4_rot" else None, scale_rule=scale_rule)
     for layer in (1, 2, 3):
-        for t in pool.get_index_k_buffer(layer):
+        for t in pool.get_index_k_buffer(layer).views():
             _poison(t)
-    before = [[None if t is None else t.clone() for t in pool.get_index_k_buffer(layer)] for layer in (1, 2, 3)]
+    before = [[None if t is None else t.clone() for t in pool.get_index_k_buffer(layer).views()]
+              for layer in (1, 2, 3)]
     # Slots around page edges and in the last partial page, in a shuffled order.
     loc = torch.tensor([1, 127, 128, 129, 255, 256, 3 * PAGE_SIZE + 5, 300, 2 * PAGE_SIZE + 1])
     loc = loc[torch.randperm(loc.numel(), generator=gen)]
@@ -57,7 +59,7 @@ def test_set_index_k_stores_the_format_rows_at_loc_only(fmt, scale_rule, gen):
     pool.set_fused_kv_index_buffer(_Layer(2), loc, torch.randn(loc.numel(), 4, 128).to(torch.bfloat16),
                                    torch.randn(loc.numel(), 4, 128).to(torch.bfloat16), k, None)
     rows, scale_rows = quantize_index_k(k.reshape(-1, 128), fmt, scale_rule, pool.settings.sign_seed)
-    k_cache, k_scale = pool.get_index_k_buffer(2)
+    k_cache, k_scale = pool.get_index_k_buffer(2).views()
     page, row = loc // PAGE_SIZE, loc % PAGE_SIZE
     assert torch.equal(k_cache[page, row].view(torch.uint8), rows.view(torch.uint8))
     if scale_rows is not None:
@@ -71,7 +73,7 @@ def test_set_index_k_stores_the_format_rows_at_loc_only(fmt, scale_rule, gen):
         flat_scale = k_scale.reshape(flat.shape[0], -1)
         assert torch.equal(flat_scale[~written], before[1][1].reshape(flat.shape[0], -1)[~written])
     for i in (0, 2):
-        for now, was in zip(pool.get_index_k_buffer((1, 2, 3)[i]), before[i]):
+        for now, was in zip(pool.get_index_k_buffer((1, 2, 3)[i]).views(), before[i]):
             assert now is None or torch.equal(now.view(torch.uint8), was.view(torch.uint8))
 
 
@@ -80,13 +82,13 @@ def test_set_index_k_stores_the_format_rows_at_loc_only(fmt, scale_rule, gen):
 def test_an_empty_write_changes_nothing(fmt, shape):
     """0 tokens (a batch whose requests brought no new token to this layer) is a no-op, as SGLang's own store is."""
     pool = _pool(fmt, sign_seed=7 if fmt == "mxfp4_rot" else None)
-    for t in pool.get_index_k_buffer(2):
+    for t in pool.get_index_k_buffer(2).views():
         _poison(t)
-    before = [None if t is None else t.clone() for t in pool.get_index_k_buffer(2)]
+    before = [None if t is None else t.clone() for t in pool.get_index_k_buffer(2).views()]
     empty = torch.zeros(0, 4, 128, dtype=torch.bfloat16)
     pool.set_fused_kv_index_buffer(_Layer(2), torch.zeros(0, dtype=torch.long), empty, empty,
                                    torch.zeros(shape, dtype=torch.bfloat16), None)
-    for now, was in zip(pool.get_index_k_buffer(2), before):
+    for now, was in zip(pool.get_index_k_buffer(2).views(), before):
         assert now is None or torch.equal(now.view(torch.uint8), was.view(torch.uint8))
 
 
@@ -141,3 +143,34 @@ def test_index_value_layers_are_rejected():
 def test_dense_layer_has_no_index_cache():
     with pytest.raises(ValueError, match="not a sparse layer"):
         _pool("bf16").get_index_k_buffer(0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_layer_gets_one_cache_of_the_settings(fmt):
+    """``get_index_k_buffer`` returns the layer's ``IndexKCache``: the settings' format, scale rule and sign
+    seed travel with its views (the same tensors SGLang's code sees in k_buffer / k_scale_buffer)."""
+    pool = _pool(fmt, sign_seed=7 if fmt == "mxfp4_rot" else None, scale_rule=ScaleRule.FLOOR)
+    caches = [pool.get_index_k_buffer(layer) for layer in (1, 2, 3)]
+    assert len({id(c) for c in caches}) == 3 and all(isinstance(c, IndexKCache) for c in caches)
+    for i, cache in enumerate(caches):
+        assert (cache.fmt, cache.scale_rule, cache.sign_seed) == (IndexKFormat(fmt), ScaleRule.FLOOR,
+                                                                  pool.settings.sign_seed)
+        assert cache.data is pool.index_k_pool.k_buffer[i] and cache.scale_e8m0 is pool.index_k_pool.k_scale_buffer[i]
+        assert cache.num_pages == num_index_pages(SIZE, PAGE_SIZE) and cache.page_size == PAGE_SIZE
+    assert pool.get_index_k_buffer(2) is caches[1]  # made once, not per call
+
+
+def test_the_pool_checks_each_cache_once_when_made(monkeypatch):
+    """Validation of the views runs at pool creation (once per layer), never on a later get or write."""
+    from m3_kernels.formats import cache as cache_module
+
+    calls = []
+    check = cache_module.check_index_k_cache
+    monkeypatch.setattr(cache_module, "check_index_k_cache", lambda *a: calls.append(1) or check(*a))
+    pool = _pool("mxfp4")
+    assert len(calls) == 3
+    k = torch.randn(2, 1, 128).to(torch.bfloat16)
+    for _ in range(3):
+        pool.get_index_k_buffer(2)
+        pool.set_index_k_buffer(_Layer(2), torch.tensor([5, 6]), k)
+    assert len(calls) == 3

@@ -1,4 +1,8 @@
-"""Argument rules of the block scorers, shared by every backend (torch, Triton, FlyDSL).
+"""Argument rules of the block scorers, shared by every backend (torch, Triton, CUDA, FlyDSL, aiter).
+
+``check_decode_meta`` / ``check_prefill_meta`` check one batch's metadata against an ``IndexKCache``
+(the plans call them once per batch); ``check_decode_args`` / ``check_prefill_args`` check a call given
+as loose tensors (the ROCm backends' own entry points and the CPU scorers' public functions).
 
 ``check_decode_args`` raises ValueError naming the argument and the rule it broke;
 ``decode_supported`` answers the same question with ``(ok, reason)`` and never raises.
@@ -74,22 +78,55 @@ def _check_one_device(*tensors) -> None:
         raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
 
 
-def check_decode_args(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0, cp_world=1):
-    """Validate a decode scoring call; returns ``(format, batch, H, max_block, sm_scale)``.
-
-    Shapes: ``q [batch*S, H, 128]`` bf16 | e4m3; ``block_table int32 [batch, >= max_block]`` (last
-    dim contiguous); ``seq_lens int32 [batch]``; ``out fp32 [H, batch*S, max_block]`` with a
-    contiguous last dim, or None.
-    """
-    fmt = check_index_k_cache(k_cache, k_scale)
-    if not isinstance(S, int) or S < 1:
-        raise ValueError(f"S (query rows per request) must be an int >= 1, got {S!r}")
+def _check_block_table(block_table: torch.Tensor) -> int:
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.stride(1) != 1:
         raise ValueError(
             f"block_table must be int32 [batch, max_block] with a contiguous last dim, got {block_table.dtype} "
             f"{tuple(block_table.shape)} strides {block_table.stride()}"
         )
-    batch = block_table.shape[0]
+    return block_table.shape[0]
+
+
+def _check_heads(H) -> int:
+    if isinstance(H, bool) or not isinstance(H, int) or H < 1:
+        raise ValueError(f"H (index heads) must be an int >= 1, got {H!r}")
+    return H
+
+
+def check_decode_meta(cache, block_table, seq_lens, S, H, sm_scale, max_block=None, out=None, cp_rank=0, cp_world=1):
+    """Validate one decode batch's metadata against ``cache`` (an ``IndexKCache``, validated when made);
+    returns ``(batch, max_block, sm_scale)``. ``decode.plan_decode`` calls it once per batch.
+
+    ``block_table int32 [batch, >= max_block]`` (last dim contiguous); ``seq_lens int32 [batch]``;
+    ``S >= 1`` query rows per request, ``H >= 1`` index heads; ``out fp32 [H, batch*S, max_block]``
+    with a contiguous last dim, or None; every tensor on the cache's device.
+    """
+    if not isinstance(S, int) or S < 1:
+        raise ValueError(f"S (query rows per request) must be an int >= 1, got {S!r}")
+    batch = _check_block_table(block_table)
+    _check_int32_vector("seq_lens", seq_lens, batch)
+    H = _check_heads(H)
+    max_block = _check_max_block(max_block, block_table, out)
+    if out is not None:
+        if out.dtype != torch.float32 or tuple(out.shape) != (H, batch * S, max_block) or out.stride(2) != 1:
+            raise ValueError(
+                f"out must be float32 [H={H}, batch*S={batch * S}, max_block={max_block}] with a contiguous last dim, "
+                f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}"
+            )
+    _check_one_device(cache.data, block_table, seq_lens, out)
+    check_cp(cp_rank, cp_world)
+    return batch, max_block, check_sm_scale(sm_scale)
+
+
+def check_decode_args(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
+                      cp_world=1):
+    """Validate a decode scoring call given as loose tensors (the ROCm backends' own entry points);
+    returns ``(format, batch, H, max_block, sm_scale)``: the cache views (``check_index_k_cache``),
+    ``check_decode_meta``'s rules and ``q [batch*S, H, 128]`` bf16 | e4m3 (last dim contiguous)."""
+    fmt = check_index_k_cache(k_cache, k_scale)
+    if not isinstance(S, int) or S < 1:
+        raise ValueError(f"S (query rows per request) must be an int >= 1, got {S!r}")
+    batch = _check_block_table(block_table)
     _check_int32_vector("seq_lens", seq_lens, batch)
     _check_q(q, batch * S)
     H = q.shape[1]
@@ -105,12 +142,42 @@ def check_decode_args(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, m
     return fmt, batch, H, max_block, check_sm_scale(sm_scale)
 
 
-def check_prefill_args(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None, out=None):
-    """Validate a prefill scoring call; returns ``(format, batch, H, max_block, sm_scale)``.
+def check_decode_q(q, rows: int, H: int) -> None:
+    """``q [rows, H, 128]`` bf16 | e4m3, last dim contiguous (for callers that check a Q against a plan)."""
+    _check_q(q, rows)
+    if q.shape[1] != H:
+        raise ValueError(f"q must have H = {H} heads (the plan's), got {q.shape[1]}")
+
+
+def check_prefill_meta(cache, block_table, seq_lens, cu_seqlens_q, H, num_tokens, sm_scale, max_block=None,
+                       out=None):
+    """Validate one prefill batch's metadata against ``cache``; returns ``(batch, max_block, sm_scale)``.
 
     ``cu_seqlens_q int32 [batch + 1]``: request b's new tokens are q rows
-    ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``, the last of them at position ``seq_lens[b] - 1``.
+    ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``, the last of them at position ``seq_lens[b] - 1``;
+    ``out fp32 [H, num_tokens, max_block]`` (last dim contiguous) or None.
     """
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.stride(1) != 1:
+        raise ValueError(f"block_table must be int32 [batch, max_block], got {block_table.dtype} "
+                         f"{tuple(block_table.shape)}")
+    batch = block_table.shape[0]
+    _check_int32_vector("seq_lens", seq_lens, batch)
+    _check_int32_vector("cu_seqlens_q", cu_seqlens_q, batch + 1)
+    H = _check_heads(H)
+    max_block = _check_max_block(max_block, block_table, out)
+    if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != (H, num_tokens, max_block)
+                            or out.stride(2) != 1):
+        raise ValueError(
+            f"out must be float32 [H={H}, total_new_tokens={num_tokens}, max_block={max_block}] with a contiguous "
+            f"last dim, got {out.dtype} {tuple(out.shape)} strides {out.stride()}"
+        )
+    _check_one_device(cache.data, block_table, seq_lens, cu_seqlens_q, out)
+    return batch, max_block, check_sm_scale(sm_scale)
+
+
+def check_prefill_args(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None, out=None):
+    """Validate a prefill scoring call given as loose tensors; returns ``(format, batch, H, max_block, sm_scale)``
+    (the cache views, ``q [total_new_tokens, H, 128]`` and ``check_prefill_meta``'s rules)."""
     fmt = check_index_k_cache(k_cache, k_scale)
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.stride(1) != 1:
         raise ValueError(f"block_table must be int32 [batch, max_block], got {block_table.dtype} {tuple(block_table.shape)}")
@@ -161,5 +228,6 @@ def decode_supported(*args, **kwargs):
     return supported(check_decode_args, *args, **kwargs)
 
 
-__all__ = ["IndexKFormat", "check_decode_args", "check_prefill_args", "check_prefill_lengths", "check_prefill_offsets",
+__all__ = ["IndexKFormat", "check_decode_args", "check_decode_meta", "check_decode_q", "check_prefill_args",
+           "check_prefill_meta", "check_prefill_lengths", "check_prefill_offsets",
            "check_sm_scale", "decode_supported", "supported"]

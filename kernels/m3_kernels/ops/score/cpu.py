@@ -71,6 +71,13 @@ def score_decode_cpu(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, ma
     Every column is written (past a row's last visible page: -inf), into ``out`` when given."""
     _, batch, H, max_block, sm_scale = check_decode_args(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale,
                                                          max_block, out, cp_rank, cp_world)
+    return decode_scores(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank, cp_world)
+
+
+def decode_scores(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out=None, cp_rank=0,
+                  cp_world=1):
+    """``score_decode_cpu`` on arguments already validated (the torch backend's run; ``max_block`` an int)."""
+    batch, H = block_table.shape[0], q.shape[1]
     dev = q.device
     positions = seq_lens.long()[:, None] - S + torch.arange(S, device=dev)  # [batch, S]
     n_global = torch.where(positions[:, -1] >= 0, positions[:, -1] // PAGE_SIZE + 1, 0)
@@ -108,6 +115,14 @@ def score_prefill_cpu(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, 
     _, batch, H, max_block, sm_scale = check_prefill_args(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q,
                                                           sm_scale, max_block, out)
     check_prefill_lengths(q, seq_lens, cu_seqlens_q)
+    return prefill_scores(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block, out,
+                          skip_rows_seeing)
+
+
+def prefill_scores(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block, out=None,
+                   skip_rows_seeing: int = 0):
+    """``score_prefill_cpu`` on arguments already validated (the torch backend's run; ``max_block`` an int)."""
+    batch, H = block_table.shape[0], q.shape[1]
     dev = q.device
     res = torch.full((H, q.shape[0], max_block), float("-inf"), dtype=torch.float32, device=dev)
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()

@@ -1,8 +1,10 @@
-"""Torch reference block scorers (decode and prefill): the oracle for every kernel and the CPU
-path of the server. Clear before clever; compute in float64 unless told otherwise.
+"""Torch reference block scorers (decode and prefill): the oracle for every kernel, including the
+fast torch scorer of ``cpu.py`` (the ``torch`` backend). Clear before clever; compute in float64
+unless told otherwise.
 
-Semantics (DESIGN section 3). For query row r of request b at position ``pos_r`` (0-based;
-decode: ``seq_lens[b] - S + tok``; prefill: ``seq_lens[b] - n_new_b + i``) and index head h::
+Semantics (``docs/design.md``, "The block scorer contract"). For query row r of request b at position
+``pos_r`` (0-based; decode: ``seq_lens[b] - S + tok``; prefill: ``seq_lens[b] - n_new_b + i``) and
+index head h::
 
     out[h, r, p] = sm_scale * max over t of dot(K[block_table[b, p], t], q[r, h])
                    over tokens t of page p with  (p * cp_world + cp_rank) * 128 + t <= pos_r

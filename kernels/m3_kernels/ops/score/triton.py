@@ -1,7 +1,8 @@
 """Triton block scorers (decode and prefill) over the paged index-K cache: bf16, fp8 and MXFP4.
 
-Contract: ``naive.score_decode_ref`` / ``naive.score_prefill_ref`` (DESIGN section 3). Validation is
-``common.check_decode_args`` / ``check_prefill_args``; nothing here re-checks what they check.
+Contract: ``naive.score_decode_ref`` / ``naive.score_prefill_ref`` (``docs/design.md``, "The block
+scorer contract"). Validation happens in the plans (``plan_decode`` / ``plan_prefill``) and when the
+``IndexKCache`` is made; nothing here re-checks what they check.
 
 Work map: one program per (chunk of ``PP`` local pages, query tile). A decode query tile is one
 request's ``S`` rows; a prefill tile is up to ``64 // H`` consecutive new tokens of one request.
@@ -445,6 +446,11 @@ def _static_constexprs() -> dict:
                 SCALE_BYTES=MXFP4_SCALE_BYTES, KFAC=float(2**_F16_K_EXP), Q_TOP=_Q_F16_TOP)
 
 
+def pages_per_program(batch: int, max_block: int) -> int:
+    """The decode work map's pages per program for a batch (what ``plan_decode`` records)."""
+    return _pages_per_program(batch * max_block)
+
+
 def _pages_per_program(work_pages: int) -> int:
     """Pages per program: about 2048 programs for the whole call, 1..16 pages each."""
     pp = 1
@@ -453,20 +459,21 @@ def _pages_per_program(work_pages: int) -> int:
     return pp
 
 
-def _cache_args(k_cache, k_scale, fmt):
-    if fmt is IndexKFormat.MXFP4:
-        return k_cache, k_scale, k_cache.stride(0), k_scale.stride(0)
-    return k_cache, None, k_cache.stride(0), 0
+def _cache_args(cache):
+    """(data, scale or None, data page stride, scale page stride) in elements, as the kernel reads them."""
+    if cache.storage is IndexKFormat.MXFP4:
+        return cache.data, cache.scale_e8m0, cache.data.stride(0), cache.scale_e8m0.stride(0)
+    return cache.data, None, cache.data.stride(0), 0
 
 
-def _launch(q, k_cache, k_scale, fmt, block_table, seq_lens, cu, tiles, out, n_tiles, S, rows, max_block,
+def _launch(q, cache, block_table, seq_lens, cu, tiles, out, n_tiles, S, rows, max_block,
             sm_scale, cp_rank, cp_world, prefill, fill_tail, pp=None, num_warps=4, num_stages=2, pdl=None):
     H = q.shape[1]
     nq = max(16, triton.next_power_of_2(rows * H))
     nv = max(4, triton.next_power_of_2(rows * H))
     if pp is None:
         pp = _pages_per_program(n_tiles * max_block)
-    k_ptr, s_ptr, stride_k, stride_s = _cache_args(k_cache, k_scale, fmt)
+    k_ptr, s_ptr, stride_k, stride_s = _cache_args(cache)
     grid = (triton.cdiv(max_block, pp), n_tiles)
     if grid[0] == 0 or grid[1] == 0:
         return out
@@ -474,7 +481,7 @@ def _launch(q, k_cache, k_scale, fmt, block_table, seq_lens, cu, tiles, out, n_t
         q, k_ptr, s_ptr, block_table, seq_lens, cu, tiles, out,
         max_block, S, cp_rank, cp_world, sm_scale,
         q.stride(0), q.stride(1), stride_k, stride_s, block_table.stride(0), out.stride(0), out.stride(1),
-        FMT=_FMT_CODE[fmt], Q_FP8=q.dtype == FP8_DTYPE, H=H, ROWS=rows, NQ=nq, PP=pp, PREFILL=prefill,
+        FMT=_FMT_CODE[cache.storage], Q_FP8=q.dtype == FP8_DTYPE, H=H, ROWS=rows, NQ=nq, PP=pp, PREFILL=prefill,
         MX_STACK=nv <= _MX_STACK_MAX_NV, NV=nv, FILL_TAIL=fill_tail, NUM_STAGES=num_stages, USE_ASM=_use_asm(),
         **_static_constexprs(), num_warps=num_warps,
         **triton_launch_kwargs(use_pdl(q.device) if pdl is None else pdl),
@@ -482,21 +489,22 @@ def _launch(q, k_cache, k_scale, fmt, block_table, seq_lens, cu, tiles, out, n_t
     return out
 
 
-def score_decode_triton(q, k_cache, k_scale, fmt, batch, max_block, block_table, seq_lens, S, sm_scale,
-                        out=None, cp_rank=0, cp_world=1, pp=None, num_warps=4, num_stages=2, pdl=None):
-    """Decode scores ``fp32 [H, batch*S, max_block]``; arguments validated by ``check_decode_args``.
+def score_decode_triton(plan, q, cache, out=None, pp=None, num_warps=4, num_stages=2, pdl=None):
+    """Decode scores ``fp32 [H, batch*S, max_block]`` of ``plan`` (``ops.score.plan_decode``: the batch's
+    metadata, checked there) for ``q [batch*S, H, 128]`` over ``cache`` (an ``IndexKCache``).
 
     No host synchronisation and no data-dependent grid: safe to capture in a CUDA graph. With
     ``out=None`` the buffer is allocated here and every column past a row's last visible page
-    reads -inf; a preallocated ``out`` is written up to each request's last page only. ``pdl``:
-    programmatic dependent launch (default ``ops.pdl.use_pdl``).
+    reads -inf; a preallocated ``out`` is written up to each request's last page only. ``pp``,
+    ``num_warps``, ``num_stages``: launch parameters for benchmarks (default: the plan's work map);
+    ``pdl``: programmatic dependent launch (default ``ops.pdl.use_pdl``).
     """
-    H = q.shape[1]
     fill_tail = out is None
     if out is None:
-        out = torch.empty((H, batch * S, max_block), dtype=torch.float32, device=q.device)
-    return _launch(q, k_cache, k_scale, fmt, block_table, seq_lens, None, None, out, batch, S, S, max_block,
-                   sm_scale, cp_rank, cp_world, False, fill_tail, pp, num_warps, num_stages, pdl)
+        out = torch.empty((plan.H, plan.batch * plan.S, plan.max_block), dtype=torch.float32, device=q.device)
+    return _launch(q, cache, plan.block_table, plan.seq_lens, None, None, out, plan.batch, plan.S, plan.S,
+                   plan.max_block, plan.sm_scale, plan.cp_rank, plan.cp_world, False, fill_tail,
+                   pp or plan.pages_per_program, num_warps, num_stages, pdl)
 
 
 def prefill_tiles(cu_seqlens_q, H: int, device=None):
@@ -514,20 +522,16 @@ def prefill_tiles(cu_seqlens_q, H: int, device=None):
     return t.to(device), rows
 
 
-def score_prefill_triton(q, k_cache, k_scale, fmt, max_block, block_table, seq_lens, cu_seqlens_q, sm_scale,
-                         out=None, tiles=None, pp=None, num_warps=4, num_stages=2):
-    """Prefill scores ``fp32 [H, total_new_tokens, max_block]``; validated by ``check_prefill_args``.
-
-    ``tiles``: the ``prefill_tiles`` work map of this batch, made once by the caller; without it the
-    map is built here from ``cu_seqlens_q`` (one sync). Every column is written (-inf past each row's
-    last visible page) whether ``out`` is given or not, as ``naive.score_prefill_ref``.
+def score_prefill_triton(plan, q, cache, out=None, pp=None, num_warps=4, num_stages=2):
+    """Prefill scores ``fp32 [H, total_new_tokens, max_block]`` of ``plan`` (``ops.score.plan_prefill``,
+    which checked the metadata and made the work map once) for ``q [total_new_tokens, H, 128]`` over
+    ``cache``. Every column is written (-inf past each row's last visible page) whether ``out`` is
+    given or not, as ``naive.score_prefill_ref``.
     """
-    H = q.shape[1]
     if out is None:
-        out = torch.empty((H, q.shape[0], max_block), dtype=torch.float32, device=q.device)
-    tiles, rows = tiles if tiles is not None else prefill_tiles(cu_seqlens_q, H)
-    return _launch(q, k_cache, k_scale, fmt, block_table, seq_lens, cu_seqlens_q, tiles, out, tiles.shape[0], 0,
-                   rows, max_block, sm_scale, 0, 1, True, True, pp, num_warps, num_stages)
+        out = torch.empty((plan.H, plan.num_tokens, plan.max_block), dtype=torch.float32, device=q.device)
+    return _launch(q, cache, plan.block_table, plan.seq_lens, plan.cu_seqlens_q, plan.tiles, out, plan.tiles.shape[0],
+                   0, plan.rows, plan.max_block, plan.sm_scale, 0, 1, True, True, pp, num_warps, num_stages)
 
 
-__all__ = ["score_decode_triton", "score_prefill_triton", "prefill_tiles"]
+__all__ = ["pages_per_program", "prefill_tiles", "score_decode_triton", "score_prefill_triton"]

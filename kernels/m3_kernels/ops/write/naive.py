@@ -5,17 +5,24 @@ import torch
 from ...formats import INDEX_DIM, PAGE_SIZE, IndexKFormat, ScaleRule, check_index_k_cache, parse_format, quantize_index_k
 
 
-def check_write_args(k, loc, k_cache, k_scale, fmt):
-    fmt = parse_format(fmt)
-    stored = check_index_k_cache(k_cache, k_scale)
-    if (stored is IndexKFormat.MXFP4) != fmt.is_mxfp4 or (not fmt.is_mxfp4 and stored is not fmt):
-        raise ValueError(f"fmt {fmt.value!r} does not match the cache's storage ({stored.value})")
+def check_write_rows(k, loc, k_cache) -> None:
+    """The per-call rules of a write (the cache itself is checked when made): ``k`` fp32/bf16
+    ``[tokens, 128]``, ``loc`` int32/int64 ``[tokens]``, both on the cache's device."""
     if k.dtype not in (torch.float32, torch.bfloat16) or k.dim() != 2 or k.shape[1] != INDEX_DIM:
         raise ValueError(f"k must be float32 or bfloat16 [tokens, {INDEX_DIM}], got {k.dtype} {tuple(k.shape)}")
     if loc.dtype not in (torch.int32, torch.int64) or loc.dim() != 1 or loc.shape[0] != k.shape[0]:
         raise ValueError(f"loc must be int32/int64 [tokens={k.shape[0]}], got {loc.dtype} {tuple(loc.shape)}")
     if not (k.device == loc.device == k_cache.device):
         raise ValueError(f"k, loc and k_cache must be on one device, got {k.device}, {loc.device}, {k_cache.device}")
+
+
+def check_write_args(k, loc, k_cache, k_scale, fmt):
+    """A write given as loose tensors: the cache views, ``fmt`` against their storage, ``check_write_rows``."""
+    fmt = parse_format(fmt)
+    stored = check_index_k_cache(k_cache, k_scale)
+    if (stored is IndexKFormat.MXFP4) != fmt.is_mxfp4 or (not fmt.is_mxfp4 and stored is not fmt):
+        raise ValueError(f"fmt {fmt.value!r} does not match the cache's storage ({stored.value})")
+    check_write_rows(k, loc, k_cache)
     return fmt
 
 
@@ -26,6 +33,15 @@ def write_index_k_ref(k, loc, k_cache, k_scale, fmt, scale_rule: ScaleRule | str
     is written, so a bad ``loc`` raises ValueError and leaves the cache untouched.
     """
     fmt = check_write_args(k, loc, k_cache, k_scale, fmt)
+    _store(k, loc, k_cache, k_scale, fmt, scale_rule, sign_seed)
+
+
+def write_rows(cache, k, loc) -> None:
+    """``write_index_k_ref`` into an ``IndexKCache`` (checked when made; ``k``, ``loc`` by the caller)."""
+    _store(k, loc, cache.data, cache.scale_e8m0, cache.fmt, cache.scale_rule, cache.sign_seed)
+
+
+def _store(k, loc, k_cache, k_scale, fmt, scale_rule, sign_seed) -> None:
     capacity = k_cache.shape[0] * PAGE_SIZE
     if loc.numel() and (int(loc.min()) < 0 or int(loc.max()) >= capacity):
         raise ValueError(f"loc values must lie in [0, {capacity}), got min {int(loc.min())}, max {int(loc.max())}")

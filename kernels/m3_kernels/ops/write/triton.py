@@ -345,9 +345,9 @@ def _hadamard_32(device):
 _ROT_SCALE = float(torch.tensor(1.0 / math.sqrt(INDEX_DIM), dtype=torch.float32))  # fp32(1/sqrt(128))
 
 
-def write_index_k_triton(k, loc, k_cache, k_scale, fmt: IndexKFormat, scale_rule=ScaleRule.RCEIL, sign_seed=None,
-                         tokens_per_program=None, num_warps=None):
-    """Launch the writer; arguments already validated by ``naive.check_write_args``.
+def write_index_k_triton(cache, k, loc, tokens_per_program=None, num_warps=None):
+    """Launch the writer into ``cache`` (an ``IndexKCache``: format, scale rule and sign seed are its own);
+    ``k`` and ``loc`` already validated by ``naive.check_write_rows``.
 
     ``k [tokens, 128]`` fp32/bf16 (last dim contiguous), ``loc [tokens]`` int32/int64; slots outside
     the cache are skipped (never written). ``tokens_per_program`` (a power of two >= 16) and
@@ -357,6 +357,8 @@ def write_index_k_triton(k, loc, k_cache, k_scale, fmt: IndexKFormat, scale_rule
     n = k.shape[0]
     if n == 0:
         return
+    fmt, k_cache, k_scale = cache.fmt, cache.data, cache.scale_e8m0
+    scale_rule, sign_seed = cache.scale_rule, cache.sign_seed
     if k.stride(1) != 1:
         k = k.contiguous()
     loc = loc.contiguous()

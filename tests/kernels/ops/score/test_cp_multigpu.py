@@ -1,5 +1,5 @@
 """Context-parallel decode scoring across real processes (world 2 and 4): each rank scores its shard of
-the index-K cache with ``score_decode(..., cp_rank=r, cp_world=W)``, the shards are combined with
+the index-K cache with a decode plan of ``cp_rank=r, cp_world=W``, the shards are combined with
 ``all_gather``, and top-16 selection runs on the combined scores.
 
 Shard rule (``naive.score_decode_ref``): rank r stores global block ``p * W + r`` at local column
@@ -132,8 +132,8 @@ def run_rank(rank: int, world: int, device_kind: str, seed: int, out_path: str |
     import torch.distributed as dist
 
     from m3_kernels.formats import PAGE_SIZE
-    from m3_kernels.ops.score import score_decode
     from m3_kernels.ops.score.naive import score_decode_ref
+    from m3_kernels.testing import score_decode_views as score_decode
     from m3_kernels.ops.select import select_blocks, visible_blocks
     from m3_kernels.ops.select.naive import select_blocks_ref
 

@@ -176,7 +176,7 @@ def test_rejections(gen):
                                 dict(cp_rank=0, cp_world=True), dict(cp_rank=torch.tensor(0), cp_world=1)])
 def test_rejects_non_integer_context_parallel_arguments(gen, cp):
     """supported() and the call agree: a float, bool or tensor cp_rank / cp_world is refused by name."""
-    from m3_kernels.ops.score import score_decode
+    from m3_kernels.testing import score_decode_views
 
     k_cache, k_scale = build_cache(gen, "mxfp4", 1)
     args = (make_q(gen, 1, 1, torch.bfloat16), k_cache, k_scale, torch.zeros(1, 1, dtype=torch.int32),
@@ -185,7 +185,7 @@ def test_rejects_non_integer_context_parallel_arguments(gen, cp):
     ok, reason = decode_supported(*args, **cp)
     assert not ok and reason.startswith(f"{name} must be an int")
     with pytest.raises(ValueError, match=f"{name} must be an int"):
-        score_decode(*args, **cp, backend="torch")
+        score_decode_views(*args, **cp, backend="torch")
     with pytest.raises(ValueError, match=f"{name} must be an int"):
         score_decode_ref(*args, **cp)
 
@@ -201,9 +201,10 @@ def test_prefill_rejects_inconsistent_lengths(gen):
 
 
 def test_torch_dispatch_validates_out_like_the_kernels(gen):
-    """``score_decode`` / ``score_prefill`` on the torch backend take ``max_block`` from ``out`` and
-    reject an ``out`` the Triton path rejects (no silent broadcast into a wider buffer)."""
-    from m3_kernels.ops.score import score_decode, score_prefill
+    """Plans for the torch backend take ``max_block`` from ``out`` and reject an ``out`` the Triton path
+    rejects (no silent broadcast into a wider buffer)."""
+    from m3_kernels.ops.score.cpu import score_decode_cpu
+    from m3_kernels.testing import score_decode_views, score_prefill_views
 
     k_cache, k_scale = build_cache(gen, "mxfp4", 2)
     q = make_q(gen, 2, 1, torch.bfloat16)
@@ -212,14 +213,14 @@ def test_torch_dispatch_validates_out_like_the_kernels(gen):
     cu = torch.tensor([0, 1, 2], dtype=torch.int32)
     for bad, msg in [(torch.zeros(1, 2, 3), "max_block must be in"), (torch.zeros(1, 2, 1, dtype=torch.float64), "out must be")]:
         with pytest.raises(ValueError, match=msg):
-            score_decode(q, k_cache, k_scale, bt, seq, 1, 1.0, out=bad, backend="torch")
+            score_decode_views(q, k_cache, k_scale, bt, seq, 1, 1.0, out=bad, backend="torch")
         with pytest.raises(ValueError, match=msg):
-            score_prefill(q, k_cache, k_scale, bt, seq, cu, 1.0, out=bad, backend="torch")
+            score_prefill_views(q, k_cache, k_scale, bt, seq, cu, 1.0, out=bad, backend="torch")
     out = torch.full((1, 2, 1), float("nan"))
-    assert score_decode(q, k_cache, k_scale, bt, seq, 1, 1.0, out=out, backend="torch") is out
-    # The torch backend is the reference computed in float32: bit for bit that, and within float32 rounding of the
-    # float64 reference (comparing with the float64 result rounded once failed in the last bit: different sums).
-    assert torch.equal(out, score_decode_ref(q, k_cache, k_scale, bt, seq, 1, 1.0, dtype=torch.float32))
+    assert score_decode_views(q, k_cache, k_scale, bt, seq, 1, 1.0, out=out, backend="torch") is out
+    # The torch backend is the fast torch scorer (cpu.py, checked against this reference in test_cpu.py): bit for
+    # bit that, and within float32 rounding of the float64 reference.
+    assert torch.equal(out, score_decode_cpu(q, k_cache, k_scale, bt, seq, 1, 1.0))
     ref64 = score_decode_ref(q, k_cache, k_scale, bt, seq, 1, 1.0)
     assert torch.allclose(out.double(), ref64, rtol=1e-5, atol=0)
 

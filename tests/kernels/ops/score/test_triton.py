@@ -23,7 +23,14 @@ from m3_kernels.formats import (  # noqa: E402
     alloc_index_k_cache,
     check_index_k_cache,
 )
-from m3_kernels.ops.score import decode_supported, plan_prefill, score_decode, score_prefill  # noqa: E402
+from m3_kernels.formats import IndexKCache  # noqa: E402
+from m3_kernels.ops.score import (  # noqa: E402
+    decode_supported,
+    plan_decode,
+    plan_prefill,
+    score_decode,
+    score_prefill,
+)
 from m3_kernels.ops.score.naive import score_decode_ref, score_prefill_ref  # noqa: E402
 from m3_kernels.testing import (  # noqa: E402
     abs_index_k,
@@ -32,6 +39,8 @@ from m3_kernels.testing import (  # noqa: E402
     make_q,
     q_abs,
     random_cache,
+    score_decode_views,
+    score_prefill_views,
     triton_module,
 )
 
@@ -64,8 +73,8 @@ def check_decode(gen, device, fmt, q_dtype, S, H, seq_lens, max_block, cp=(0, 1)
     out = None
     if prealloc:
         out = torch.full((H, batch * S, max_block), float("nan"), device=device)
-    got = score_decode(q, k_cache, k_scale, block_table, seq, S, sm_scale, max_block, out, cp[0], cp[1],
-                       backend="triton")
+    got = score_decode_views(q, k_cache, k_scale, block_table, seq, S, sm_scale, max_block, out, cp[0], cp[1],
+                             backend="triton")
     if prealloc:
         assert got.data_ptr() == out.data_ptr()
     kc, ks = k_cache.cpu(), (k_scale.cpu() if k_scale is not None else None)
@@ -260,8 +269,8 @@ def test_mxfp4_split_and_single_region_agree_bitwise(gen, q_dtype):
     bt = torch.randperm(pages, generator=gen)[: batch * mb].reshape(batch, mb).int().cuda()
     seq = torch.tensor([5, 700, 1536], dtype=torch.int32, device="cuda")
     q = make_q(gen, batch * 2, 2, q_dtype, "cuda")
-    a = score_decode(q, *single, bt, seq, 2, 0.3, backend="triton")
-    b = score_decode(q, *split, bt, seq, 2, 0.3, backend="triton")
+    a = score_decode_views(q, *single, bt, seq, 2, 0.3, backend="triton")
+    b = score_decode_views(q, *split, bt, seq, 2, 0.3, backend="triton")
     assert torch.equal(a, b)
 
 
@@ -275,9 +284,11 @@ def test_cuda_graph_capture_and_replay(gen, fmt):
     seq = torch.full((batch,), S, dtype=torch.int32, device="cuda")
     q = torch.zeros(batch * S, H, 128, dtype=torch.bfloat16, device="cuda")
     out = torch.empty(H, batch * S, mb, device="cuda")
+    cache = IndexKCache.of(k_cache, k_scale)
+    plan = plan_decode(cache, bt, seq, S, H, 0.5, mb, out, backend="triton")  # once, as the server at capture
 
     def run():
-        score_decode(q, k_cache, k_scale, bt, seq, S, 0.5, mb, out, backend="triton")
+        score_decode(plan, q, cache, out)
 
     graph = capture_graph(run)
     for lens in ([4, 129, 1000, 2048], [2048, 5, 300, 128], [17, 17, 17, 1900]):
@@ -308,9 +319,13 @@ def check_prefill(gen, device, fmt, q_dtype, H, new, prefix, max_block, single=T
     cu = torch.tensor([0] + list(torch.tensor(new).cumsum(0)), dtype=torch.int32, device=device)
     q = make_q(gen, sum(new), H, q_dtype, device)
     out = torch.full((H, sum(new), max_block), float("nan"), device=device) if prealloc else None
-    # planned: the work map made once from host lists, as the SGLang backend does per batch
-    plan = plan_prefill(cu.tolist(), seq.tolist(), H, device) if planned else None
-    got = score_prefill(q, k_cache, k_scale, bt, seq, cu, 0.25, max_block, out, backend="triton", plan=plan)
+    if planned:  # the plan made from host lists, as the SGLang backend does per batch, then one run
+        cache = IndexKCache.of(k_cache, k_scale)
+        plan = plan_prefill(cache, bt, seq, cu, H, 0.25, max_block, out, cu_seqlens_host=cu.tolist(),
+                            seq_lens_host=seq.tolist(), backend="triton")
+        got = score_prefill(plan, q, cache)
+    else:  # lengths read back from the device by the plan
+        got = score_prefill_views(q, k_cache, k_scale, bt, seq, cu, 0.25, max_block, out, backend="triton")
     if prealloc:  # every column is written, -inf past each row's last page
         assert got.data_ptr() == out.data_ptr()
     kc, ks = k_cache.cpu(), (k_scale.cpu() if k_scale is not None else None)
@@ -404,7 +419,7 @@ def test_rejections_raise_and_supported_says_no(device, name):
     ok, reason = decode_supported(**args)
     assert not ok and match in reason
     with pytest.raises(ValueError, match=match):
-        score_decode(**args, backend="triton")
+        score_decode_views(**args, backend="triton")
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
@@ -428,16 +443,19 @@ def test_score_and_select_decode_matches_the_two_references(gen, device):
     bt = torch.randperm(pages, generator=gen)[: batch * mb].reshape(batch, mb).int().to(device)
     seq = torch.tensor([3, 2100, 3000], dtype=torch.int32, device=device)
     q = make_q(gen, batch * S, H, torch.bfloat16, device)
-    scores, blocks = score_and_select_decode(q, k_cache, k_scale, bt, seq, S, 0.5, backend="triton")
+    cache = IndexKCache.of(k_cache, k_scale)
+    scores, blocks = score_and_select_decode(plan_decode(cache, bt, seq, S, H, 0.5, backend="triton"), q, cache)
     pos = (seq.cpu().long()[:, None] - S + torch.arange(S)).flatten()
     want = select_blocks_ref(scores.cpu(), visible_blocks(pos, PAGE_SIZE))
     assert torch.equal(blocks.cpu(), want)
     # max_block below the blocks a row sees (17 and 24 here): selection ranks the columns scored
-    scores, blocks = score_and_select_decode(q, k_cache, k_scale, bt, seq, S, 0.5, max_block=10, backend="triton")
+    plan = plan_decode(cache, bt, seq, S, H, 0.5, max_block=10, backend="triton")
+    scores, blocks = score_and_select_decode(plan, q, cache)
     assert scores.shape[-1] == 10
     assert torch.equal(blocks.cpu(), select_blocks_ref(scores.cpu(), visible_blocks(pos, PAGE_SIZE).clamp(max=10)))
     with pytest.raises(ValueError, match="cp_world"):
-        score_and_select_decode(q, k_cache, k_scale, bt, seq, S, 0.5, cp_rank=0, cp_world=2, backend="triton")
+        score_and_select_decode(plan_decode(cache, bt, seq, S, H, 0.5, cp_rank=0, cp_world=2, backend="triton"), q,
+                                cache)
 
 
 def _prefill_args(device):
@@ -454,26 +472,30 @@ def test_prefill_rejects_out_the_kernel_cannot_write(device):
     args = _prefill_args(device)
     strided = torch.zeros(1, 2, 2, 2, device=device)[..., 0]  # [H=1, rows=2, max_block=2], last stride 2
     with pytest.raises(ValueError, match="out must be float32"):
-        score_prefill(*args, out=strided, backend="triton")
+        score_prefill_views(*args, out=strided, backend="triton")
     with pytest.raises(ValueError, match="out must be float32"):
-        score_prefill(*args, out=torch.zeros(1, 2, 2, dtype=torch.float64, device=device), backend="triton")
+        score_prefill_views(*args, out=torch.zeros(1, 2, 2, dtype=torch.float64, device=device), backend="triton")
     with pytest.raises(ValueError, match="one device"):
-        score_prefill(*args, out=torch.zeros(1, 2, 2, device="meta"), backend="triton")
+        score_prefill_views(*args, out=torch.zeros(1, 2, 2, device="meta"), backend="triton")
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
 def test_prefill_plan_rejections(device):
-    """A plan is checked when made (offsets, lengths) and against the call it is given to."""
+    """A plan checks the host offsets and lengths it is given (the server's) when made."""
     device = _on(device)
-    args = _prefill_args(device)
+    q, k_cache, k_scale, bt, seq, cu, sm = _prefill_args(device)
+    cache = IndexKCache.of(k_cache, k_scale)
+
+    def plan(cu_host, lens_host):
+        return plan_prefill(cache, bt, seq, cu, 1, sm, cu_seqlens_host=cu_host, seq_lens_host=lens_host,
+                            backend="triton")
+
     with pytest.raises(ValueError, match="cu_seqlens_q must rise"):
-        plan_prefill([0, 2, 1], [5, 5], 1, device)
+        plan([0, 2, 1], [5, 5])
     with pytest.raises(ValueError, match="request 1 has 3 new tokens but seq_lens"):
-        plan_prefill([0, 1, 4], [5, 2], 1, device)
+        plan([0, 1, 4], [5, 2])
     with pytest.raises(ValueError, match="len.seq_lens. . 1 = 3 entries"):
-        plan_prefill([0, 1], [5, 5], 1, device)
-    for plan in (plan_prefill([0, 1, 2], [5, 5], 2, device),  # other H
-                 plan_prefill([0, 2], [5], 1, device),  # other batch
-                 plan_prefill([0, 1, 3], [5, 5], 1, device)):  # other token count
-        with pytest.raises(ValueError, match="plan was made for"):
-            score_prefill(*args, backend="triton", plan=plan)
+        plan([0, 1], [5, 5])
+    made = plan([0, 1, 2], [5, 5])
+    assert (made.backend, made.H, made.batch, made.num_tokens, made.max_block) == ("triton", 1, 2, 2, 2)
+    assert made.tiles.tolist() == [[0, 0], [1, 1]] and made.tiles.device == torch.device(device)

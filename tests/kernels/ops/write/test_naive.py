@@ -79,3 +79,46 @@ def test_rejects_tensors_on_different_devices(gen):
     with pytest.raises(ValueError, match="one device"):
         write_index_k_ref(k.to("meta"), torch.tensor([3, 4]), k_cache, k_scale, "mxfp4")
     assert (k_cache == 0).all() and (k_scale == 0).all()
+
+
+@pytest.mark.parametrize("fmt,scale_rule,sign_seed", [("bf16", "rceil", None), ("fp8", "rceil", None),
+                                                      ("mxfp4", "floor", None), ("mxfp4_rot", "floor", 123)])
+def test_the_dispatcher_writes_in_the_caches_own_format_rule_and_seed(gen, fmt, scale_rule, sign_seed):
+    """``write_index_k(cache, k, loc)`` on the CPU: the reference's rows under the cache's format, scale rule
+    and sign seed (nothing passed loose), at the slots only."""
+    from m3_kernels.formats import IndexKCache
+    from m3_kernels.ops.write import write_index_k
+
+    cache = IndexKCache.new(2, fmt, scale_rule=scale_rule, sign_seed=sign_seed)
+    data, scale = cache.views()
+    data.view(torch.uint8).fill_(0xA5)
+    if scale is not None:
+        scale.fill_(0xA5)
+    k = torch.randn(130, 128, generator=gen) * torch.logspace(-3, 3, 128)
+    loc = torch.randperm(2 * PAGE_SIZE, generator=gen)[:130]
+    write_index_k(cache, k, loc)
+    want_data, want_scale = alloc_index_k_cache(2, fmt)
+    want_data.view(torch.uint8).fill_(0xA5)
+    if want_scale is not None:
+        want_scale.fill_(0xA5)
+    write_index_k_ref(k, loc, want_data, want_scale, fmt, scale_rule, sign_seed)
+    assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
+    if scale is not None:
+        assert torch.equal(scale, want_scale)
+
+
+def test_the_dispatcher_refuses_bad_rows_and_slots_and_writes_nothing(gen):
+    from m3_kernels.formats import IndexKCache
+    from m3_kernels.ops.write import write_index_k
+
+    cache = IndexKCache.new(1, "mxfp4")
+    before = [t.clone() for t in cache.views()]
+    k = torch.randn(2, 128, generator=gen)
+    for args, match in [((k, torch.tensor([3, 128])), r"loc values must lie in \[0, 128\)"),
+                        ((k, torch.tensor([3.0, 4.0])), "loc must be int32/int64"),
+                        ((k.half(), torch.tensor([3, 4])), "k must be float32 or bfloat16"),
+                        ((k[:, :64], torch.tensor([3, 4])), r"k must be float32 or bfloat16 \[tokens, 128\]"),
+                        ((k, torch.tensor([3, 4], device="meta")), "one device")]:
+        with pytest.raises(ValueError, match=match):
+            write_index_k(cache, *args)
+    assert all(torch.equal(a, b) for a, b in zip(cache.views(), before))

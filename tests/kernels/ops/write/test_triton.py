@@ -27,8 +27,8 @@ from m3_kernels.formats import (  # noqa: E402
     F4_E2M1_TIES_UP,
     MXFP4_INPUT_MAX,
     PAGE_SIZE,
+    IndexKCache,
     alloc_index_k_cache,
-    parse_format,
     quantize_index_k,
     quantize_mxfp4,
     rotation_matrix,
@@ -56,10 +56,11 @@ def _writer():
 
 
 def write(k, loc, k_cache, k_scale, fmt, rule, seed=None, tokens_per_program=None):
+    cache = IndexKCache(fmt, k_cache, k_scale, rule, seed)
     if k.device.type == "cpu" or tokens_per_program:
-        _writer()(k, loc, k_cache, k_scale, parse_format(fmt), rule, seed, tokens_per_program)
+        _writer()(cache, k, loc, tokens_per_program)
     else:
-        write_index_k(k, loc, k_cache, k_scale, fmt, rule, seed)
+        write_index_k(cache, k, loc)
 
 
 def corner_keys(gen, tokens):
@@ -296,7 +297,7 @@ def test_kernel_skips_slots_outside_the_cache(gen, device, fmt):
     capacity = 2 * PAGE_SIZE
     k = torch.randn(20, 128, generator=gen)
     loc = torch.tensor([3, -1, capacity, 5, -PAGE_SIZE, capacity + 7] + list(range(100, 114)))
-    _writer()(k.to(device), loc.to(device), k_cache, k_scale, parse_format(fmt))
+    _writer()(IndexKCache(fmt, k_cache, k_scale), k.to(device), loc.to(device))
     for t in (pool.view(torch.uint8), pool_scale):
         if t is not None:
             assert (t[0] == 0xA5).all() and (t[3] == 0xA5).all(), "a slot outside the cache was written"
@@ -326,11 +327,12 @@ def test_bad_loc_raises_and_writes_nothing(gen):
     k_cache, k_scale = alloc_index_k_cache(1, "mxfp4", "cuda")
     before = (k_cache.clone(), k_scale.clone())
     k = torch.randn(2, 128, generator=gen, device="cpu").cuda()
+    cache = IndexKCache("mxfp4", k_cache, k_scale)
     with pytest.raises(ValueError, match=r"loc values must lie in \[0, 128\)"):
-        write_index_k(k, torch.tensor([3, 128], device="cuda"), k_cache, k_scale, "mxfp4")
-    with pytest.raises(ValueError, match="does not match the cache"):
-        write_index_k(k, torch.tensor([3, 4], device="cuda"), k_cache, k_scale, "fp8")
-    write_index_k(k, torch.tensor([3, 128], device="cuda"), k_cache, k_scale, "mxfp4", check_loc=False)
+        write_index_k(cache, k, torch.tensor([3, 128], device="cuda"))
+    with pytest.raises(ValueError, match="does not match the cache"):  # a cache of the wrong format is never made
+        IndexKCache("fp8", k_cache, k_scale)
+    write_index_k(cache, k, torch.tensor([3, 128], device="cuda"), check_loc=False)
     assert torch.equal(before[0][:, :3], k_cache[:, :3]) and not torch.equal(before[0][:, 3], k_cache[:, 3])
 
 
@@ -340,10 +342,11 @@ def test_writer_in_cuda_graph(gen, fmt, seed):
     """Captured once after a warm-up call, replayed with other keys and slots."""
     k = torch.zeros(300, 128, device="cuda")
     loc = torch.zeros(300, dtype=torch.int64, device="cuda")
-    k_cache, k_scale = alloc_index_k_cache(8, "mxfp4", "cuda")
+    cache = IndexKCache.new(8, fmt, "cuda", sign_seed=seed)
+    k_cache, k_scale = cache.views()
     # The slot check is skipped while capturing; the warm-up call skips it explicitly.
-    graph = capture_graph(lambda: write_index_k(k, loc, k_cache, k_scale, fmt, sign_seed=seed),
-                          warmup=lambda: write_index_k(k, loc, k_cache, k_scale, fmt, sign_seed=seed, check_loc=False))
+    graph = capture_graph(lambda: write_index_k(cache, k, loc),
+                          warmup=lambda: write_index_k(cache, k, loc, check_loc=False))
     for _ in range(2):
         kk = corner_keys(gen, 300) if fmt == "mxfp4" else rotation_keys(gen, 300)[0]
         ll = torch.randperm(8 * PAGE_SIZE, generator=gen)[:300]

@@ -1,7 +1,9 @@
 """Optional decode-scorer backends, each a lazily imported module with the same surface:
 
 ``NAME``, ``availability(device) -> (ok, reason)``, ``is_available(device)``,
-``verify_decode(<score_decode arguments>) -> (ok, reason)`` and ``score_decode(...)``.
+``check_plan(fmt, S, H, batch, max_block, block_table, out, cp_world)`` (the backend's rules on a batch,
+called once by ``ops.score.plan_decode``), ``score_decode(plan, q, cache, out)`` (the run), and
+``verify_decode(<a call as loose tensors>) -> (ok, reason)``.
 
 - ``cuda``: our CUDA C++ MXFP4 kernel for NVIDIA sm_90+ (built by SGLang's JIT loader).
 - ``flydsl``: our FlyDSL kernel for ROCm gfx950.

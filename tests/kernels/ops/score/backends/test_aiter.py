@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from m3_kernels.formats import PAGE_SIZE, alloc_index_k_cache
-from m3_kernels.ops.score import score_decode
 from m3_kernels.ops.score.backends import aiter as aiter_backend
 from m3_kernels.ops.score.backends.aiter import signature
-from m3_kernels.testing import fill_random_index_k
+from m3_kernels.testing import fill_random_index_k, score_decode_views
 
 
 def mxfp4_call(S=4, H=1, batch=3, num_pages=4, q_dtype=torch.bfloat16, fmt="mxfp4"):
@@ -101,11 +100,11 @@ def test_unavailable_without_aiter_on_rocm():
     ok, reason = aiter_backend.availability(torch.device("cpu"))
     assert not ok and reason
     with pytest.raises(NotImplementedError, match="aiter"):
-        score_decode(*mxfp4_call(), backend="aiter")
+        score_decode_views(*mxfp4_call(), backend="aiter")
 
 
 def test_dispatch_calls_the_scorer_with_our_call(monkeypatch):
-    """score_decode(backend="aiter") end to end on the CPU, with a stand-in module in place of aiter
+    """A decode plan for backend "aiter" and its run end to end on the CPU, with a stand-in module in place of aiter
     (same documented signature; it records the call and scores with the torch reference)."""
     import importlib.machinery
     import sys
@@ -136,7 +135,7 @@ def test_dispatch_calls_the_scorer_with_our_call(monkeypatch):
     monkeypatch.setattr(aiter_backend, "availability", lambda device=None: (True, ""))
 
     call = mxfp4_call(S=2, H=4)
-    got = score_decode(*call, backend="aiter")
+    got = score_decode_views(*call, backend="aiter")
     (q, k_data, k_scale, S, H, sm, max_block, out), = calls
     assert q is call[0] and k_data is call[1] and k_scale is call[2] and (S, H, max_block) == (2, 4, 4)
     assert got is out

@@ -24,12 +24,20 @@ from m3_kernels.formats import (
     MXFP4_PAGE_DATA_BYTES,
     MXFP4_SCALE_BYTES,
     PAGE_SIZE,
-    alloc_index_k_cache,
+    IndexKCache,
 )
-from m3_kernels.ops.score import prepare_decode, score_decode
+from m3_kernels.ops.score import plan_decode, resolve_backend, score_decode
 from m3_kernels.ops.score.backends import cuda as cuda_backend
 from m3_kernels.ops.score.naive import score_decode_ref
-from m3_kernels.testing import abs_index_k, assert_scores_close, capture_graph, make_q, q_abs, random_cache
+from m3_kernels.testing import (
+    abs_index_k,
+    assert_scores_close,
+    capture_graph,
+    make_q,
+    q_abs,
+    random_cache,
+    score_decode_views,
+)
 
 SOURCE = cuda_backend.SOURCE
 INSTANCES = [(nt, e4m3) for nt in (1, 2, 3, 4) for e4m3 in (False, True)]
@@ -187,7 +195,7 @@ def check(gen, q_dtype, S, H, seq_lens, max_block, cp=(0, 1), prealloc=True, sin
     q = make_q(gen, batch * S, H, q_dtype, "cuda", q_scale)
     sm_scale = 0.125
     out = torch.full((H, batch * S, max_block), float("nan"), device="cuda") if prealloc else None
-    got = score_decode(q, k_data, k_scale, bt, seq, S, sm_scale, max_block, out, cp[0], cp[1], backend="cuda")
+    got = score_decode_views(q, k_data, k_scale, bt, seq, S, sm_scale, max_block, out, cp[0], cp[1], backend="cuda")
     kc, ks = k_data.cpu(), k_scale.cpu()
     args = (bt.cpu(), seq.cpu(), S, sm_scale, max_block, cp[0], cp[1])
     ref = score_decode_ref(q.cpu(), kc, ks, *args)
@@ -273,8 +281,8 @@ def test_split_and_single_region_agree_bitwise(gen):
     bt = torch.randperm(pages, generator=gen)[: batch * mb].reshape(batch, mb).int().cuda()
     seq = torch.tensor([5, 700, 1536], dtype=torch.int32, device="cuda")
     q = make_q(gen, batch * 2, 2, torch.bfloat16, "cuda")
-    a = score_decode(q, *single, bt, seq, 2, 0.3, backend="cuda")
-    b = score_decode(q, *split, bt, seq, 2, 0.3, backend="cuda")
+    a = score_decode_views(q, *single, bt, seq, 2, 0.3, backend="cuda")
+    b = score_decode_views(q, *split, bt, seq, 2, 0.3, backend="cuda")
     assert torch.equal(a, b)
 
 
@@ -288,9 +296,11 @@ def test_cuda_graph_capture_and_replay(gen):
     seq = torch.full((batch,), S, dtype=torch.int32, device="cuda")
     q = torch.zeros(batch * S, H, 128, dtype=torch.bfloat16, device="cuda")
     out = torch.empty(H, batch * S, mb, device="cuda")
+    cache = IndexKCache.of(k_data, k_scale)
+    plan = plan_decode(cache, bt, seq, S, H, 0.5, mb, out, backend="cuda")  # once, as the server at capture
 
     def run():
-        score_decode(q, k_data, k_scale, bt, seq, S, 0.5, mb, out, backend="cuda")
+        score_decode(plan, q, cache, out)
 
     graph = capture_graph(run)
     for lens in ([4, 129, 1000, 2048], [2048, 5, 300, 128], [17, 17, 17, 1900]):
@@ -311,38 +321,49 @@ def test_cuda_graph_capture_and_replay(gen):
 
 @pytest.mark.gpu
 def test_dispatcher_picks_cuda_for_mxfp4_on_sm90(gen, monkeypatch):
-    """auto -> the CUDA kernel for MXFP4 (same numbers as forcing it), Triton for fp8."""
+    """auto -> the CUDA kernel for MXFP4 (same numbers as forcing it), Triton for fp8 and for S*H > 32."""
     _sm90()
     monkeypatch.delenv("M3_SCORE_BACKEND", raising=False)
     calls = []
-    launch = cuda_backend.score_decode_checked  # every CUDA-kernel call, auto or forced, ends here
-    monkeypatch.setattr(cuda_backend, "score_decode_checked", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    launch = cuda_backend.score_decode  # every CUDA-kernel run, auto or forced, ends here
+    monkeypatch.setattr(cuda_backend, "score_decode", lambda *a, **k: calls.append(1) or launch(*a, **k))
     k_data, k_scale = random_cache(gen, "mxfp4", 9, "cuda")
+    cache = IndexKCache.of(k_data, k_scale)
     bt = torch.arange(8, dtype=torch.int32, device="cuda").reshape(2, 4)
     seq = torch.tensor([300, 512], dtype=torch.int32, device="cuda")
     q = make_q(gen, 2, 4, torch.bfloat16, "cuda")
-    auto = score_decode(q, k_data, k_scale, bt, seq, 1, 0.2)
+    plan = plan_decode(cache, bt, seq, 1, 4, 0.2)
+    assert plan.backend == "cuda"
+    auto = score_decode(plan, q, cache)
     assert calls == [1]
-    assert torch.equal(auto, cuda_backend.score_decode(q, k_data, k_scale, bt, seq, 1, 0.2))
+    assert torch.equal(auto, score_decode(plan_decode(cache, bt, seq, 1, 4, 0.2, backend="cuda"), q, cache))
     assert calls == [1, 1]
-    fp8 = torch.zeros(9, 128, 128, dtype=torch.uint8, device="cuda").view(FP8_DTYPE)
-    score_decode(q, fp8, None, bt, seq, 1, 0.2)
+    fp8 = IndexKCache.new(9, "fp8", "cuda")
+    assert plan_decode(fp8, bt, seq, 1, 4, 0.2).backend == "triton"
+    assert plan_decode(cache, bt, seq, 1, 33, 0.2).backend == "triton"  # past the kernel's 32 query vectors
+    score_decode(plan_decode(fp8, bt, seq, 1, 4, 0.2), q, fp8)
     assert calls == [1, 1]  # fp8 went to Triton
 
 
 @pytest.mark.gpu
 def test_rejections(gen):
-    """What the kernel does not take is a ValueError naming the rule, and verify_decode says no."""
+    """What the kernel does not take is a ValueError naming the rule (at plan time), and verify_decode says no;
+    a misaligned Q view, refused by verify_decode, is copied once by the run and scores the same."""
     _sm90()
     k_data, k_scale = random_cache(gen, "mxfp4", 9, "cuda")
     bt = torch.arange(8, dtype=torch.int32, device="cuda").reshape(2, 4)
     seq = torch.tensor([300, 512], dtype=torch.int32, device="cuda")
     q = make_q(gen, 2, 4, torch.bfloat16, "cuda")
     fp8 = torch.zeros(9, 128, 128, dtype=torch.uint8, device="cuda").view(FP8_DTYPE)
+    misaligned = torch.zeros(2 * 4 * 128 + 4, dtype=torch.bfloat16, device="cuda")[4:].view(2, 4, 128)
+    misaligned.copy_(q)
+    ok, reason = cuda_backend.verify_decode(misaligned, k_data, k_scale, bt, seq, 1, 0.2)
+    assert not ok and "16-byte aligned" in reason
+    assert torch.equal(score_decode_views(misaligned, k_data, k_scale, bt, seq, 1, 0.2, backend="cuda"),
+                       score_decode_views(q, k_data, k_scale, bt, seq, 1, 0.2, backend="cuda"))
     cases = {
         "MXFP4 caches only": dict(k_cache=fp8, k_scale=None),
-        "16-byte aligned": dict(q=torch.zeros(2 * 4 * 128 + 4, dtype=torch.bfloat16, device="cuda")[4:].view(2, 4,
-                                                                                                           128)),
+        "S . H <= 32": dict(q=make_q(gen, 2, 33, torch.bfloat16, "cuda")),
         "sm_scale": dict(sm_scale=float("nan")),
         "max_block": dict(max_block=5),
     }
@@ -352,7 +373,7 @@ def test_rejections(gen):
         ok, reason = cuda_backend.verify_decode(**args)
         assert not ok and match in reason, (match, reason)
         with pytest.raises(ValueError, match=match):
-            score_decode(**args, backend="cuda")
+            score_decode_views(**args, backend="cuda")
 
 
 def test_unavailable_off_gpu_is_a_reason_not_a_crash():
@@ -360,24 +381,25 @@ def test_unavailable_off_gpu_is_a_reason_not_a_crash():
     ok, why = cuda_backend.availability(torch.device("cpu"))
     assert not ok and "NVIDIA GPU" in why
     if not torch.cuda.is_available():
-        q = torch.zeros(1, 1, 128, dtype=torch.bfloat16)
-        k_data, k_scale = alloc_index_k_cache(1, "mxfp4")
+        cache = IndexKCache.new(1, "mxfp4")
         with pytest.raises(NotImplementedError, match="cannot run here"):
-            cuda_backend.score_decode(q, k_data, k_scale, torch.zeros(1, 1, dtype=torch.int32),
-                                      torch.ones(1, dtype=torch.int32), 1, 1.0)
+            plan_decode(cache, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1, 1, 1.0,
+                        backend="cuda")
 
 
-def test_prepare_decode_names_the_auto_backend():
-    """A server builds at start-up what auto decode would compile at first use; on CPU: nothing."""
-    assert prepare_decode("cpu", True) == "torch"
+def test_resolver_names_the_auto_backend(monkeypatch):
+    """A server resolves at start-up what auto decode would compile at first use; on CPU: nothing."""
+    monkeypatch.delenv("M3_SCORE_BACKEND", raising=False)
+    assert resolve_backend("cpu", "mxfp4") == "torch"
 
 
 @pytest.mark.gpu
-def test_prepare_decode_builds_the_cuda_kernel_on_sm90(monkeypatch):
+def test_resolver_builds_the_cuda_kernel_on_sm90(monkeypatch):
     _sm90()
     monkeypatch.delenv("M3_SCORE_BACKEND", raising=False)
-    assert prepare_decode("cuda", True) == "cuda"
-    assert prepare_decode("cuda", False) == "triton"
+    assert resolve_backend("cuda", "mxfp4") == "cuda" and resolve_backend("cuda", "mxfp4_rot") == "cuda"
+    assert resolve_backend("cuda", "fp8") == "triton"
+    assert resolve_backend("cuda", "mxfp4", op="prefill") == "triton"
 
 
 def test_a_failed_build_is_remembered_and_reported(monkeypatch):

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from m3_kernels.formats import FP8_DTYPE, PAGE_SIZE, alloc_index_k_cache
-from m3_kernels.ops.score import resolve_backend, score_decode, score_prefill
+from m3_kernels.ops.score import resolve_backend
+from m3_kernels.testing import score_decode_views, score_prefill_views
 from m3_kernels.ops.score.backends import flydsl as flydsl_backend
 from m3_kernels.ops.score.backends.flydsl.checks import check_flydsl_decode
 from m3_kernels.ops.score.common import check_decode_args
@@ -310,29 +311,30 @@ def test_not_available_off_rocm():
     ok, reason = flydsl_backend.verify_decode(*args)
     assert not ok and reason
     with pytest.raises(NotImplementedError, match="flydsl"):
-        score_decode(*args, backend="flydsl")
+        score_decode_views(*args, backend="flydsl")
 
 
 def test_resolve_backend(monkeypatch):
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.delenv("M3_SCORE_BACKEND", raising=False)
-    assert resolve_backend(cpu) == "torch"
+    assert resolve_backend(cpu, "fp8") == "torch"
     monkeypatch.setattr(flydsl_backend, "is_available", lambda device: True)  # as on ROCm gfx950
-    assert resolve_backend(gpu) == "flydsl"
-    assert resolve_backend(gpu, op="prefill") == "triton"  # no FlyDSL prefill
+    assert resolve_backend(gpu, "fp8") == "flydsl" and resolve_backend(gpu, "mxfp4") == "flydsl"
+    assert resolve_backend(gpu, "fp8", op="prefill") == "triton"  # no FlyDSL prefill
     monkeypatch.setattr(flydsl_backend, "is_available", lambda device: False)  # NVIDIA, other AMD
-    assert resolve_backend(gpu) == "triton"
+    assert resolve_backend(gpu, "fp8") == "triton"
     for forced in ("torch", "triton", "cuda", "flydsl", "aiter"):
         monkeypatch.setenv("M3_SCORE_BACKEND", forced)
-        assert resolve_backend(gpu) == forced and resolve_backend(cpu) == forced
+        assert resolve_backend(gpu, "fp8") == forced and resolve_backend(cpu, "fp8") == forced
         # Decode-only backends: a forced one leaves prefill on its auto choice (never the torch
         # reference on a GPU).
         want_gpu = "triton" if forced in ("cuda", "flydsl", "aiter") else forced
         want_cpu = "torch" if forced in ("cuda", "flydsl", "aiter") else forced
-        assert resolve_backend(gpu, op="prefill") == want_gpu and resolve_backend(cpu, op="prefill") == want_cpu
+        assert resolve_backend(gpu, "fp8", op="prefill") == want_gpu
+        assert resolve_backend(cpu, "fp8", op="prefill") == want_cpu
     monkeypatch.setenv("M3_SCORE_BACKEND", "bogus")
     with pytest.raises(ValueError, match="M3_SCORE_BACKEND"):
-        resolve_backend(gpu)
+        resolve_backend(gpu, "fp8")
 
 
 def test_prefill_ignores_forced_flydsl_on_cpu(monkeypatch):
@@ -340,8 +342,8 @@ def test_prefill_ignores_forced_flydsl_on_cpu(monkeypatch):
     monkeypatch.setenv("M3_SCORE_BACKEND", "flydsl")
     k_cache, k_scale = alloc_index_k_cache(2, "mxfp4")
     q = torch.randn(3, 1, 128).to(torch.bfloat16)
-    out = score_prefill(q, k_cache, k_scale, torch.tensor([[0, 1]], dtype=torch.int32),
-                        torch.tensor([3], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32), 0.1)
+    out = score_prefill_views(q, k_cache, k_scale, torch.tensor([[0, 1]], dtype=torch.int32),
+                              torch.tensor([3], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32), 0.1)
     assert out.shape == (1, 3, 2)
 
 
@@ -355,6 +357,30 @@ def test_prepare_allocates_minus_inf_and_skips_empty_launch():
     q, k_cache, k_scale, bt, sl, S, sm = args
     launcher, launch_args, out = prepare_decode(q[:0], k_cache, k_scale, bt[:0], sl[:0], S, sm)
     assert launcher is None and out.shape == (1, 0, NUM_PAGES)
+
+
+@needs_flydsl
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_planned_run_marshals_the_launch_of_the_checked_call(fmt):
+    """The run of a plan (no checks) builds the very launch the checked loose call builds; a misaligned Q
+    view is copied once instead of refused."""
+    from m3_kernels.formats import IndexKCache
+    from m3_kernels.ops.score import plan_decode
+    from m3_kernels.ops.score.backends.flydsl.host import prepare_decode, prepare_run
+
+    (q, k_cache, k_scale, bt, sl, S, sm), _ = decode_call(fmt, "bf16", 2, 4)
+    cache = IndexKCache.of(k_cache, k_scale)
+    want_launcher, want, _ = prepare_decode(q, k_cache, k_scale, bt, sl, S, sm)
+    plan = plan_decode(cache, bt, sl, S, 4, sm, backend="torch")  # the plan's fields; the launch is FlyDSL's
+    launcher, got, out = prepare_run(plan, q, cache)
+    assert launcher is want_launcher and len(got) == len(want)
+    for a, b in zip(got, want):
+        assert (a is b or torch.equal(a, b)) if isinstance(a, torch.Tensor) else a == b
+    store = torch.zeros(q.numel() + 4, dtype=q.dtype)
+    shifted = store[4:].view_as(q)
+    shifted.copy_(q)
+    launcher, got, _ = prepare_run(plan, shifted, cache)
+    assert got[0].data_ptr() % 16 == 0 and torch.equal(got[0], want[0])
 
 
 # On a ROCm gfx950 GPU only (written for MI350/MI355X; never run: no such GPU was available).
@@ -390,13 +416,13 @@ def test_matches_reference_on_gfx950(gen, fmt, q_name, seq, S, H, cp_rank, cp_wo
     want = score_decode_ref(q, k_cache, k_scale, block_table, seq_lens, S, sm, max_block, cp_rank, cp_world)
     to = lambda t: None if t is None else t.to(dev)  # noqa: E731
     args = [to(q), to(k_cache), to(k_scale), to(block_table), to(seq_lens), S, sm, max_block]
-    got = score_decode(*args, cp_rank=cp_rank, cp_world=cp_world, backend="flydsl").cpu()
+    got = score_decode_views(*args, cp_rank=cp_rank, cp_world=cp_world, backend="flydsl").cpu()
     assert torch.equal(torch.isneginf(got), torch.isneginf(want))
     finite = torch.isfinite(want)
     assert torch.allclose(got[finite].double(), want[finite], rtol=1e-5, atol=1e-5)
     # A preallocated out is written on visible pages only: poison it and check the rest is untouched.
     out = torch.full_like(got, float("nan")).to(dev)
-    score_decode(*args, out=out, cp_rank=cp_rank, cp_world=cp_world, backend="flydsl")
+    score_decode_views(*args, out=out, cp_rank=cp_rank, cp_world=cp_world, backend="flydsl")
     out = out.cpu()
     visible = torch.zeros_like(want, dtype=torch.bool)
     for b, n in enumerate(seq):

@@ -81,6 +81,10 @@ def decode_call(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_blo
     _, batch, H, max_block, sm_scale = check_aiter_decode(
         q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank, cp_world
     )
+    return _call(q, k_cache, k_scale, block_table, seq_lens, S, H, batch, max_block, sm_scale, out)
+
+
+def _call(q, k_cache, k_scale, block_table, seq_lens, S, H, batch, max_block, sm_scale, out):
     if out is None:
         out = torch.full((H, batch * S, max_block), float("-inf"), dtype=torch.float32, device=q.device)
     args = (q, k_cache, k_scale, block_table, seq_lens, S, H, sm_scale / LOG2E, max_block)
@@ -96,14 +100,22 @@ def verify_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_b
     return availability(q.device)
 
 
-def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
-                 cp_world=1):
-    """Decode block scores through aiter (contract: ``ops.score.score_decode``)."""
-    ok, reason = availability(q.device)
-    if not ok:
-        raise NotImplementedError(reason)
-    args, kwargs, out = decode_call(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank,
-                                    cp_world)
+def check_plan(fmt, S, H, batch, max_block, block_table, out, cp_world) -> None:
+    """The plan-time rules of aiter's scorer (``ops.score.plan_decode``'s hook): MXFP4 cache, no CP shard."""
+    if fmt is not IndexKFormat.MXFP4:
+        raise ValueError(f"aiter's {ENTRY_POINT} reads MXFP4 caches only, got a {fmt.value} cache")
+    if cp_world != 1:
+        raise ValueError(f"aiter's {ENTRY_POINT} takes no context-parallel shard, got cp_world={cp_world}")
+
+
+def score_decode(plan, q, cache, out=None):
+    """Decode block scores of ``plan`` through aiter (contract: ``ops.score.score_decode``); checks nothing
+    (the plan did). A Q view whose base or strides are not 16-byte aligned is copied once."""
+    es = q.element_size()
+    if any(x % VIEW_ALIGN_BYTES for x in (q.data_ptr(), q.stride(0) * es, q.stride(1) * es)):
+        q = q.clone(memory_format=torch.contiguous_format)
+    args, kwargs, out = _call(q, cache.data, cache.scale_e8m0, plan.block_table, plan.seq_lens, plan.S, plan.H,
+                              plan.batch, plan.max_block, plan.sm_scale, out)
     if out.shape[1] and out.shape[2]:
         find_scorer()(*args, **kwargs)
     return out

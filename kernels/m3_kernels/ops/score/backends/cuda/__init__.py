@@ -77,27 +77,44 @@ def is_available(device=None) -> bool:
     return availability(device)[0]
 
 
-def check_cuda_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
-                      cp_world=1):
-    """The shared argument rules plus this kernel's: an MXFP4 cache, ``S * H <= 32``, Q base and
-    row/head strides 16-byte aligned. Returns ``check_decode_args``'s tuple; ValueError otherwise."""
-    res = check_decode_args(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank, cp_world)
-    fmt, _, H = res[0], res[1], res[2]
+def check_cuda_plan(fmt: IndexKFormat, S: int, H: int) -> None:
+    """This kernel's rules on a decode batch (``plan_decode`` calls it once): an MXFP4 cache and
+    ``S * H <= 32`` query vectors per request; ValueError otherwise. (Q's 16-byte alignment is met at
+    run time: ``score_decode`` copies a misaligned Q once, the kernel reads it in 16-byte vectors.)"""
     if fmt is not IndexKFormat.MXFP4:
         raise ValueError(f"the CUDA scorer reads MXFP4 caches only, got a {fmt.value} cache")
     if S * H > MAX_QUERY_VECTORS:
         raise ValueError(f"the CUDA scorer takes S * H <= {MAX_QUERY_VECTORS} query vectors, got S={S}, H={H}")
-    es = q.element_size()
-    if q.data_ptr() % QUERY_ALIGN_BYTES or (q.stride(0) * es) % QUERY_ALIGN_BYTES or (
-            q.stride(1) * es) % QUERY_ALIGN_BYTES:
+
+
+def check_plan(fmt, S, H, batch, max_block, block_table, out, cp_world) -> None:
+    """The plan-time rules of this backend (``ops.score.plan_decode``'s common hook): ``check_cuda_plan``."""
+    check_cuda_plan(fmt, S, H)
+
+
+def check_cuda_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
+                      cp_world=1):
+    """A call given as loose tensors: the shared argument rules plus ``check_cuda_plan``'s and Q base and
+    row/head strides 16-byte aligned. Returns ``check_decode_args``'s tuple; ValueError otherwise."""
+    res = check_decode_args(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank, cp_world)
+    check_cuda_plan(res[0], S, res[2])
+    if not q_aligned(q):
+        es = q.element_size()
         raise ValueError(f"q's base address and row/head strides must be {QUERY_ALIGN_BYTES}-byte aligned for the CUDA "
                          f"scorer, got address % 16 = {q.data_ptr() % 16}, strides {q.stride()} x {es} B")
     return res
 
 
+def q_aligned(q) -> bool:
+    """Q's base address and row/head strides are 16-byte aligned (the kernel's vector loads)."""
+    es = q.element_size()
+    return not (q.data_ptr() % QUERY_ALIGN_BYTES or (q.stride(0) * es) % QUERY_ALIGN_BYTES
+                or (q.stride(1) * es) % QUERY_ALIGN_BYTES)
+
+
 def verify_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
                   cp_world=1) -> tuple[bool, str]:
-    """``(ok, reason)`` for a ``score_decode`` call on this backend; never raises."""
+    """``(ok, reason)`` for a call of this kernel given as loose tensors; never raises."""
     ok, reason = supported(check_cuda_decode, q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out,
                            cp_rank, cp_world)
     if not ok:
@@ -107,7 +124,7 @@ def verify_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_b
 
 def load_module(source=SOURCE, name="m3_score_decode_mxfp4"):
     """The TVM-FFI module compiled from ``source`` (built, or loaded from SGLang's JIT cache) under
-    ``name``, for ``score_decode_checked(..., module=)``. The benchmark passes an earlier revision of
+    ``name``, for ``score_decode(plan, q, cache, out, module=)``. The benchmark passes an earlier revision of
     the source to time it beside this one."""
     try:
         from sglang.jit_kernel.utils import load_jit  # SGLang 0.5.16
@@ -153,34 +170,27 @@ def ensure_built(device=None) -> bool:
     return True
 
 
-def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
-                 cp_world=1):
-    """Decode block scores ``fp32 [H, batch*S, max_block]`` (contract: ``ops.score.score_decode``).
+def score_decode(plan, q, cache, out=None, module=None, pdl=None):
+    """Decode block scores ``fp32 [H, batch*S, max_block]`` of ``plan`` (``ops.score.plan_decode``, which
+    checked the batch, this kernel's rules and its availability) for ``q [batch*S, H, 128]`` bf16 | e4m3
+    over the MXFP4 ``cache``. Validates nothing.
 
     With ``out=None`` the buffer is allocated filled with -inf (columns past a row's last visible
     page read -inf); a preallocated ``out`` is written up to each request's last page only.
+    ``module``: another build of the kernel with the same launcher signature (``load_module``; the
+    benchmark's baseline), else this source's. ``pdl``: programmatic dependent launch (default
+    ``ops.pdl.use_pdl``).
     """
-    checked = check_cuda_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank,
-                                cp_world)
-    ok, why = availability(q.device)
-    if not ok:
-        raise NotImplementedError(f"score backend 'cuda' cannot run here: {why}")
-    return score_decode_checked(checked, q, k_cache, k_scale, block_table, seq_lens, S, out, cp_rank, cp_world)
-
-
-def score_decode_checked(checked, q, k_cache, k_scale, block_table, seq_lens, S, out, cp_rank, cp_world, module=None,
-                         pdl=None):
-    """``score_decode`` after ``check_cuda_decode`` returned ``checked`` for these arguments and the
-    backend is available (the dispatcher's auto path validates once, then calls this). ``module``:
-    another build of the kernel with the same launcher signature (``load_module``; the benchmark's
-    baseline), else this source's. ``pdl``: programmatic dependent launch (default ``ops.pdl.use_pdl``)."""
-    _, batch, H, max_block, sm_scale = checked
     if out is None:
-        out = torch.full((H, batch * S, max_block), float("-inf"), dtype=torch.float32, device=q.device)
-    if batch == 0 or max_block == 0:
+        out = torch.full((plan.H, plan.batch * plan.S, plan.max_block), float("-inf"), dtype=torch.float32,
+                         device=q.device)
+    if plan.batch == 0 or plan.max_block == 0:
         return out
+    if not q_aligned(q):  # a view at an odd offset: copied once (the kernel reads Q in 16-byte vectors)
+        q = q.clone(memory_format=torch.contiguous_format)
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    (module or _module()).score_decode_mxfp4(q.view(torch.uint8), k_cache, k_scale, block_table, seq_lens, out,
-                                             int(q.dtype != torch.bfloat16), S, max_block, cp_rank, cp_world,
-                                             sm_scale, _num_sms(index), int(use_pdl(q.device) if pdl is None else pdl))
+    (module or _module()).score_decode_mxfp4(q.view(torch.uint8), cache.data, cache.scale_e8m0, plan.block_table,
+                                             plan.seq_lens, out, int(q.dtype != torch.bfloat16), plan.S,
+                                             plan.max_block, plan.cp_rank, plan.cp_world, plan.sm_scale,
+                                             _num_sms(index), int(use_pdl(q.device) if pdl is None else pdl))
     return out

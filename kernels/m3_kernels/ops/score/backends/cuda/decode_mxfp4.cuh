@@ -1,7 +1,8 @@
 // MXFP4 decode block scorer for NVIDIA Hopper (sm_90; any sm_90+ with bulk copies and mma.sync).
 //
-// Contract: ops.score.naive.score_decode_ref (DESIGN section 3). The Python side
-// (backends/cuda/__init__.py) validates every argument before a launch; nothing here re-checks.
+// Contract: ops.score.naive.score_decode_ref (docs/design.md, "The block scorer contract"). The Python
+// side validates every argument before a launch (the cache when made, the batch in plan_decode with
+// backends/cuda/__init__.py's check_plan); nothing here re-checks.
 //
 //   out[h, b*S + tok, p] = sm_scale * max_t dot(K[block_table[b, p], t], q[b*S + tok, h])
 //   over tokens t with (p * cp_world + cp_rank) * 128 + t <= seq_lens[b] - S + tok

@@ -70,9 +70,17 @@ def verify_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_b
     return availability(q.device)
 
 
-def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
-                 cp_world=1, nt_k=None):
-    """Decode block scores (contract: ``ops.score.score_decode``); ValueError on bad arguments."""
-    from .host import score_decode as run
+def check_plan(fmt, S, H, batch, max_block, block_table, out, cp_world) -> None:
+    """The plan-time rules of this kernel (``ops.score.plan_decode``'s hook): 32-bit offsets of
+    ``block_table``, ``out`` and a contiguous Q of the batch."""
+    from .checks import check_flydsl_plan
 
-    return run(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank, cp_world, nt_k)
+    check_flydsl_plan(H, S, batch, max_block, block_table, out)
+
+
+def score_decode(plan, q, cache, out=None, nt_k=None):
+    """Decode block scores of ``plan`` for ``q`` over ``cache`` (contract: ``ops.score.score_decode``);
+    checks nothing (the plan did). ``nt_k``: K tiles whose loads are issued ahead."""
+    from .host import run
+
+    return run(plan, q, cache, out, nt_k)

@@ -28,11 +28,20 @@ def check_flydsl_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale,
             f"q base address and row/head strides must be {VIEW_ALIGN_BYTES}-byte aligned for the FlyDSL scorer, "
             f"got address % {VIEW_ALIGN_BYTES} = {q.data_ptr() % VIEW_ALIGN_BYTES}, strides {q.stride()} x {es} B"
         )
-    for name, t in (("q", q), ("block_table", block_table), ("out", out)):
+    if _byte_span(q) >= INT32_LIMIT:
+        raise ValueError(f"q spans {_byte_span(q)} B; the FlyDSL scorer needs < 2^31 B (32-bit offsets)")
+    check_flydsl_plan(H, S, batch, max_block, block_table, out)
+    return fmt, batch, H, max_block, sm_scale
+
+
+def check_flydsl_plan(H, S, batch, max_block, block_table, out) -> None:
+    """The batch-level rules: ``block_table``, ``out`` and a contiguous bf16 Q of the batch fit int32 offsets."""
+    if batch * S * H * 128 * 2 >= INT32_LIMIT:
+        raise ValueError(f"q [{batch * S}, {H}, 128] must be < 2^31 B for the FlyDSL scorer (32-bit offsets)")
+    for name, t in (("block_table", block_table), ("out", out)):
         if t is not None and _byte_span(t) >= INT32_LIMIT:
             raise ValueError(f"{name} spans {_byte_span(t)} B; the FlyDSL scorer needs < 2^31 B (32-bit offsets)")
     if H * batch * S * max_block * 4 >= INT32_LIMIT:
         raise ValueError(f"out [{H}, {batch * S}, {max_block}] fp32 must be < 2^31 B for the FlyDSL scorer")
-    return fmt, batch, H, max_block, sm_scale
 
 

@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from .....formats import FP8_DTYPE, IndexKFormat
+from .....formats import FP8_DTYPE, VIEW_ALIGN_BYTES, IndexKFormat
 from .checks import check_flydsl_decode
 from .decode import build_decode_scorer
 
@@ -26,7 +26,8 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def prepare_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
                    cp_world=1, nt_k=None):
-    """Validate a call and marshal it: ``(launcher, args, out)``; ``launcher(*args, stream)`` scores it.
+    """Validate a call given as loose tensors and marshal it: ``(launcher, args, out)``;
+    ``launcher(*args, stream)`` scores it.
 
     ``launcher`` is None when there is nothing to launch (no rows or no columns). With
     ``out=None``, ``out`` is allocated and pre-filled with -inf (the kernel writes visible pages only).
@@ -35,6 +36,23 @@ def prepare_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_
     fmt, batch, H, max_block, sm_scale = check_flydsl_decode(
         q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank, cp_world
     )
+    return _marshal(fmt, batch, H, max_block, sm_scale, q, k_cache, k_scale, block_table, seq_lens, S, out, cp_rank,
+                    cp_world, nt_k)
+
+
+def prepare_run(plan, q, cache, out=None, nt_k=None):
+    """``prepare_decode`` of a planned batch (``ops.score.plan_decode`` checked it and this kernel's
+    batch rules): marshals without checking. A Q view whose base or strides are not 16-byte aligned is
+    copied once (the kernel reads Q rows 16 B at a time)."""
+    es = q.element_size()
+    if any(x % VIEW_ALIGN_BYTES for x in (q.data_ptr(), q.stride(0) * es, q.stride(1) * es)):
+        q = q.clone(memory_format=torch.contiguous_format)
+    return _marshal(plan.fmt, plan.batch, plan.H, plan.max_block, plan.sm_scale, q, cache.data, cache.scale_e8m0,
+                    plan.block_table, plan.seq_lens, plan.S, out, plan.cp_rank, plan.cp_world, nt_k)
+
+
+def _marshal(fmt, batch, H, max_block, sm_scale, q, k_cache, k_scale, block_table, seq_lens, S, out, cp_rank,
+             cp_world, nt_k):
     if out is None:
         out = torch.full((H, batch * S, max_block), float("-inf"), dtype=torch.float32, device=q.device)
     if batch == 0 or max_block == 0:
@@ -51,6 +69,14 @@ def prepare_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_
         max_block, cp_rank, cp_world, sm_scale, batch, grid_y,
     )
     return launcher, args, out
+
+
+def run(plan, q, cache, out=None, nt_k=None):
+    """Launch a planned batch on gfx950 (``ops.score.score_decode``'s FlyDSL run); checks nothing."""
+    launcher, args, out = prepare_run(plan, q, cache, out, nt_k)
+    if launcher is not None:
+        launcher(*args, torch.cuda.current_stream(q.device))
+    return out
 
 
 def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
