@@ -29,6 +29,7 @@ from sglang_m3.scope import MissingIndexKFormat, is_index_k_config, is_index_k_l
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "configs" / "minimax-m3.1-tiny"
 PLUGIN_OFF = {"SGLANG_PLUGINS": "no_such_plugin"}  # SGLang loads only the plugins named there: none
+PER_RUN = {"SGLANG_RUN_ID"}  # SGLang's own per-launch id (time and random digits)
 # SGLang 0.5.16's rotary layer imports vllm off CUDA unless its module flag says CPU (sglang_m3 flips it while
 # building M3.1): without this, plain SGLang cannot build Llama on a CPU at all, plugin or not. Both runs get it.
 ROTARY_SHIM = """try:
@@ -245,6 +246,8 @@ def _post(url: str, payload: dict):
 def _normalized(line: str) -> str:
     line = re.sub(r"^\[[^\]]*\]\s*", "", line)  # SGLang's "[date time TP0]" prefix
     line = re.sub(r"0x[0-9a-f]+", "0xH", line)
+    # FastAPI's duplicate-operation warnings name one HTTP method of a route, picked by set order (a per-process hash)
+    line = re.sub(r"_(get|post|put|delete|patch) for function", "_METHOD for function", line)
     return re.sub(r"\d+(\.\d+)?", "N", line).strip()
 
 
@@ -291,7 +294,7 @@ def serve(model: Path, tmp_path: Path, name: str, env_extra: dict, shim: Path) -
             # last: SGLang 0.5.16 itself lets an out-of-vocabulary id reach the embedding, and the server dies (W1)
             status, body = _post(url + "/generate", {"input_ids": [5, 99999], "sampling_params": sampling})
             try:
-                proc.wait(timeout=30)
+                proc.wait(timeout=15)  # a dying server is gone within seconds (its scheduler's crash ends the tree)
             except subprocess.TimeoutExpired:
                 pass
             seen["out_of_vocabulary"] = (status, str(body)[:300], proc.poll() is None)
@@ -309,11 +312,11 @@ def serve(model: Path, tmp_path: Path, name: str, env_extra: dict, shim: Path) -
 
 def _env_by_name(seen: dict) -> dict:
     """Each variable of the server's processes with the set of its values among them (SGLANG_PLUGINS left out:
-    the run without the plugin sets it)."""
+    the run without the plugin sets it; so is ``PER_RUN``)."""
     names = {}
     for env in seen["environ"].values():
         for name, value in env.items():
-            if name not in PLUGIN_OFF:
+            if name not in PLUGIN_OFF and name not in PER_RUN:
                 names.setdefault(name, set()).add(value)
     return names
 
