@@ -77,7 +77,7 @@ INDEX_K_FORMAT_FLAG = "--index-k-format"
 def _settings(hf_config):
     """The index-K settings of a MiniMax-M3.1 index-K ``hf_config`` (``scope.is_index_k_config``); None for
     any other model, whose SGLang path then runs unchanged."""
-    return index_k_settings(hf_config) if is_index_k_config(hf_config) else None
+    return index_k_settings(hf_config) if is_index_k_config(hf_config, strict=False) else None
 
 
 # ---- server arguments ------------------------------------------------------------------------
@@ -116,6 +116,9 @@ CPU_SPINCOUNT = "3000"  # libgomp spins ~100,000 per ms: about 30 us of spinning
 CPU_OPENMP_WAITS = {OMP_WAIT_POLICY: "PASSIVE", GOMP_SPINCOUNT: CPU_SPINCOUNT}  # a CPU server's, unless either is set
 CPU_START_ENV = "SGLANG_M3_CPU_START"  # "spawn": keep SGLang's spawned children on the CPU too
 
+
+# Launcher helpers (group_stop_env, cpu_launch_env, free_port): used by this project's own launchers, not by the
+# plugin; to move to the one launcher (sglang_m3/server.py) and be removed here once nothing imports them.
 
 # SGLang takes a scheduler that exits before the server's main process for a crash: the main process sleeps 5 s
 # "to let GPU activity settle", then looks for schedulers to py-spy. A harness that stops its server by signalling
@@ -473,7 +476,7 @@ def _dense_extend_cpu(original, query, output, k_cache, v_cache, req_to_token, r
 # ---- requests: SGLang bug workarounds, M3.1 index-K servers only -------------------------------
 
 def _serves_index_k(tokenizer_manager) -> bool:
-    return is_index_k_config(tokenizer_manager.model_config.hf_config)
+    return is_index_k_config(tokenizer_manager.model_config.hf_config, strict=False)
 
 
 def _release_unsent_states(tokenizer_manager, obj, *args, **kwargs):

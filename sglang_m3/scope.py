@@ -41,18 +41,22 @@ def _get(config, name: str):
     return config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
 
 
-def is_index_k_config(config) -> bool:
+def is_index_k_config(config, strict: bool = True) -> bool:
     """Whether ``config`` (a ``config.json`` mapping with its overrides applied, or SGLang's ``hf_config``)
-    is MiniMax-M3.1 with an index-K format: ``model_type`` ``minimax_m3_1`` at the top or in ``text_config``.
+    is MiniMax-M3.1 with an index-K format: ``model_type`` ``minimax_m3_1`` at the top or in ``text_config``,
+    and ``index_k_format`` set.
 
-    Raises ``MissingIndexKFormat`` (a ValueError naming the choices) for a ``minimax_m3_1`` config
-    without ``index_k_format``. (SGLang's ``hf_config`` of that type is this package's config class,
-    which fills in a default: the mapping check at start-up, ``is_index_k_launch``, refuses first.)
+    A ``minimax_m3_1`` config without ``index_k_format`` raises ``MissingIndexKFormat`` (a ValueError
+    naming the choices), or is not ours with ``strict=False``: what the hooks past start-up pass, where
+    the launch was checked already (SGLang's ``hf_config`` of that type is this package's config class,
+    which fills in a default; ``is_index_k_launch`` reads ``config.json`` as given, and refuses first).
     """
     for cfg in (config, _get(config, "text_config")):
         if cfg is not None and _get(cfg, "model_type") == MODEL_TYPE:
             if _get(cfg, "index_k_format") is None:
-                raise MissingIndexKFormat()
+                if strict:
+                    raise MissingIndexKFormat()
+                return False
             return True
     return False
 

@@ -203,7 +203,9 @@ def test_detokenizer_target_is_picklable_and_loads_plugins_first():
         seen["target"] = pickle.loads(pickle.dumps(run_detokenizer_process_func))
         return "procs"
 
-    assert _detokenizer_loads_plugins(launch, object, "args", "ports", _record_call) == "procs"
+    m31_args = SimpleNamespace(model_path=str(TINY_MODEL))
+    assert _detokenizer_loads_plugins(launch, object, m31_args, "ports", _record_call) == "procs"
+    assert seen["target"] is not _record_call  # a new callable, which loads the plugins, then calls it
     assert seen["target"]("args", "ports") == (("args", "ports"), {}, True)
 
 

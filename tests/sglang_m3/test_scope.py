@@ -82,6 +82,7 @@ def test_only_minimax_m3_1_configs_that_name_a_format_are_ours(tmp_path):
     with pytest.raises(MissingIndexKFormat, match=r"names no index_k_format: .*one of bf16\|fp8\|mxfp4\|mxfp4_rot.*"
                                                   r"--index-k-format.*--json-model-override-args.*SGLang's own"):
         is_index_k_config(no_format)
+    assert not is_index_k_config(no_format, strict=False)  # past start-up: SGLang's path, no second refusal
 
 
 def test_a_launch_is_decided_from_its_config_json_and_overrides(tmp_path):
