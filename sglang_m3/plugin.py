@@ -18,31 +18,32 @@ supported release); "M3.1" means a MiniMax-M3.1 index-K launch, where each row e
 | target | kind | SGLang | why |
 |---|---|---|---|
 | ``ServerArgs.add_cli_args`` / ``from_cli_args`` | after / before | | ``--index-k-format`` into the model overrides |
-| ``ServerArgs.from_cli_args`` | before | | M3.1 on ``--device cpu``: ``OMP_WAIT_POLICY=PASSIVE``, ``GOMP_SPINCOUNT=3000`` |
-| ``engine._set_envs_and_config`` | after | | M3.1 on ``--device cpu``: fork the children where safe (``cpu_children_start``) |
-| ``ServerArgs._parse_cuda_graph_config`` | after | < 0.5.19 | M3.1: prefill without a CUDA graph (host-planned scorer) |
+| ``ServerArgs.from_cli_args`` | before | | M3.1, ``--device cpu``: OpenMP waits (``CPU_OPENMP_WAITS``) |
+| ``engine._set_envs_and_config`` | after | | M3.1, ``--device cpu``: fork the children where safe |
+| ``ServerArgs._parse_cuda_graph_config`` | after | < 0.5.19 | M3.1: no prefill CUDA graph (host-planned scorer) |
 | ``cuda_graph_hook.handle_cuda_graph_config`` | after | >= 0.5.19 | the same, declared as a resolution |
-| ``ModelConfig.__init__`` | after | | M3.1: validate the format at start-up (message names the choices) |
+| ``ModelConfig.__init__`` | after | | M3.1: validate the format at start-up (naming the choices) |
 | ``get_model_architecture`` | around | | M3.1: serve ``MiniMaxM3SparseForCausalLM`` with this package's class |
 | ``KVCacheConfigurator._build_minimax_sparse_kv_pool`` | around | | M3.1: build ``MiniMaxM31SparseKVPool`` |
 | ``DefaultPoolConfigurator._compute_cell_size`` | around | | M3.1: budget the format's bytes (capacity grows with it) |
-| ``attn_backend_wrapper`` | around | | M3.1: pair dense and ``MiniMaxM31SparseAttnBackend``; CPU: dense decode, extend |
+| ``attn_backend_wrapper`` | around | | M3.1: dense + ``MiniMaxM31SparseAttnBackend``; CPU dense decode, extend |
 | ``TokenizerManager._validate_one_request`` | before | | workaround W1 |
 | ``TokenizerManager._handle_batch_request`` | before | < 0.5.22 | workaround W2 |
 | ``TokenizerManager._handle_batch_request`` | around | < 0.5.20 | workaround W3 |
 | ``TokenizerManager._send_one_request`` | before | < 0.5.20 | workaround W3 (notes the samples' rids) |
-| ``Engine._launch_detokenizer_subprocesses`` | around | < 0.5.22 | M3.1: the detokenizer loads plugins (knows the config) |
-| ``PagedTokenToKVPoolAllocator.alloc_extend`` / ``_decode`` | around | < 0.5.22 | M3.1 pool off CUDA: torch slots |
+| ``Engine._launch_detokenizer_subprocesses`` | around | < 0.5.22 | M3.1: the detokenizer loads plugins |
+| ``PagedTokenToKVPoolAllocator.alloc_extend`` / ``_decode`` | around | < 0.5.22 | M3.1 pool, off CUDA: torch |
 
 plus an SGLang model-override provider that defaults ``--page-size`` to 128 for an M3.1 config.
 
-The SGLang bug workarounds, M3.1 servers only (reports to file upstream: ``docs/upstream.md``):
+The SGLang bug workarounds, M3.1 servers only ("all": every supported release; details in
+``parallel_sampling`` and the reports ready to file upstream, ``docs/upstream.md``):
 
 | id | target | SGLang | why |
 |---|---|---|---|
-| W1 | ``TokenizerManager._validate_one_request`` | 0.5.16-0.5.23 | token ids outside ``[0, vocab_size)`` reach the embedding (index error in the scheduler); here an HTTP 400 naming them |
-| W2 | ``TokenizerManager._handle_batch_request`` | < 0.5.22 | ``n > 1`` leaves ``batch_size * (n - 1)`` request states behind: SIGTERM's drain waits forever, the rid cannot be reused (``parallel_sampling``) |
-| W3 | ``_handle_batch_request``, ``_send_one_request`` | < 0.5.20 | an ``n > 1`` handler ended early (client gone) aborts none of its samples: they decode to ``max_new_tokens`` (``parallel_sampling``) |
+| W1 | ``TokenizerManager._validate_one_request`` | all | an id outside ``[0, vocab_size)`` kills the server; HTTP 400 |
+| W2 | ``TokenizerManager._handle_batch_request`` | < 0.5.22 | ``n > 1`` leaves request states behind |
+| W3 | ``_handle_batch_request``, ``_send_one_request`` | < 0.5.20 | a cut ``n > 1`` stream keeps decoding |
 """
 
 import functools

@@ -180,7 +180,8 @@ def test_out_of_vocabulary_ids_raise_value_error(input_ids, shown):
         _check_input_ids_in_vocab(manager, None, input_ids)
     assert _check_input_ids_in_vocab(manager, None, [0, 2047]) is None
     assert _check_input_ids_in_vocab(manager, None, None) is None
-    other = SimpleNamespace(model_config=SimpleNamespace(vocab_size=2048, hf_config=SimpleNamespace(model_type="llama")))
+    llama = SimpleNamespace(model_type="llama")
+    other = SimpleNamespace(model_config=SimpleNamespace(vocab_size=2048, hf_config=llama))
     assert _check_input_ids_in_vocab(other, None, input_ids) is None  # another model: SGLang's own handling
 
 

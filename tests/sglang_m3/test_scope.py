@@ -114,7 +114,8 @@ def test_the_format_flag_is_refused_for_other_models(tmp_path):
     with pytest.raises(ValueError, match=r"--index-k-format fp8: .*model_type 'minimax_m3_1'.*'llama': drop it"):
         _fold_index_k_format_flag(None, args)
     assert args.json_model_override_args == "{}"
-    unread = SimpleNamespace(model_path="some-org/not-in-the-cache", index_k_format="fp8", json_model_override_args="{}")
+    unread = SimpleNamespace(model_path="some-org/not-in-the-cache", index_k_format="fp8",
+                             json_model_override_args="{}")
     _fold_index_k_format_flag(None, unread)  # nothing to judge by: folded, as before
     assert json.loads(unread.json_model_override_args) == {"index_k_format": "fp8"}
 
@@ -128,7 +129,8 @@ def test_a_minimax_m3_1_config_without_a_format_is_refused_when_sglang_builds_it
     no_format = _model_folder(tmp_path / "no-format", {k: v for k, v in tiny.items() if k != "index_k_format"})
     with pytest.raises(MissingIndexKFormat):
         ModelConfig(str(no_format))
-    assert ModelConfig(str(no_format), model_override_args='{"index_k_format": "bf16"}').hf_config.index_k_format == "bf16"
+    chosen = ModelConfig(str(no_format), model_override_args='{"index_k_format": "bf16"}')
+    assert chosen.hf_config.index_k_format == "bf16"
     assert ModelConfig(str(llama_folder(tmp_path / "llama"))).hf_config.model_type == "llama"
 
 
@@ -336,7 +338,8 @@ def test_a_non_m3_model_is_served_as_without_the_plugin(tmp_path, shim):
     without = serve(llama, tmp_path, "without", PLUGIN_OFF, shim)
 
     env, env_off = _env_by_name(with_plugin), _env_by_name(without)
-    assert env == env_off, {k: (env.get(k), env_off.get(k)) for k in set(env) | set(env_off) if env.get(k) != env_off.get(k)}
+    assert env == env_off, {k: (env.get(k), env_off.get(k)) for k in set(env) | set(env_off)
+                            if env.get(k) != env_off.get(k)}
     assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env
     normalize_ports = lambda cmds: [re.sub(r"--port \d+", "--port P", c) for c in cmds]  # noqa: E731
     assert normalize_ports(with_plugin["cmdline"]) == normalize_ports(without["cmdline"])  # spawned alike
