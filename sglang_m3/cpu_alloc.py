@@ -2,8 +2,9 @@
 
 ``PagedTokenToKVPoolAllocator.alloc_extend`` / ``alloc_decode`` launch Triton kernels, which do
 not run on a CPU; the index-K cache needs ``--page-size 128``, so a CPU server needs the paged
-allocator. These AROUND hooks keep SGLang's method on CUDA and compute the same slots with torch
-elsewhere (extend through SGLang's own ``alloc_extend_naive``, the NPU path).
+allocator. These AROUND hooks keep SGLang's method on CUDA and for any pool but the MiniMax-M3.1
+index-K one, and compute the same slots with torch otherwise (extend through SGLang's own
+``alloc_extend_naive``, the NPU path).
 """
 
 import torch
@@ -13,7 +14,11 @@ from sglang.srt.utils import get_num_new_pages
 
 
 def _on_cuda(allocator) -> bool:
-    return torch.device(allocator.device).type == "cuda"
+    """Whether SGLang's own (Triton) method runs: on CUDA, or for a pool that is not the index-K one."""
+    from .pool import MiniMaxM31SparseKVPool
+
+    return torch.device(allocator.device).type == "cuda" or not isinstance(
+        getattr(allocator, "_kvcache", None), MiniMaxM31SparseKVPool)
 
 
 def alloc_extend(original, self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,

@@ -1,37 +1,49 @@
 """The ``sglang.srt.plugins`` entry point: registers MiniMax-M3.1 with SGLang in every process.
 
 Installing the package is all it takes (SGLang loads the entry point in the launcher, tokenizer
-manager, scheduler and, from 0.5.22, detokenizer). The entry point first checks that the installed
-SGLang is one this plugin supports (``compat``: 0.5.16 through 0.5.23) and stops the server with
-a message naming that range otherwise. The vocabulary check, the parallel-sampling rows, the
-detokenizer row, the allocator rows and the two ``--device cpu`` process rows (OpenMP waits, forked
-children) act for every model served where this package is installed, the allocator only off CUDA;
-the others engage only for a config with ``index_k_format`` (the flag only when given), so upstream
-MiniMax-M3 configs keep SGLang's own path.
+manager, scheduler and, from 0.5.22, detokenizer). The plugin minds its own model: every row below
+passes SGLang's call through unchanged unless the served model is a MiniMax-M3.1 config with an
+index-K format (``scope.is_index_k_launch`` / ``scope.is_index_k_config``: ``model_type
+minimax_m3_1`` and ``index_k_format`` named in ``config.json``, ``--json-model-override-args`` or
+``--index-k-format``). A ``minimax_m3_1`` config that names no format is refused at start-up with
+a message naming the choices. ``--index-k-format`` is refused for any other model.
+
+The entry point checks that the installed SGLang is one this plugin supports (``compat``: 0.5.16
+through 0.5.23). Outside that range it logs one warning, registers no row below, and refuses only
+a MiniMax-M3.1 index-K launch, naming the range (``_register_outside_range``).
 
 One table, keyed by SGLang release (``since`` inclusive, ``until`` exclusive; blank: every
-supported release):
+supported release); "M3.1" means a MiniMax-M3.1 index-K launch, where each row engages:
 
 | target | kind | SGLang | why |
 |---|---|---|---|
 | ``ServerArgs.add_cli_args`` / ``from_cli_args`` | after / before | | ``--index-k-format`` into the model overrides |
-| ``ServerArgs.from_cli_args`` | before | | ``--device cpu``: ``OMP_WAIT_POLICY=PASSIVE``, ``GOMP_SPINCOUNT=3000`` |
-| ``engine._set_envs_and_config`` | after | | ``--device cpu``: fork the children where safe (``cpu_children_start``) |
-| ``ServerArgs._parse_cuda_graph_config`` | after | < 0.5.19 | prefill without a CUDA graph (host-planned scorer) |
+| ``ServerArgs.from_cli_args`` | before | | M3.1, ``--device cpu``: OpenMP waits (``CPU_OPENMP_WAITS``) |
+| ``engine._set_envs_and_config`` | after | | M3.1, ``--device cpu``: fork the children where safe |
+| ``ServerArgs._parse_cuda_graph_config`` | after | < 0.5.19 | M3.1: no prefill CUDA graph (host-planned scorer) |
 | ``cuda_graph_hook.handle_cuda_graph_config`` | after | >= 0.5.19 | the same, declared as a resolution |
-| ``ModelConfig.__init__`` | after | | validate the format at start-up (message names the choices) |
-| ``get_model_architecture`` | around | | serve ``MiniMaxM3SparseForCausalLM`` with this package's class |
-| ``KVCacheConfigurator._build_minimax_sparse_kv_pool`` | around | | build ``MiniMaxM31SparseKVPool`` |
-| ``DefaultPoolConfigurator._compute_cell_size`` | around | | budget the format's bytes (capacity grows with it) |
-| ``attn_backend_wrapper`` | around | | pair dense and ``MiniMaxM31SparseAttnBackend``; CPU: dense decode, extend |
-| ``TokenizerManager._validate_one_request`` | before | | reject token ids outside the vocabulary (HTTP 400) |
-| ``TokenizerManager._handle_batch_request`` | before | < 0.5.22 | drop the request states ``n > 1`` leaves behind |
-| ``TokenizerManager._handle_batch_request`` | around | < 0.5.20 | an ``n > 1`` handler ended early aborts its samples |
-| ``TokenizerManager._send_one_request`` | before | < 0.5.20 | note the samples' rids for that (``parallel_sampling``) |
-| ``Engine._launch_detokenizer_subprocesses`` | around | < 0.5.22 | the detokenizer loads plugins (knows the config) |
-| ``PagedTokenToKVPoolAllocator.alloc_extend`` / ``_decode`` | around | < 0.5.22 | torch slots off CUDA |
+| ``ModelConfig.__init__`` | after | | M3.1: validate the format at start-up (naming the choices) |
+| ``get_model_architecture`` | around | | M3.1: serve ``MiniMaxM3SparseForCausalLM`` with this package's class |
+| ``KVCacheConfigurator._build_minimax_sparse_kv_pool`` | around | | M3.1: build ``MiniMaxM31SparseKVPool`` |
+| ``DefaultPoolConfigurator._compute_cell_size`` | around | | M3.1: budget the format's bytes (capacity grows with it) |
+| ``attn_backend_wrapper`` | around | | M3.1: dense + ``MiniMaxM31SparseAttnBackend``; CPU dense decode, extend |
+| ``TokenizerManager._validate_one_request`` | before | | workaround W1 |
+| ``TokenizerManager._handle_batch_request`` | before | < 0.5.22 | workaround W2 |
+| ``TokenizerManager._handle_batch_request`` | around | < 0.5.20 | workaround W3 |
+| ``TokenizerManager._send_one_request`` | before | < 0.5.20 | workaround W3 (notes the samples' rids) |
+| ``Engine._launch_detokenizer_subprocesses`` | around | < 0.5.22 | M3.1: the detokenizer loads plugins |
+| ``PagedTokenToKVPoolAllocator.alloc_extend`` / ``_decode`` | around | < 0.5.22 | M3.1 pool, off CUDA: torch |
 
-plus an SGLang model-override provider that defaults ``--page-size`` to 128 for this model.
+plus an SGLang model-override provider that defaults ``--page-size`` to 128 for an M3.1 config.
+
+The SGLang bug workarounds, M3.1 servers only ("all": every supported release; details in
+``parallel_sampling`` and the reports ready to file upstream, ``docs/upstream.md``):
+
+| id | target | SGLang | why |
+|---|---|---|---|
+| W1 | ``TokenizerManager._validate_one_request`` | all | an id outside ``[0, vocab_size)`` kills the server; HTTP 400 |
+| W2 | ``TokenizerManager._handle_batch_request`` | < 0.5.22 | ``n > 1`` leaves request states behind |
+| W3 | ``_handle_batch_request``, ``_send_one_request`` | < 0.5.20 | a cut ``n > 1`` stream keeps decoding |
 """
 
 import functools
@@ -46,7 +58,7 @@ from packaging.version import Version
 
 from m3_kernels.formats import PAGE_SIZE, IndexKFormat
 
-from . import compat
+from . import compat, parallel_sampling
 from .compat import (
     ALLOCATOR_OFF_TRITON,
     BATCH_HANDLER_ABORTS_SENT,
@@ -55,11 +67,18 @@ from .compat import (
     RESOLUTION_PIPELINE,
     setting,
 )
-from .config import ARCHITECTURE, index_k_settings, register_config
+from .config import ARCHITECTURE, MODEL_TYPE, index_k_settings, register_config
+from .scope import is_index_k_config, is_index_k_launch, model_config_dict
 
 logger = logging.getLogger(__name__)
 
 INDEX_K_FORMAT_FLAG = "--index-k-format"
+
+
+def _settings(hf_config):
+    """The index-K settings of a MiniMax-M3.1 index-K ``hf_config`` (``scope.is_index_k_config``); None for
+    any other model, whose SGLang path then runs unchanged."""
+    return index_k_settings(hf_config) if is_index_k_config(hf_config, strict=False) else None
 
 
 # ---- server arguments ------------------------------------------------------------------------
@@ -70,14 +89,22 @@ def _add_index_k_format_flag(result, parser):
         type=str,
         choices=[f.value for f in IndexKFormat],
         default=None,
-        help="MiniMax-M3.1 sparse-attention index-K cache format (default: the model config's index_k_format).",
+        help="sglang-m3, MiniMax-M3.1 (model_type minimax_m3_1) only: the sparse-attention index-K cache format "
+             "(default: the config's index_k_format); refused for any other model.",
     )
 
 
 def _fold_index_k_format_flag(cls, args):
+    """``--index-k-format`` into ``--json-model-override-args``; ValueError for a model whose config is
+    readable and not ``minimax_m3_1`` (the flag would be a silent no-op there)."""
     fmt = getattr(args, "index_k_format", None)
     if fmt is None:
         return None
+    model_path = getattr(args, "model_path", None)
+    config = model_config_dict(str(model_path), getattr(args, "revision", None)) if model_path else None
+    if config is not None and not is_index_k_launch(args):
+        raise ValueError(f"{INDEX_K_FORMAT_FLAG} {fmt}: the flag is for MiniMax-M3.1 configs (model_type "
+                         f"{MODEL_TYPE!r}); {model_path} has model_type {config.get('model_type')!r}: drop it")
     overrides = json.loads(getattr(args, "json_model_override_args", None) or "{}")
     overrides["index_k_format"] = fmt
     args.json_model_override_args = json.dumps(overrides)
@@ -90,6 +117,9 @@ CPU_SPINCOUNT = "3000"  # libgomp spins ~100,000 per ms: about 30 us of spinning
 CPU_OPENMP_WAITS = {OMP_WAIT_POLICY: "PASSIVE", GOMP_SPINCOUNT: CPU_SPINCOUNT}  # a CPU server's, unless either is set
 CPU_START_ENV = "SGLANG_M3_CPU_START"  # "spawn": keep SGLang's spawned children on the CPU too
 
+
+# Launcher helpers (group_stop_env, cpu_launch_env, free_port): used by this project's own launchers, not by the
+# plugin; to move to the one launcher (sglang_m3/server.py) and be removed here once nothing imports them.
 
 # SGLang takes a scheduler that exits before the server's main process for a crash: the main process sleeps 5 s
 # "to let GPU activity settle", then looks for schedulers to py-spy. A harness that stops its server by signalling
@@ -158,6 +188,8 @@ def _cpu_openmp_waits(cls, args):
     lab/logs/perf-cpu-log.md, fourth round)."""
     if getattr(args, "device", None) != "cpu" or OMP_WAIT_POLICY in os.environ or GOMP_SPINCOUNT in os.environ:
         return None
+    if not is_index_k_launch(args):
+        return None
     # neither is set: the two defaults, and nothing else (SGLang's crash diagnostics stay as the user set them:
     # only launchers that stop a server through its process group turn them off, cpu_launch_env)
     os.environ.update(CPU_OPENMP_WAITS)
@@ -201,9 +233,13 @@ def cpu_children_start(device: str, initial_env: dict | None, launched_by_sglang
 
 
 def _cpu_children_start(result, server_args):
-    """After SGLang chose spawn for its children: fork them instead where ``cpu_children_start`` allows."""
+    """After SGLang chose spawn for its children: fork them instead where ``cpu_children_start`` allows
+    (MiniMax-M3.1 index-K launches only)."""
     import multiprocessing
     import sys
+
+    if getattr(server_args, "device", None) != "cpu" or not is_index_k_launch(server_args):
+        return result
 
     launched = _launched_by_sglang(sys.modules.get("__main__"), sys.argv)
     start = cpu_children_start(getattr(server_args, "device", None), _initial_environ(), launched,
@@ -217,7 +253,7 @@ def _cpu_children_start(result, server_args):
 
 def _page_size_default(server_args, hf_config) -> dict:
     """SGLang model-override provider: one cache page per MSA block unless the user chose."""
-    if index_k_settings(hf_config) is not None and server_args.page_size is None:  # the input, not the resolution
+    if _settings(hf_config) is not None and server_args.page_size is None:  # the input, not the resolution
         return {"page_size": PAGE_SIZE}
     return {}
 
@@ -232,7 +268,7 @@ def _turn_off_prefill_graph(prefill_backend, explicit: bool, hf_config: Callable
     """
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
-    if prefill_backend == Backend.DISABLED or index_k_settings(hf_config()) is None:
+    if prefill_backend == Backend.DISABLED or _settings(hf_config()) is None:
         return False
     if explicit:
         raise ValueError(
@@ -276,8 +312,10 @@ UPSTREAM_NVFP4_QUANTIZATION = "minimax_m3_nvfp4"  # SGLang 0.5.23's M3.1 NVFP4 s
 
 def _validate_index_k_settings(result, model_config, *args, **kwargs):
     """After ``ModelConfig.__init__``: refuse, at start-up, what the index-K path cannot serve (SGLang's
-    NVFP4 stack; a float16 model, whose index keys the cache writers reject: bfloat16, or float32 on CPU)."""
-    settings = index_k_settings(model_config.hf_config)
+    NVFP4 stack; a float16 model, whose index keys the cache writers reject: bfloat16, or float32 on CPU) and a
+    ``minimax_m3_1`` config that names no index-K format (``scope.MissingIndexKFormat``, naming the choices)."""
+    is_index_k_launch(model_config)  # the config.json as given (SGLang's hf_config fills in a default format)
+    settings = _settings(model_config.hf_config)
     if settings is not None:
         if getattr(model_config, "quantization", None) == UPSTREAM_NVFP4_QUANTIZATION:
             raise NotImplementedError(
@@ -297,7 +335,7 @@ def _validate_index_k_settings(result, model_config, *args, **kwargs):
 
 def _model_architecture(original, model_config):
     model_cls, arch = original(model_config)
-    if arch == ARCHITECTURE and index_k_settings(model_config.hf_config) is not None:
+    if arch == ARCHITECTURE and _settings(model_config.hf_config) is not None:
         from .models.minimax_m3_1 import MiniMaxM3SparseForCausalLM
 
         return MiniMaxM3SparseForCausalLM, arch
@@ -315,7 +353,7 @@ def _local_sparse_layers(model_config, start_layer: int, end_layer: int):
 
 
 def _build_index_k_pool(original, kvc, *, max_total_num_tokens: int):
-    settings = index_k_settings(kvc.model_config.hf_config)
+    settings = _settings(kvc.model_config.hf_config)
     if settings is None:
         return original(kvc, max_total_num_tokens=max_total_num_tokens)
     for flag in ("enable_hierarchical_cache", "enable_hisparse"):
@@ -356,7 +394,7 @@ def _build_index_k_pool(original, kvc, *, max_total_num_tokens: int):
 
 
 def _index_k_cell_size(original, configurator, kvc, num_layers: int) -> int:
-    settings = index_k_settings(kvc.model_config.hf_config)
+    settings = _settings(kvc.model_config.hf_config)
     if settings is None:
         return original(configurator, kvc, num_layers)
     import torch
@@ -374,7 +412,7 @@ def _index_k_cell_size(original, configurator, kvc, num_layers: int) -> int:
 # ---- attention backend -----------------------------------------------------------------------
 
 def _attn_backend(original, runner, full_attn_backend):
-    settings = index_k_settings(runner.model_config.hf_config)
+    settings = _settings(runner.model_config.hf_config)
     if settings is None:
         return original(runner, full_attn_backend)
     from sglang.srt.layers.attention.minimax_sparse_backend import MiniMaxHybridAttnBackend
@@ -436,11 +474,37 @@ def _dense_extend_cpu(original, query, output, k_cache, v_cache, req_to_token, r
     return output
 
 
-# ---- request validation ----------------------------------------------------------------------
+# ---- requests: SGLang bug workarounds, M3.1 index-K servers only -------------------------------
+
+def _serves_index_k(tokenizer_manager) -> bool:
+    return is_index_k_config(tokenizer_manager.model_config.hf_config, strict=False)
+
+
+def _release_unsent_states(tokenizer_manager, obj, *args, **kwargs):
+    """``parallel_sampling.release_unsent_states`` on a MiniMax-M3.1 index-K server."""
+    if _serves_index_k(tokenizer_manager):
+        return parallel_sampling.release_unsent_states(tokenizer_manager, obj, *args, **kwargs)
+    return None
+
+
+def _abort_unfinished_samples(original, tokenizer_manager, obj, *args, **kwargs):
+    """``parallel_sampling.abort_unfinished_samples`` on a MiniMax-M3.1 index-K server; SGLang's handler elsewhere."""
+    if _serves_index_k(tokenizer_manager):
+        return parallel_sampling.abort_unfinished_samples(original, tokenizer_manager, obj, *args, **kwargs)
+    return original(tokenizer_manager, obj, *args, **kwargs)
+
+
+def _note_sent_rid(tokenizer_manager, tokenized_obj, *args, **kwargs):
+    """``parallel_sampling.note_sent_rid`` on a MiniMax-M3.1 index-K server."""
+    if _serves_index_k(tokenizer_manager):
+        return parallel_sampling.note_sent_rid(tokenizer_manager, tokenized_obj, *args, **kwargs)
+    return None
+
 
 def _check_input_ids_in_vocab(tokenizer_manager, obj, input_ids, *args, **kwargs):
-    """ValueError (HTTP 400) naming the token ids outside ``[0, vocab_size)``."""
-    if not input_ids:
+    """ValueError (HTTP 400) naming the token ids outside ``[0, vocab_size)`` (MiniMax-M3.1 index-K servers only:
+    see ``docs/upstream.md``, out-of-vocabulary ids)."""
+    if not input_ids or not _serves_index_k(tokenizer_manager):
         return None
     vocab_size = tokenizer_manager.model_config.vocab_size
     # Kept as text: an id may be unhashable (a nested list) or a bool, which is no token id either.
@@ -464,8 +528,11 @@ def _run_after_loading_plugins(target, *args, **kwargs):
 
 def _detokenizer_loads_plugins(original, engine_cls, server_args, port_args, run_detokenizer_process_func):
     """Before 0.5.22 the detokenizer never loaded plugins, so transformers did not know
-    ``minimax_m3_1`` there and warned while loading the tokenizer ("a model of type ``"); its
-    process now starts through ``_run_after_loading_plugins``."""
+    ``minimax_m3_1`` there and warned while loading the tokenizer ("a model of type ``"); on a MiniMax-M3.1
+    index-K launch its process now starts through ``_run_after_loading_plugins``."""
+    if not is_index_k_launch(server_args):
+        return original(engine_cls, server_args=server_args, port_args=port_args,
+                        run_detokenizer_process_func=run_detokenizer_process_func)
     target = functools.partial(_run_after_loading_plugins, run_detokenizer_process_func)
     return original(engine_cls, server_args=server_args, port_args=port_args, run_detokenizer_process_func=target)
 
@@ -487,7 +554,7 @@ class Hook(NamedTuple):
 
 def hook_table() -> tuple[Hook, ...]:
     """Every hooked SGLang target (see the module docstring), for every supported release."""
-    from . import cpu_alloc, parallel_sampling
+    from . import cpu_alloc
 
     server_args = "sglang.srt.server_args.ServerArgs"
     tokenizer_manager = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
@@ -508,12 +575,11 @@ def hook_table() -> tuple[Hook, ...]:
              _index_k_cell_size, "AROUND"),
         Hook("sglang.srt.layers.attention.attention_registry.attn_backend_wrapper", _attn_backend, "AROUND"),
         Hook(f"{tokenizer_manager}._validate_one_request", _check_input_ids_in_vocab, "BEFORE"),
-        Hook(f"{tokenizer_manager}._handle_batch_request", parallel_sampling.release_unsent_states, "BEFORE",
+        Hook(f"{tokenizer_manager}._handle_batch_request", _release_unsent_states, "BEFORE",
              until=PARALLEL_SAMPLING_RELEASES_STATES),
-        Hook(f"{tokenizer_manager}._handle_batch_request", parallel_sampling.abort_unfinished_samples, "AROUND",
+        Hook(f"{tokenizer_manager}._handle_batch_request", _abort_unfinished_samples, "AROUND",
              until=BATCH_HANDLER_ABORTS_SENT),
-        Hook(f"{tokenizer_manager}._send_one_request", parallel_sampling.note_sent_rid, "BEFORE",
-             until=BATCH_HANDLER_ABORTS_SENT),
+        Hook(f"{tokenizer_manager}._send_one_request", _note_sent_rid, "BEFORE", until=BATCH_HANDLER_ABORTS_SENT),
         Hook("sglang.srt.entrypoints.engine.Engine._launch_detokenizer_subprocesses", _detokenizer_loads_plugins,
              "AROUND", until=DETOKENIZER_LOADS_PLUGINS),
         Hook(f"{allocator}.alloc_extend", cpu_alloc.alloc_extend, "AROUND", until=ALLOCATOR_OFF_TRITON),
@@ -524,21 +590,52 @@ def hook_table() -> tuple[Hook, ...]:
 _registered = False
 
 
+def _refuse_index_k_launch(error: "compat.UnsupportedSGLangError"):
+    """After ``ModelConfig.__init__`` on an SGLang outside the supported range: refuse a MiniMax-M3.1
+    index-K launch, naming the range; any other model goes on."""
+
+    def refuse(result, model_config, *args, **kwargs):
+        if is_index_k_launch(model_config):
+            raise compat.UnsupportedSGLangError(f"MiniMax-M3.1 with an index-K cache: {error}")
+        return result
+
+    return refuse
+
+
+def _register_outside_range(error) -> None:
+    """SGLang outside the supported range: one log line, no hook for other models; an M3.1 index-K launch
+    (its config known to transformers, its ``--index-k-format`` parsed) is refused when SGLang builds its
+    model config."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    logger.warning("sglang-m3 is off: %s; other models are served as without it, a MiniMax-M3.1 index-K launch "
+                   "is refused", error)
+    register_config()
+    server_args = "sglang.srt.server_args.ServerArgs"
+    HookRegistry.register(f"{server_args}.add_cli_args", _add_index_k_format_flag, HookType.AFTER)
+    HookRegistry.register(f"{server_args}.from_cli_args", _fold_index_k_format_flag, HookType.BEFORE)
+    HookRegistry.register("sglang.srt.configs.model_config.ModelConfig.__init__", _refuse_index_k_launch(error),
+                          HookType.AFTER)
+
+
 def register() -> None:
     """Entry point: check the SGLang release, then register the config class, the hooks of that
-    release and the page-size default (idempotent).
+    release and the page-size default (idempotent). Every hook passes SGLang's call through unless
+    the served model is MiniMax-M3.1 with an index-K format (``scope``).
 
-    Outside the supported range it raises SystemExit with the range: SGLang's plugin loader logs
-    and skips any Exception, which would leave the server to fail later in an unhooked path.
+    Outside the supported range: one warning line, and only what it takes to refuse an M3.1
+    index-K launch naming the range (``_register_outside_range``); other models run as without
+    this package.
     """
     global _registered
     if _registered:
         return
+    _registered = True
     try:
         version = compat.sglang_version()
     except compat.UnsupportedSGLangError as e:
-        raise SystemExit(f"sglang-m3: {e}") from e
-    _registered = True
+        _register_outside_range(e)
+        return
     from sglang.srt.arg_groups.overrides import register_model_override
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 

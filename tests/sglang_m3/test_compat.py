@@ -29,21 +29,21 @@ def test_versions_outside_the_range_name_it(version):
         compat.check_sglang_version(version)
 
 
-def test_server_start_stops_with_the_range_on_an_unsupported_sglang():
-    """SGLang's plugin loader swallows plugin exceptions; ours must still stop the launcher, naming the range."""
+def test_an_unsupported_sglang_loads_the_plugin_switched_off():
+    """Outside the range the entry point returns (SGLang goes on): no hook row is registered but the three that
+    refuse a MiniMax-M3.1 index-K launch (tests/sglang_m3/test_scope.py serves the rest)."""
     script = textwrap.dedent("""
         from importlib import metadata
         real = metadata.version
         metadata.version = lambda name: "0.5.24" if name == "sglang" else real(name)
         from sglang.srt.plugins import load_plugins
+        from sglang.srt.plugins.hook_registry import HookRegistry
         load_plugins()
-        print("plugins loaded")
+        print("plugins loaded", len(HookRegistry._patched))
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert proc.returncode != 0, proc.stdout
-    assert "plugins loaded" not in proc.stdout
-    assert "sglang-m3: sglang-m3 supports SGLang 0.5.16 through 0.5.23" in proc.stderr
-    assert "installed: 0.5.24" in proc.stderr
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "plugins loaded 3" in proc.stdout
 
 
 def test_rows_apply_in_their_half_open_release_range():

@@ -6,6 +6,7 @@ import torch
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang_m3 import cpu_alloc
 from sglang_m3.compat import ALLOCATOR_OFF_TRITON, at_least
+from sglang_m3.pool import MiniMaxM31SparseKVPool
 
 PAGE = 4
 
@@ -14,6 +15,7 @@ def _allocator(pages=8):
     alloc = PagedTokenToKVPoolAllocator.__new__(PagedTokenToKVPoolAllocator)
     alloc.page_size, alloc.device, alloc.need_sort = PAGE, "cpu", False
     alloc.free_pages = torch.arange(1, pages + 1, dtype=torch.int64)
+    alloc._kvcache = MiniMaxM31SparseKVPool.__new__(MiniMaxM31SparseKVPool)  # the torch paths serve this pool only
     return alloc
 
 
@@ -111,3 +113,15 @@ def test_sglang_own_torch_path_matches_the_oracle_where_the_plugin_rows_are_drop
     seq_lens, last_loc = torch.tensor([6, 5, 9]), torch.tensor([20, 15, 43])
     assert PagedTokenToKVPoolAllocator.alloc_decode(alloc, seq_lens, seq_lens, last_loc).tolist() == [21, 20, 12]
     assert alloc.free_pages.tolist() == [7]
+
+
+def test_other_pools_keep_sglangs_allocator_on_the_cpu():
+    """Another model's pool (any KV cache but the index-K one) gets SGLang's own method, arguments unchanged."""
+    alloc = _allocator()
+    alloc._kvcache = object()
+    calls = []
+    args = (torch.tensor([2]), torch.tensor([2]), torch.tensor([8]))
+    assert cpu_alloc.alloc_decode(lambda *a: calls.append(a) or "sglang", alloc, *args) == "sglang"
+    assert calls[0][0] is alloc and calls[0][1] is args[0]
+    assert cpu_alloc.alloc_extend(lambda *a: "sglang", alloc, *args, args[0], args[2], 1) == "sglang"
+    assert alloc.free_pages.tolist() == list(range(1, 9))

@@ -173,12 +173,16 @@ def test_prefill_cuda_graph_hook_is_wired_into_server_args():
     ([1, 2.0], "2.0"),
 ])
 def test_out_of_vocabulary_ids_raise_value_error(input_ids, shown):
-    manager = SimpleNamespace(model_config=SimpleNamespace(vocab_size=2048))
+    m31 = MiniMaxM31Config(sparse_attention_config={"sparse_index_dim": 128}, index_k_format="mxfp4")
+    manager = SimpleNamespace(model_config=SimpleNamespace(vocab_size=2048, hf_config=m31))
     with pytest.raises(ValueError, match=r"input_ids holds token ids outside the vocabulary \[0, 2048\): "
                                          + re.escape(shown) + "$"):
         _check_input_ids_in_vocab(manager, None, input_ids)
     assert _check_input_ids_in_vocab(manager, None, [0, 2047]) is None
     assert _check_input_ids_in_vocab(manager, None, None) is None
+    llama = SimpleNamespace(model_type="llama")
+    other = SimpleNamespace(model_config=SimpleNamespace(vocab_size=2048, hf_config=llama))
+    assert _check_input_ids_in_vocab(other, None, input_ids) is None  # another model: SGLang's own handling
 
 
 def _record_call(*args, **kwargs):
@@ -200,7 +204,9 @@ def test_detokenizer_target_is_picklable_and_loads_plugins_first():
         seen["target"] = pickle.loads(pickle.dumps(run_detokenizer_process_func))
         return "procs"
 
-    assert _detokenizer_loads_plugins(launch, object, "args", "ports", _record_call) == "procs"
+    m31_args = SimpleNamespace(model_path=str(TINY_MODEL))
+    assert _detokenizer_loads_plugins(launch, object, m31_args, "ports", _record_call) == "procs"
+    assert seen["target"] is not _record_call  # a new callable, which loads the plugins, then calls it
     assert seen["target"]("args", "ports") == (("args", "ports"), {}, True)
 
 
@@ -220,7 +226,7 @@ def test_cpu_servers_get_short_openmp_waits_unless_set(monkeypatch, device, pres
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "1")  # the user's: a server not group-stopped keeps it
     monkeypatch.delenv("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", raising=False)
-    assert _cpu_openmp_waits(None, SimpleNamespace(device=device)) is None
+    assert _cpu_openmp_waits(None, SimpleNamespace(device=device, model_path=str(TINY_MODEL))) is None
     assert (os.environ.get(OMP_WAIT_POLICY), os.environ.get(GOMP_SPINCOUNT)) == expected
     assert os.environ["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "1"
     assert "SGLANG_CUDA_COREDUMP_BEFORE_CRASH" not in os.environ
