@@ -5,8 +5,9 @@ this class keeps every key of ``config.json`` as an attribute (``sparse_attentio
 included) and adds three keys of its own:
 
 - ``index_k_format``: ``bf16 | fp8 | mxfp4 | mxfp4_rot`` (``m3_kernels.formats.IndexKFormat``),
-  how the sparse layers' index keys are stored in the paged cache. Required for a served model: the plugin refuses a ``minimax_m3_1`` config without it (``sglang_m3.scope``); the
-  class default ``mxfp4`` applies only to a config built directly in Python.
+  how the sparse layers' index keys are stored in the paged cache. Required for a served model: the plugin
+  refuses a ``minimax_m3_1`` config without it (``sglang_m3.scope``); the class default ``mxfp4`` applies only
+  to a config built directly in Python.
 - ``index_k_scale_rule``: ``rceil | floor``, the MXFP4 e8m0 scale rule. Default ``rceil``.
 - ``index_k_sign_seed``: int or null, the sign seed of the ``mxfp4_rot`` rotation.
 
