@@ -487,7 +487,7 @@ class Hook(NamedTuple):
 
 def hook_table() -> tuple[Hook, ...]:
     """Every hooked SGLang target (see the module docstring), for every supported release."""
-    from . import cpu_alloc, parallel_sampling
+    from . import cpu_alloc, parallel_sampling, server_info
 
     server_args = "sglang.srt.server_args.ServerArgs"
     tokenizer_manager = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
@@ -518,6 +518,7 @@ def hook_table() -> tuple[Hook, ...]:
              "AROUND", until=DETOKENIZER_LOADS_PLUGINS),
         Hook(f"{allocator}.alloc_extend", cpu_alloc.alloc_extend, "AROUND", until=ALLOCATOR_OFF_TRITON),
         Hook(f"{allocator}.alloc_decode", cpu_alloc.alloc_decode, "AROUND", until=ALLOCATOR_OFF_TRITON),
+        Hook("sglang.srt.entrypoints.http_server.server_info", server_info.add_index_k_info, "AROUND"),
     )
 
 
