@@ -68,6 +68,20 @@ def test_generate_and_completions(mxfp4):
     assert isinstance(body["choices"][0]["text"], str)
 
 
+def test_server_info_says_which_index_k_cache_it_serves(mxfp4):
+    """``/get_server_info`` names the format the config resolves to (the model's config.json, no override),
+    which SGLang's own answer does not (sglang_m3.server_info)."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(mxfp4.url + "/get_server_info", timeout=60) as r:
+        info = json.loads(r.read())
+    assert info["model_path"].endswith("minimax-m3.1-tiny")
+    index_k = info["m3_index_k"]
+    assert (index_k["format"], index_k["scale_rule"], index_k["sign_seed"]) == ("mxfp4", "rceil", None)
+    assert index_k["sparse_layers"] > 0 and index_k["sparse_topk_blocks"] == TOPK
+
+
 def test_start_up_log_has_no_config_class_warning(mxfp4):
     """Every server process knows ``minimax_m3_1`` (the detokenizer too), so transformers never
     falls back to its base config class, which logs "... to instantiate a model of type ``"."""
