@@ -407,7 +407,8 @@ def run_lm_eval(base_url: str, model_id: str, tokenizer: str, tasks: list[str], 
         "timeout": args.request_timeout,
     }
     metadata = {"max_seq_lengths": lengths, "num_samples": args.samples, "num_depths": args.depths,
-                "seed": args.seed, "tokenizer": tokenizer, "questions": args.questions}
+                "seed": args.seed, "tokenizer": tokenizer, "questions": args.questions,
+                "tokenized_requests": False, "max_length": model_args["max_length"]}  # what the tasks check
     if sample_ids is not None:
         metadata["sample_ids"] = [int(i) for i in sample_ids]
     # Our tasks only: indexing lm-eval's own few thousand task files costs ~20 s.
