@@ -31,7 +31,15 @@ the selector returns every visible block. The two are the same arithmetic up to 
 ``topk`` is what the agreement study records selections from, and it needs ``--lengths`` (on an H200 its
 prefill reads each row's blocks through the sparse kernels: ~30 s for a 128k-token prompt, against ~2 s).
 
-Everything after ``--`` goes to ``python -m sglang.launch_server`` as is.
+Before any prompt is sent, each server is asked what it serves (``/get_server_info``: the model path and the
+``m3_index_k`` entry that sglang-m3 adds, ``sglang_m3.server_info``), and the run is refused when a label is
+not the served index-K format (``dense``: bf16 with every layer dense, or a top-k covering every block), when
+two labels name one server, or when the servers serve different models; ``results.json`` (``servers``) and
+the report record what each said. Servers started here are checked the same way. A caller's mistake (an
+unreachable URL, a URL ending in ``/v1``, an unknown task, lengths past the served context, ...) ends in one
+``m3-accuracy: error:`` line naming the argument, the value and the rule, and leaves no empty ``--out``.
+
+Everything after ``--`` goes to ``python -m sglang.launch_server`` as is (through ``sglang_m3.server``).
 """
 
 import argparse

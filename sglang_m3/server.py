@@ -122,9 +122,10 @@ class Server:
 
             self._log = tempfile.NamedTemporaryFile("w", prefix="sglang-server-", suffix=".log", delete=False)
             self.log_path = Path(self._log.name)
-        self._log.write(" ".join(self.command()) + "\n")
+        command = self.command()
+        self._log.write(" ".join(command) + "\n")
         self._log.flush()
-        self.proc = self.spawn(self.command(), env=server_env(self.command(), self.env), cwd=self.cwd, log=self._log)
+        self.proc = self.spawn(command, env=server_env(command, self.env), cwd=self.cwd, log=self._log)
         return self
 
     def wait_ready(self, timeout_s: float | None = None) -> "Server":

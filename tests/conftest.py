@@ -52,7 +52,12 @@ def prewarmed_launcher(request, tmp_path_factory):
     with open(root / "launcher.log", "w") as log:
         proc = prewarm.launch(sock, log, env=cpu_launch_env())
     os.environ[prewarm.PREWARM_ENV] = sock
+    from sglang_m3.server import Server
+
+    spawn = Server.__dict__["spawn"]
+    Server.spawn = staticmethod(prewarm.start)  # every test's sglang_m3.server launch (m3-accuracy's too) forks here
     yield sock
+    Server.spawn = spawn
     os.environ.pop(prewarm.PREWARM_ENV, None)
     proc.terminate()
     proc.wait(timeout=60)
