@@ -364,6 +364,16 @@ class SGLangServer(Server):
     def __init__(self, model: str, launch_args: list[str], log_path: Path, timeout_s: float = 1800.0):
         super().__init__(model, launch_args, log_path, timeout_s=timeout_s)
 
+    def wait_ready(self, timeout_s: float | None = None) -> "SGLangServer":
+        """``Server.wait_ready``, its failure told in two lines (DeploymentError): what happened with the log's
+        path, and the log's last line."""
+        try:
+            return super().wait_ready(timeout_s)
+        except (RuntimeError, TimeoutError) as e:
+            head, _, tail = str(e).partition("\n")
+            last = next((line for line in reversed(tail.splitlines()) if line.strip()), "")
+            raise DeploymentError(f"{self.model} with {' '.join(self.args)}: {head}\n  {last}") from None
+
 
 def served_model(base_url: str) -> tuple[str, int | None]:
     """``(model id, max context or None)`` from the server's ``/v1/models``."""

@@ -134,3 +134,28 @@ def test_an_out_folder_that_existed_is_kept(tmp_path, capsys):
     with pytest.raises(SystemExit):
         run.main(["--model", MSA, "--tasks", "gsm8k", "--out", str(out)])
     assert out.is_dir()
+
+
+def test_a_server_that_does_not_start_is_two_lines(tmp_path, capsys, monkeypatch):
+    """A launch argument SGLang refuses: the server's exit code, its log and the log's last line."""
+    import sys
+
+    from sglang_m3.server import Server
+
+    def spawn(argv, *, env, cwd, log):  # stands in for SGLang refusing the arguments (no import of SGLang)
+        import subprocess
+
+        code = "import sys; print('launch_server: error: unrecognized arguments: --bogus', file=sys.stderr); sys.exit(2)"
+        return subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    monkeypatch.setattr(Server, "spawn", staticmethod(spawn))
+    out = tmp_path / "acc"
+    with pytest.raises(SystemExit) as e:
+        run.main(["--model", MSA, "--formats", "fp8", "--tasks", "m3_kv", "--lengths", "1024", "--out", str(out),
+                  "--", "--bogus"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    err = err[err.index("m3-accuracy: error: "):]  # after the progress bar
+    assert len(err.strip().splitlines()) == 2, err
+    assert "server exited with 2" in err and "server-fp8.log" in err and "unrecognized arguments: --bogus" in err
