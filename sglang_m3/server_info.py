@@ -10,6 +10,10 @@ SGLang's answer holds ``model_path`` and ``json_model_override_args`` but not th
 ``sparse_layers``: layers with ``sparse_attention_freq`` 1 (0: every layer dense, the accuracy runner's dense
 control); ``sparse_topk_blocks``: blocks each sparse row attends. For any other model the answer is SGLang's,
 unchanged. ``accuracy.run`` checks every deployment against its label with it before any prompt is sent.
+
+The hook wraps ``http_server.server_info``, the function that ``/get_server_info`` awaits by name; the newer
+``/server_info`` route was bound to the unwrapped function when SGLang's module was imported (SGLang 0.5.16),
+so it answers without ``m3_index_k``.
 """
 
 M3_INDEX_K = "m3_index_k"

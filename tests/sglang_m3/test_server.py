@@ -14,7 +14,7 @@ import pytest
 from m3_kernels.formats import PAGE_SIZE as BLOCK
 from m3_kernels.formats import TOPK_BLOCKS as TOPK
 from sglang_m3 import prewarm
-from sglang_m3.plugin import cpu_launch_env, free_port
+from sglang_m3.server import cpu_env, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -226,7 +226,7 @@ def _run_launcher(argv, tmp_path) -> tuple[int, str]:
     the session has one, as the test servers)."""
     log_path = tmp_path / "launch.log"
     with open(log_path, "w") as log:
-        proc = prewarm.start(argv, env=cpu_launch_env(), cwd=REPO, log=log)
+        proc = prewarm.start(argv, env=cpu_env(), cwd=REPO, log=log)
         code = proc.wait(timeout=600)
     return code, log_path.read_text()
 
