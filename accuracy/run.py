@@ -287,7 +287,7 @@ def server_identity(label: str, url: str, given: bool = True) -> dict:
 
     return {"url": url, "model_id": model.get("id"), "model_path": info.get("model_path", model.get("id")),
             "m3_index_k": info.get(M3_INDEX_K), "sglang_version": info.get("version"),
-            "max_model_len": model.get("max_model_len")}
+            "max_model_len": model.get("max_model_len"), "max_req_input_len": info.get("max_req_input_len")}
 
 
 def _same_server(a: str, b: str) -> bool:
@@ -349,13 +349,25 @@ def verify_base_urls(urls: dict, lengths, max_gen_toks, earlier: dict | None = N
     blocks = dense_topk_blocks(dense_max_tokens(lengths, max_gen_toks)) if lengths else None
     for label, identity in identities.items():
         check_served(label, identity, dense_blocks=blocks)
-        context = identity["max_model_len"]
-        if lengths and context is not None and max(lengths) > int(context):
-            raise DeploymentError(f"--lengths {max(lengths)} exceeds the served context (max_model_len {context}) "
-                                  f"of --base-url {label}={identity['url']}; drop it or raise the server's "
-                                  "--context-length")
+        check_lengths(label, identity, lengths)
     check_deployments(identities, earlier=earlier)
     return identities
+
+
+def check_lengths(label: str, identity: dict, lengths, given: bool = True) -> None:
+    """DeploymentError when the longest of ``lengths`` exceeds the served context (``max_model_len``) or a
+    prompt of it (at least ``GEN_TOKENS`` shorter) exceeds the longest input the server takes
+    (``max_req_input_len``, bounded by its ``--max-total-tokens``)."""
+    if not lengths:
+        return
+    where, longest = _where(label, identity["url"], given), max(lengths)
+    context, max_input = identity.get("max_model_len"), identity.get("max_req_input_len")
+    if context is not None and longest > int(context):
+        raise DeploymentError(f"--lengths {longest} exceeds the served context (max_model_len {context}) of {where}; "
+                              "drop it or raise the server's --context-length")
+    if max_input is not None and longest - GEN_TOKENS > int(max_input):
+        raise DeploymentError(f"--lengths {longest} exceeds the longest input {where} takes (max_req_input_len "
+                              f"{max_input} prompt tokens); drop it or raise the server's --max-total-tokens")
 
 
 class SGLangServer(Server):
@@ -525,10 +537,11 @@ def _dense_blocks(args) -> int | None:
     return dense_topk_blocks(dense_max_tokens(args.lengths, args.max_gen_toks)) if args.lengths else None
 
 
-def verify_started(label: str, url: str, servers: dict, dense_blocks: int | None) -> None:
+def verify_started(label: str, url: str, servers: dict, dense_blocks: int | None, lengths=None) -> None:
     """The check of ``verify_base_urls`` for a server started here; its identity joins ``servers``."""
     identity = server_identity(label, url, given=False)
     check_served(label, identity, given=False, dense_blocks=dense_blocks)
+    check_lengths(label, identity, lengths, given=False)
     check_deployments({label: identity}, given=dict.fromkeys([*servers, label], False), earlier=servers)
     servers[label] = identity
 
@@ -816,7 +829,7 @@ def _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, 
                     server = SGLangServer(args.model, launch, args.out / f"server-{fmt}.log",
                                           timeout_s=args.launch_timeout)
                     with server:
-                        verify_started(fmt, server.base_url, servers, _dense_blocks(args))
+                        verify_started(fmt, server.base_url, servers, _dense_blocks(args), args.lengths)
                         write_server(args.out, fmt, servers[fmt])
                         serve(server.base_url)
             except Exception as e:  # one format's failure (a server that does not start, requests that fail) is
@@ -1058,7 +1071,7 @@ def compare_formats(argv=None) -> dict:
             server = SGLangServer(args.model, format_launch_args(fmt, launch_args, **(dense if is_dense(fmt) else {})),
                                   args.out / f"server-{fmt}.log", timeout_s=args.launch_timeout)
             with server:
-                verify_started(fmt, server.base_url, servers, _dense_blocks(args))
+                verify_started(fmt, server.base_url, servers, _dense_blocks(args), args.lengths)
                 per_format[fmt], lengths = _evaluate(server.base_url, tokenizer, lengths, args)
         write_samples(args.out, fmt, per_format[fmt], {**settings, "lengths": lengths})
         write_server(args.out, fmt, servers.get(fmt))

@@ -79,12 +79,12 @@ class FakeCompletions:
     true (then a 0 is put in front of it), each request after ``delay_s``. Keeps the prompts it was sent."""
 
     def __init__(self, wrong=lambda prompt: False, max_model_len: int = 200000, delay_s: float = 0.0,
-                 serves: str | None = "fp8", model_path: str = "fake-model"):
+                 serves: str | None = "fp8", model_path: str = "fake-model", max_req_input_len: int | None = None):
         """``serves``: the label whose server this stands in for (``/get_server_info``'s ``m3_index_k``: that
         format with sparse layers, ``"dense"`` bf16 with none, None no key: a server without sglang-m3)."""
         self.prompts: list[str] = []
         outer = self
-        info = {"model_path": model_path, "version": "0.0-fake"}
+        info = {"model_path": model_path, "version": "0.0-fake", "max_req_input_len": max_req_input_len}
         if serves is not None:
             fmt = serves.partition("@")[0]
             info["m3_index_k"] = {"format": "bf16" if fmt == "dense" else fmt, "scale_rule": "rceil",

@@ -128,6 +128,17 @@ def test_lengths_beyond_the_served_context_are_refused_before_any_prompt(tmp_pat
     assert "--lengths 8192" in err and "max_model_len 4096" in err and f"fp8={a.url}" in err
 
 
+def test_lengths_past_the_longest_input_the_server_takes_are_refused(tmp_path, fake_completions, capsys):
+    """A server's --max-total-tokens bounds its inputs below its context (max_req_input_len): a longer prompt
+    would be rejected by every request."""
+    out = tmp_path / "acc"
+    with fake_completions(max_model_len=65536, max_req_input_len=8186) as a:
+        err = _refused(capsys, [*_argv(out, {"fp8": a.url}), "--lengths", "8192", "16384"], out)
+        assert not a.prompts
+        run.compare_formats([*_argv(out, {"fp8": a.url}), "--lengths", "8192", "--limit", "1"])  # 8168 tokens fit
+    assert "--lengths 16384" in err and "max_req_input_len 8186" in err and "--max-total-tokens" in err
+
+
 def test_an_out_folder_that_existed_is_kept(tmp_path, capsys):
     out = tmp_path / "acc"
     out.mkdir()
