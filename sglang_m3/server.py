@@ -110,6 +110,7 @@ class Server:
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
 
     def start(self) -> "Server":
+        """Launch on ``port`` (or a free one), the command line as the log's first line; returns at once."""
         if self._log is not None:  # a relaunch: the failed start's children go with its process group
             self._signal_group(signal.SIGKILL)
             self._log.close()
@@ -131,7 +132,8 @@ class Server:
     def wait_ready(self, timeout_s: float | None = None) -> "Server":
         from sglang.utils import wait_for_http_ready
 
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         while True:
             try:
                 wait_for_http_ready(self.url + READY_PATH, timeout=max(0.0, deadline - time.monotonic()),
@@ -145,7 +147,7 @@ class Server:
                 raise RuntimeError(f"server exited with {self.proc.poll()} (log {self.log_path}):\n"
                                    f"{self.log_tail()}") from None
             except TimeoutError:
-                raise TimeoutError(f"server not ready after {self.timeout_s:.0f} s (log {self.log_path}):\n"
+                raise TimeoutError(f"server not ready after {timeout_s:.0f} s (log {self.log_path}):\n"
                                    f"{self.log_tail()}") from None
 
     def log_tail(self, chars: int = 4000) -> str:
