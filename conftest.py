@@ -45,14 +45,19 @@ def prewarmed_launcher(request, tmp_path_factory):
         yield None
         return
     from sglang_m3 import prewarm
-    from sglang_m3.plugin import cpu_launch_env
+    from sglang_m3.server import cpu_env
 
     root = tmp_path_factory.mktemp("prewarm")
     sock = str(root / "launcher.sock")
     with open(root / "launcher.log", "w") as log:
-        proc = prewarm.launch(sock, log, env=cpu_launch_env())
+        proc = prewarm.launch(sock, log, env=cpu_env())
     os.environ[prewarm.PREWARM_ENV] = sock
+    from sglang_m3.server import Server
+
+    spawn = Server.__dict__["spawn"]
+    Server.spawn = staticmethod(prewarm.start)  # every test's sglang_m3.server launch (m3-accuracy's too) forks here
     yield sock
+    Server.spawn = spawn
     os.environ.pop(prewarm.PREWARM_ENV, None)
     proc.terminate()
     proc.wait(timeout=60)

@@ -191,8 +191,26 @@ def markdown(summary: dict) -> str:
     """``markdown_pairs`` for a ``build_pairs`` summary, else ``markdown_table`` and the tables of its
     ``"replicas"`` (``build_replicas``), if any."""
     if "pairs" in summary:
-        return markdown_pairs(summary)
-    return "\n".join([markdown_table(summary)] + _markdown_replicas(summary))
+        return markdown_pairs(summary) + markdown_servers(summary)
+    return "\n".join([markdown_table(summary)] + _markdown_replicas(summary)) + markdown_servers(summary)
+
+
+def markdown_servers(summary: dict) -> str:
+    """The table of what each format's server said it serves (``summary["servers"]``, from
+    ``accuracy.run.server_identity``); empty when the summary has none (a report rebuilt from older state)."""
+    servers = {f: s for f, s in (summary.get("servers") or {}).items() if s}
+    if not servers:
+        return ""
+    lines = ["", "## Servers (what each said it serves, checked against its label before any prompt)", "",
+             "| format | URL | model | index-K format | scale rule | sign seed | sparse layers | top-k blocks | "
+             "SGLang | sglang-m3 |", "|" + "---|" * 10]
+    for fmt, s in servers.items():
+        k = s.get("m3_index_k") or {}
+        cells = [fmt, s.get("url"), s.get("model_path"), k.get("format"), k.get("scale_rule"), k.get("sign_seed"),
+                 k.get("sparse_layers"), k.get("sparse_topk_blocks"), s.get("sglang_version"),
+                 k.get("sglang_m3_version")]
+        lines.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def build_replicas(per_format: dict, replicas: dict, **kw) -> dict:

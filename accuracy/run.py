@@ -31,7 +31,15 @@ the selector returns every visible block. The two are the same arithmetic up to 
 ``topk`` is what the agreement study records selections from, and it needs ``--lengths`` (on an H200 its
 prefill reads each row's blocks through the sparse kernels: ~30 s for a 128k-token prompt, against ~2 s).
 
-Everything after ``--`` goes to ``python -m sglang.launch_server`` as is.
+Before any prompt is sent, each server is asked what it serves (``/get_server_info``: the model path and the
+``m3_index_k`` entry that sglang-m3 adds, ``sglang_m3.server_info``), and the run is refused when a label is
+not the served index-K format (``dense``: bf16 with every layer dense, or a top-k covering every block), when
+two labels name one server, or when the servers serve different models; ``results.json`` (``servers``) and
+the report record what each said. Servers started here are checked the same way. A caller's mistake (an
+unreachable URL, a URL ending in ``/v1``, an unknown task, lengths past the served context, ...) ends in one
+``m3-accuracy: error:`` line naming the argument, the value and the rule, and leaves no empty ``--out``.
+
+Everything after ``--`` goes to ``python -m sglang.launch_server`` as is (through ``sglang_m3.server``).
 """
 
 import argparse
@@ -39,15 +47,16 @@ import json
 import multiprocessing
 import os
 import signal
-import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from m3_kernels.formats import PAGE_SIZE, parse_format
+from sglang_m3.server import Server
 
 from . import report, retrieval
 from .needle import GEN_TOKENS
@@ -235,91 +244,147 @@ def resolve_baseline(baseline: str | None, formats: list[str]) -> str:
 # Servers
 
 
-def _get_json(url: str, timeout: float = 5.0):
+class DeploymentError(ValueError):
+    """A deployment that cannot be compared as labelled (unreachable, mislabelled, another model)."""
+
+
+def _get_json(url: str, timeout: float = 10.0):
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read().decode())
 
 
-class SGLangServer:
-    """``python -m sglang.launch_server`` in its own process group, log in ``log_path``."""
+def _where(label: str, url: str, given: bool) -> str:
+    return f"--base-url {label}={url}" if given else f"the {label} server started here ({url})"
 
-    def __init__(self, model: str, launch_args: list[str], log_path: Path, host: str = "127.0.0.1",
-                 port: int | None = None, timeout_s: float = 1800.0):
-        self.model, self.launch_args, self.log_path = model, launch_args, log_path
-        if not port:
-            from sglang_m3.plugin import free_port
 
-            port = free_port(host)
-        self.host, self.port, self.timeout_s = host, port, timeout_s
-        self.proc = None
+def _ask(label: str, url: str, path: str, given: bool = True):
+    """The JSON a server answers at ``path``; DeploymentError naming the label and the URL otherwise."""
+    if url.rstrip("/").endswith("/v1"):
+        raise DeploymentError(f"{_where(label, url, given)}: give the server's root URL, without /v1 (the runner "
+                              f"asks {url.rstrip('/')[:-3]}/v1/completions itself)")
+    try:
+        return _get_json(url.rstrip("/") + path)
+    except urllib.error.HTTPError as e:
+        raise DeploymentError(f"{_where(label, url, given)}: {path} answered HTTP {e.code}; the URL must be an "
+                              "SGLang server's root (http://host:port)") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        raise DeploymentError(f"{_where(label, url, given)}: no SGLang server answers ({reason}); start it or fix "
+                              "the URL") from None
 
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model, "--host", self.host,
-                "--port", str(self.port), *self.launch_args]
+def server_identity(label: str, url: str, given: bool = True) -> dict:
+    """What the server at ``url`` says it serves: ``url``, ``model_path``, ``m3_index_k`` (format, scale rule,
+    sign seed, sparse layers, top-k blocks, sglang-m3 version; None for a server without a MiniMax-M3.1 index-K
+    cache), ``sglang_version``, ``max_model_len`` (from ``/get_server_info`` and ``/v1/models``)."""
+    models = _ask(label, url, "/v1/models", given)
+    info = _ask(label, url, "/get_server_info", given)
+    try:
+        model = models["data"][0]
+    except (KeyError, IndexError, TypeError):
+        raise DeploymentError(f"{_where(label, url, given)}: /v1/models lists no model") from None
+    from sglang_m3.server_info import M3_INDEX_K
 
-    def env(self) -> dict:
-        """The environment of the launch: SGLang's crash diagnostics off, since ``_stop`` signals the process
-        group (``group_stop_env``); on ``--device cpu`` also the plugin's OpenMP waits set at start."""
-        from sglang_m3.plugin import cpu_launch_env, group_stop_env
+    return {"url": url, "model_id": model.get("id"), "model_path": info.get("model_path", model.get("id")),
+            "m3_index_k": info.get(M3_INDEX_K), "sglang_version": info.get("version"),
+            "max_model_len": model.get("max_model_len"), "max_req_input_len": info.get("max_req_input_len")}
 
-        on_cpu = any(a == "--device" and b == "cpu" for a, b in zip(self.launch_args, self.launch_args[1:]))
-        on_cpu = on_cpu or "--device=cpu" in self.launch_args
-        return cpu_launch_env() if on_cpu else group_stop_env()
 
-    def __enter__(self):
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = self.log_path.open("w")
-        self._log.write(" ".join(self.command()) + "\n")
-        self._log.flush()
-        from sglang_m3 import prewarm
+def _same_server(a: str, b: str) -> bool:
+    def norm(url):
+        u = urllib.parse.urlsplit(url.rstrip("/"))
+        host = (u.hostname or "").lower()
+        host = "127.0.0.1" if host in ("localhost", "0.0.0.0", "::1") else host
+        return host, u.port or (443 if u.scheme == "https" else 80), u.path
+    return norm(a) == norm(b)
 
-        self.proc = prewarm.start(self.command(), env=self.env(), log=self._log)
+
+def check_served(label: str, identity: dict, given: bool = True, dense_blocks: int | None = None) -> None:
+    """DeploymentError unless the server of ``identity`` serves what ``label`` names: an index-K format's label
+    its format with sparse layers; ``dense`` the bf16 cache with every layer dense, or (``dense_blocks``: the
+    blocks of the longest request) a top-k covering every block."""
+    where, served = _where(label, identity["url"], given), identity["m3_index_k"]
+    if served is None:
+        raise DeploymentError(f"{where}: the server reports no MiniMax-M3.1 index-K cache (no m3_index_k in "
+                              "/get_server_info: sglang-m3 not installed there, or a model without index_k_format)")
+    fmt, want = served["format"], served_as(label)
+    if is_dense(label):
+        covered = served.get("sparse_layers") == 0 or (
+            dense_blocks is not None and (served.get("sparse_topk_blocks") or 0) >= dense_blocks)
+        if fmt != DENSE_INDEX_FORMAT or not covered:
+            need = "" if dense_blocks is None else f", or sparse_topk_blocks >= {dense_blocks}"
+            raise DeploymentError(
+                f"{where}: label {label!r} needs a dense server (index_k_format {DENSE_INDEX_FORMAT}, no sparse "
+                f"layers{need}); it serves index_k_format {fmt} with {served.get('sparse_layers')} sparse layers, "
+                f"top-k {served.get('sparse_topk_blocks')} blocks")
+    elif fmt != want or served.get("sparse_layers") == 0:
+        what = f"index_k_format {fmt}" + (" with every layer dense" if served.get("sparse_layers") == 0 else "")
+        raise DeploymentError(f"{where}: label {label!r} must serve index_k_format {want} with sparse layers; the "
+                              f"server says {what}")
+
+
+def check_deployments(identities: dict, given: dict | None = None, earlier: dict | None = None) -> None:
+    """DeploymentError for two labels on one server or servers that serve different models (``identities``:
+    ``{label: server_identity}``; ``given``: ``{label: whether its URL was given}``; ``earlier``: identities
+    of formats served in an earlier call, ``--reuse``, checked for the model only)."""
+    given, earlier = given or {}, {k: v for k, v in (earlier or {}).items() if v is not None}
+    labels = list(identities) + [k for k in earlier if k not in identities]
+    identities = {**earlier, **identities}
+    for i, a in enumerate(labels):
+        for b in labels[i + 1:]:
+            ia, ib = identities[a], identities[b]
+            wa, wb = _where(a, ia["url"], given.get(a, True)), _where(b, ib["url"], given.get(b, True))
+            if a not in earlier and b not in earlier and _same_server(ia["url"], ib["url"]):
+                raise DeploymentError(f"{wa} and {wb} are one server: each label needs a server of its own "
+                                      "(a comparison of a server with itself reads as perfect agreement)")
+            if ia["model_path"] != ib["model_path"]:
+                raise DeploymentError(f"{wa} serves {ia['model_path']!r} but {wb} serves {ib['model_path']!r}: the "
+                                      "formats must be compared on one model")
+
+
+def verify_base_urls(urls: dict, lengths, max_gen_toks, earlier: dict | None = None) -> dict:
+    """``{label: server_identity}`` of the given deployments, each checked against its label and together
+    (``check_served``, ``check_deployments``, ``earlier`` as there), before any prompt is sent."""
+    identities = {label: server_identity(label, url) for label, url in urls.items()}
+    blocks = dense_topk_blocks(dense_max_tokens(lengths, max_gen_toks)) if lengths else None
+    for label, identity in identities.items():
+        check_served(label, identity, dense_blocks=blocks)
+        check_lengths(label, identity, lengths)
+    check_deployments(identities, earlier=earlier)
+    return identities
+
+
+def check_lengths(label: str, identity: dict, lengths, given: bool = True) -> None:
+    """DeploymentError when the longest of ``lengths`` exceeds the served context (``max_model_len``) or a
+    prompt of it (at least ``GEN_TOKENS`` shorter) exceeds the longest input the server takes
+    (``max_req_input_len``, bounded by its ``--max-total-tokens``)."""
+    if not lengths:
+        return
+    where, longest = _where(label, identity["url"], given), max(lengths)
+    context, max_input = identity.get("max_model_len"), identity.get("max_req_input_len")
+    if context is not None and longest > int(context):
+        raise DeploymentError(f"--lengths {longest} exceeds the served context (max_model_len {context}) of {where}; "
+                              "drop it or raise the server's --context-length")
+    if max_input is not None and longest - GEN_TOKENS > int(max_input):
+        raise DeploymentError(f"--lengths {longest} exceeds the longest input {where} takes (max_req_input_len "
+                              f"{max_input} prompt tokens); drop it or raise the server's --max-total-tokens")
+
+
+class SGLangServer(Server):
+    """``sglang_m3.server.Server`` for one format: ``(model, launch_args, log_path, timeout_s=)``."""
+
+    def __init__(self, model: str, launch_args: list[str], log_path: Path, timeout_s: float = 1800.0):
+        super().__init__(model, launch_args, log_path, timeout_s=timeout_s)
+
+    def wait_ready(self, timeout_s: float | None = None) -> "SGLangServer":
+        """``Server.wait_ready``, its failure told in two lines (DeploymentError): what happened with the log's
+        path, and the log's last line."""
         try:
-            self._wait_healthy()
-        except BaseException:
-            self._stop()
-            raise
-        return self
-
-    def _wait_healthy(self):
-        deadline = time.time() + self.timeout_s
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"SGLang server exited with code {self.proc.returncode}; see {self.log_path}")
-            try:
-                with urllib.request.urlopen(self.base_url + "/health_generate", timeout=60) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            time.sleep(2)
-        raise TimeoutError(f"SGLang server not healthy after {self.timeout_s:.0f} s; see {self.log_path}")
-
-    def _signal_group(self, sig):
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
-
-    def _stop(self):
-        """SIGTERM the server's process group, SIGKILL after 60 s, then any leftover of the group."""
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self._signal_group(signal.SIGTERM)
-                try:
-                    self.proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    pass
-            self._signal_group(signal.SIGKILL)
-            self.proc.wait()
-        self._log.close()
-
-    def __exit__(self, *exc):
-        self._stop()
+            return super().wait_ready(timeout_s)
+        except (RuntimeError, TimeoutError) as e:
+            head, _, tail = str(e).partition("\n")
+            last = next((line for line in reversed(tail.splitlines()) if line.strip()), "")
+            raise DeploymentError(f"{self.model} with {' '.join(self.args)}: {head}\n  {last}") from None
 
 
 def served_model(base_url: str) -> tuple[str, int | None]:
@@ -372,7 +437,8 @@ def run_lm_eval(base_url: str, model_id: str, tokenizer: str, tasks: list[str], 
         "timeout": args.request_timeout,
     }
     metadata = {"max_seq_lengths": lengths, "num_samples": args.samples, "num_depths": args.depths,
-                "seed": args.seed, "tokenizer": tokenizer, "questions": args.questions}
+                "seed": args.seed, "tokenizer": tokenizer, "questions": args.questions,
+                "tokenized_requests": False, "max_length": model_args["max_length"]}  # what the tasks check
     if sample_ids is not None:
         metadata["sample_ids"] = [int(i) for i in sample_ids]
     # Our tasks only: indexing lm-eval's own few thousand task files costs ~20 s.
@@ -464,6 +530,33 @@ class DocPrefetch:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _dense_blocks(args) -> int | None:
+    """Blocks of the longest request of this run (None without ``--lengths``): a dense server by top-k covers them."""
+    return dense_topk_blocks(dense_max_tokens(args.lengths, args.max_gen_toks)) if args.lengths else None
+
+
+def verify_started(label: str, url: str, servers: dict, dense_blocks: int | None, lengths=None) -> None:
+    """The check of ``verify_base_urls`` for a server started here; its identity joins ``servers``."""
+    identity = server_identity(label, url, given=False)
+    check_served(label, identity, given=False, dense_blocks=dense_blocks)
+    check_lengths(label, identity, lengths, given=False)
+    check_deployments({label: identity}, given=dict.fromkeys([*servers, label], False), earlier=servers)
+    servers[label] = identity
+
+
+def write_server(out: Path, fmt: str, identity: dict | None) -> None:
+    """``samples/<fmt>/server.json``: what ``fmt``'s server said it serves (``server_identity``)."""
+    if identity is not None:
+        folder = out / "samples" / fmt
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(folder / "server.json", json.dumps(identity))
+
+
+def read_server(out: Path, fmt: str) -> dict | None:
+    path = out / "samples" / fmt / "server.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def write_samples(out: Path, fmt: str, rows: dict, settings: dict | None = None):
@@ -640,7 +733,7 @@ def parse_format_samples(values: list[str] | None, formats: list[str], default: 
     return out
 
 
-def _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, identity) -> tuple:
+def _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, identity, servers) -> tuple:
     """Serve each format's missing samples in rounds until done or out of ``--budget-s``; returns
     ``({fmt: SampleLog}, {fmt: error})`` (a format that fails is reported and the next one served).
     With a budget, each format not yet complete gets an equal share of what is left when its turn
@@ -729,12 +822,15 @@ def _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, 
                 prefetch.submit(plans[fmt][0])
             try:
                 if fmt in urls:
+                    write_server(args.out, fmt, servers.get(fmt))
                     serve(urls[fmt])
                 else:
                     launch = format_launch_args(fmt, launch_args, **(dense if is_dense(fmt) else {}))
                     server = SGLangServer(args.model, launch, args.out / f"server-{fmt}.log",
                                           timeout_s=args.launch_timeout)
                     with server:
+                        verify_started(fmt, server.base_url, servers, _dense_blocks(args), args.lengths)
+                        write_server(args.out, fmt, servers[fmt])
                         serve(server.base_url)
             except Exception as e:  # one format's failure (a server that does not start, requests that fail) is
                 errors[fmt] = f"{type(e).__name__}: {e}"  # reported; the other formats still run
@@ -879,10 +975,42 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+USER_ERRORS = (ValueError, NotImplementedError)  # a caller's mistake or an unsupported combination
+
+
+def _out_of(argv) -> Path | None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    for i, a in enumerate(argv):
+        if a == "--out" and i + 1 < len(argv):
+            return Path(argv[i + 1])
+        if a.startswith("--out="):
+            return Path(a.split("=", 1)[1])
+    return build_parser().get_default("out")
+
+
+def _remove_if_empty(folder: Path) -> None:
+    """Remove ``folder`` and its empty subfolders if no file is left in it."""
+    if not folder.is_dir() or any(p.is_file() for p in folder.rglob("*")):
+        return
+    for sub in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        sub.rmdir()
+    folder.rmdir()
+
+
 def main(argv=None) -> None:
-    """Console entry point (``m3-accuracy``)."""
+    """Console entry point (``m3-accuracy``): a caller's mistake ends in one ``m3-accuracy: error:`` line (exit
+    status 2, no traceback), and an ``--out`` folder this call made is not left behind empty."""
     exit_on_sigterm()
-    compare_formats(argv)
+    out = _out_of(argv)
+    existed = out is not None and out.exists()
+    try:
+        compare_formats(argv)
+    except USER_ERRORS as e:
+        if out is not None and not existed:
+            _remove_if_empty(out)
+        print(f"m3-accuracy: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def compare_formats(argv=None) -> dict:
@@ -911,10 +1039,16 @@ def compare_formats(argv=None) -> dict:
             dense["max_tokens"] = dense_max_tokens(args.lengths, args.max_gen_toks)
     tokenizer = args.tokenizer or args.model
     targets = parse_format_samples(args.format_samples, formats, args.samples)
+    # --reuse: formats evaluated in an earlier call keep what their server said then (samples/<fmt>/server.json)
+    earlier = {f: read_server(args.out, f) for f in formats
+               if args.reuse and (args.out / "samples" / f / "run.json").is_file()}
+    urls_now = {f: u for f, u in urls.items() if f not in earlier}
+    servers = {**earlier, **verify_base_urls(urls_now, args.lengths, args.max_gen_toks, earlier)} if urls else {}
     args.out.mkdir(parents=True, exist_ok=True)
     dense_topk = dense_sparse_config(**dense)["sparse_topk_blocks"] if dense and dense["via"] == "topk" else None
     if args.resume:
-        return _compare_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, baseline, dense_topk)
+        return _compare_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, baseline, dense_topk,
+                                  servers)
 
     resumable = [f for f in formats if _holds_resumable_samples(args.out, f)]
     if resumable:  # a plain run rewrites samples/<fmt>/ whole: it would drop every row those runs kept
@@ -929,6 +1063,7 @@ def compare_formats(argv=None) -> dict:
         saved = read_samples(args.out, fmt, settings) if args.reuse else None
         if saved is not None:
             per_format[fmt], lengths = saved
+            servers.setdefault(fmt, read_server(args.out, fmt))
             continue
         if fmt in urls:
             per_format[fmt], lengths = _evaluate(urls[fmt], tokenizer, lengths, args)
@@ -936,8 +1071,10 @@ def compare_formats(argv=None) -> dict:
             server = SGLangServer(args.model, format_launch_args(fmt, launch_args, **(dense if is_dense(fmt) else {})),
                                   args.out / f"server-{fmt}.log", timeout_s=args.launch_timeout)
             with server:
+                verify_started(fmt, server.base_url, servers, _dense_blocks(args), args.lengths)
                 per_format[fmt], lengths = _evaluate(server.base_url, tokenizer, lengths, args)
         write_samples(args.out, fmt, per_format[fmt], {**settings, "lengths": lengths})
+        write_server(args.out, fmt, servers.get(fmt))
     summary = report.build(per_format, formats, n_boot=args.bootstrap, seed=args.seed, baseline=baseline)
     replicas = replicas_of(formats, baseline)
     if replicas:
@@ -946,6 +1083,7 @@ def compare_formats(argv=None) -> dict:
                       "lengths": lengths, "samples": args.samples, "depths": args.depths, "questions": args.questions,
                       "limit": args.limit, "api": args.api, "launch_args": launch_args, "dense_topk_blocks": dense_topk,
                       "dense_via": dense.get("via")}
+    summary["servers"] = {f: servers.get(f) for f in formats}
     return _write_report(args.out, summary)
 
 
@@ -958,7 +1096,8 @@ def _write_report(out: Path, summary: dict) -> dict:
     return summary
 
 
-def _compare_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, baseline, dense_topk) -> dict:
+def _compare_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, baseline, dense_topk,
+                       servers) -> dict:
     """``--resume``: serve what is missing (``_run_resumable``), then report every candidate against the
     baseline on the samples both have (``report.build_pairs``)."""
     def identity(fmt):  # the server's arguments too: a pair must not mix, say, two attention backends
@@ -966,7 +1105,7 @@ def _compare_resumable(args, formats, launch_args, urls, dense, tokenizer, targe
         return {**_format_identity(args, tokenizer, fmt, dense_topk), "launch_args": served}
 
     t0 = time.time()
-    logs, errors = _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, identity)
+    logs, errors = _run_resumable(args, formats, launch_args, urls, dense, tokenizer, targets, identity, servers)
     lengths = sorted(args.lengths)
     per_format = {fmt: log.select(args.tasks, lengths, targets[fmt]) for fmt, log in logs.items()}
     summary = report.build_pairs(per_format, formats, n_boot=args.bootstrap, seed=args.seed, baseline=baseline,
@@ -978,6 +1117,7 @@ def _compare_resumable(args, formats, launch_args, urls, dense, tokenizer, targe
                       "api": args.api, "launch_args": launch_args, "dense_topk_blocks": dense_topk,
                       "dense_via": dense.get("via"), "chunk": args.chunk,
                       "budget_s": args.budget_s, "seconds": round(time.time() - t0, 1), "resume": True}
+    summary["servers"] = {f: servers.get(f) or read_server(args.out, f) for f in formats}
     return _write_report(args.out, summary)
 
 

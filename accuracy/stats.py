@@ -21,8 +21,11 @@ The interval of ``diff = mean(b) - mean(a)``:
 - Other scores: the paired percentile bootstrap (which has zero width whenever every pair has the
   same difference, e.g. no discordant pair), over whole clusters when the pairs come in clusters.
 
-scipy provides the Wilson interval and the normal quantile; neither scipy 1.17 nor statsmodels 0.15
-has a paired-difference interval, so the two formulas are written out here.
+statsmodels provides the exact McNemar test (``mcnemar(exact=True)``) and the Wilson interval
+(``proportion_confint(method="wilson")``), scipy the normal quantile and root finding. Neither scipy 1.17 nor
+statsmodels 0.15 has a paired-difference interval (Tango, Newcombe), the Rao-Scott adjustment or the clustered
+sign-flip test, so those are written out here. The paired bootstrap stays ours too: ``scipy.stats.bootstrap``
+draws its resamples in another order, so its ends differ from the published ones at the same seed.
 """
 
 import dataclasses
@@ -30,7 +33,9 @@ import math
 
 import numpy as np
 from scipy.optimize import brentq
-from scipy.stats import binomtest, norm
+from scipy.stats import norm
+from statsmodels.stats.contingency_tables import mcnemar
+from statsmodels.stats.proportion import proportion_confint
 
 _BOOT_CHUNK_ELEMENTS = 1 << 22  # resampled indices held at once
 INTERVALS = ("auto", "tango", "bootstrap")
@@ -81,17 +86,14 @@ def agreement(a, b) -> float:
 
 
 def mcnemar_exact(n10: int, n01: int) -> float:
-    """Two-sided exact McNemar p-value: ``min(1, 2 * P[X <= min(n10, n01)])``, ``X ~ Bin(n10 + n01, 1/2)``.
-
-    Computed with exact integers. No discordant pairs gives 1.0.
+    """Two-sided exact McNemar p-value: ``min(1, 2 * P[X <= min(n10, n01)])``, ``X ~ Bin(n10 + n01, 1/2)``
+    (statsmodels' ``mcnemar(exact=True)``). No discordant pairs gives 1.0.
     """
     if n10 < 0 or n01 < 0:
         raise ValueError(f"discordant counts must be >= 0, got n10={n10}, n01={n01}")
-    n = n10 + n01
-    if n == 0:
+    if n10 + n01 == 0:
         return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(n10, n01) + 1))
-    return min(1.0, 2 * tail / 2**n)
+    return float(mcnemar([[0, n10], [n01, 0]], exact=True).pvalue)
 
 
 def _tango_statistic(delta: float, n10: int, n01: int, n: int) -> float:
@@ -146,9 +148,13 @@ def _tango(n10: float, n01: float, n: float, confidence: float) -> tuple[float, 
 
 
 def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
-    """Wilson score interval of a proportion ``k / n`` (scipy's ``binomtest(...).proportion_ci``)."""
-    ci = binomtest(k, n).proportion_ci(confidence_level=confidence, method="wilson")
-    return float(ci.low), float(ci.high)
+    """Wilson score interval of a proportion ``k / n``, ``n >= 1`` (statsmodels' ``proportion_confint``)."""
+    _check_counts(k=k, n=n)
+    _check_confidence(confidence)
+    if n < 1 or k > n:
+        raise ValueError(f"wilson_interval needs 0 <= k <= n and n >= 1, got k={k}, n={n}")
+    lo, hi = proportion_confint(k, n, alpha=1 - confidence, method="wilson")
+    return float(lo), float(hi)
 
 
 def newcombe_interval(n11: int, n10: int, n01: int, n00: int, confidence: float = 0.95) -> tuple[float, float]:

@@ -33,6 +33,7 @@ supported release); "M3.1" means a MiniMax-M3.1 index-K launch, where each row e
 | ``TokenizerManager._send_one_request`` | before | < 0.5.20 | workaround W3 (notes the samples' rids) |
 | ``Engine._launch_detokenizer_subprocesses`` | around | < 0.5.22 | M3.1: the detokenizer loads plugins |
 | ``PagedTokenToKVPoolAllocator.alloc_extend`` / ``_decode`` | around | < 0.5.22 | M3.1 pool, off CUDA: torch |
+| ``http_server.server_info`` | around | | M3.1: ``/get_server_info`` adds ``m3_index_k`` (``server_info``) |
 
 plus an SGLang model-override provider that defaults ``--page-size`` to 128 for an M3.1 config.
 
@@ -554,7 +555,7 @@ class Hook(NamedTuple):
 
 def hook_table() -> tuple[Hook, ...]:
     """Every hooked SGLang target (see the module docstring), for every supported release."""
-    from . import cpu_alloc
+    from . import cpu_alloc, server_info
 
     server_args = "sglang.srt.server_args.ServerArgs"
     tokenizer_manager = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
@@ -584,6 +585,7 @@ def hook_table() -> tuple[Hook, ...]:
              "AROUND", until=DETOKENIZER_LOADS_PLUGINS),
         Hook(f"{allocator}.alloc_extend", cpu_alloc.alloc_extend, "AROUND", until=ALLOCATOR_OFF_TRITON),
         Hook(f"{allocator}.alloc_decode", cpu_alloc.alloc_decode, "AROUND", until=ALLOCATOR_OFF_TRITON),
+        Hook("sglang.srt.entrypoints.http_server.server_info", server_info.add_index_k_info, "AROUND"),
     )
 
 

@@ -30,11 +30,44 @@ def _tokenizer_name(kwargs) -> str:
                      "tokenizer=<path or name>")
 
 
+API_MAX_LENGTH = 2048  # lm-eval's default max_length for local-completions / local-chat-completions
+
+
+def _flag(value) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes")
+
+
+def needed_max_length(lengths, add_bos_token: bool = False) -> int:
+    """The smallest ``--model_args max_length`` that sends every prompt of ``lengths`` whole: lm-eval's API
+    models keep the last ``max_length - 1 - max_gen_toks`` prompt tokens, and a prompt of length ``L`` has at
+    most ``L - max_gen_toks`` tokens (with the task's own ``max_gen_toks``), plus a BOS token if one is added."""
+    return max(int(n) for n in lengths) + 1 + int(add_bos_token)
+
+
+def check_max_length(task: str, lengths, kwargs) -> None:
+    """ValueError naming ``max_length`` when lm-eval would cut this task's prompts.
+
+    lm-eval 0.4.13's API models left-truncate a tokenized prompt to ``max_length - 1 - max_gen_toks`` tokens
+    with no warning (the one they have tests the length after cutting) and ignore ``truncate``; they send text
+    whole with ``tokenized_requests=False``. The lm_eval command line hands ``--model_args`` to the task too,
+    which is where this check reads ``max_length`` (lm-eval's default 2048 when absent), ``tokenized_requests``
+    and ``add_bos_token``."""
+    if "tokenized_requests" in kwargs and not _flag(kwargs["tokenized_requests"]):
+        return
+    max_length = int(kwargs.get("max_length") or API_MAX_LENGTH)
+    need = needed_max_length(lengths, _flag(kwargs.get("add_bos_token", False)))
+    if max_length < need:
+        given = "given" if kwargs.get("max_length") else "lm-eval's default"
+        raise ValueError(f"{task}: max_length {max_length} ({given}) would cut the {max(map(int, lengths))}-token "
+                         f"prompts from the left; pass --model_args max_length={need} (max_seq_lengths + 1) or more")
+
+
 def _long_dataset(task: str, kwargs) -> dict:
     opts = {k: kwargs.get(k, v) for k, v in DEFAULTS.items()}
     lengths = opts["max_seq_lengths"]
     if isinstance(lengths, (int, str)):
         lengths = [lengths]
+    check_max_length(task, lengths, kwargs)
     ids = range(int(opts["num_samples"])) if opts["sample_ids"] is None else opts["sample_ids"]
     questions = retrieval.questions_for(task, opts["questions"])  # up to that many where the task can
     docs = retrieval.docs(task, _tokenizer_name(kwargs), [int(n) for n in lengths], ids, int(opts["seed"]),

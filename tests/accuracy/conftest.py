@@ -78,9 +78,18 @@ class FakeCompletions:
     ``oracle``'s answer (as the trained answer text, " <answer>."), except where ``wrong(prompt)`` is
     true (then a 0 is put in front of it), each request after ``delay_s``. Keeps the prompts it was sent."""
 
-    def __init__(self, wrong=lambda prompt: False, max_model_len: int = 200000, delay_s: float = 0.0):
+    def __init__(self, wrong=lambda prompt: False, max_model_len: int = 200000, delay_s: float = 0.0,
+                 serves: str | None = "fp8", model_path: str = "fake-model", max_req_input_len: int | None = None):
+        """``serves``: the label whose server this stands in for (``/get_server_info``'s ``m3_index_k``: that
+        format with sparse layers, ``"dense"`` bf16 with none, None no key: a server without sglang-m3)."""
         self.prompts: list[str] = []
         outer = self
+        info = {"model_path": model_path, "version": "0.0-fake", "max_req_input_len": max_req_input_len}
+        if serves is not None:
+            fmt = serves.partition("@")[0]
+            info["m3_index_k"] = {"format": "bf16" if fmt == "dense" else fmt, "scale_rule": "rceil",
+                                  "sign_seed": None, "sparse_layers": 0 if fmt == "dense" else 3,
+                                  "sparse_topk_blocks": 16, "sglang_m3_version": "0.0-fake"}
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *a):
@@ -97,6 +106,8 @@ class FakeCompletions:
             def do_GET(self):
                 if self.path.startswith("/v1/models"):
                     self._send({"data": [{"id": "fake", "max_model_len": max_model_len}]})
+                elif self.path.startswith("/get_server_info"):
+                    self._send(info)
                 else:
                     self._send({})
 

@@ -165,17 +165,17 @@ def test_lengths_past_the_served_context_are_refused(monkeypatch):
 
 @pytest.mark.parametrize("launch_args,on_cpu", [(["--device", "cpu", "--tp", "2"], True), (["--device=cpu"], True),
                                                 (["--tp", "8", "--attention-backend", "triton"], False)])
-def test_server_env_turns_off_crash_diagnostics_and_adds_the_cpu_waits_on_cpu(launch_args, on_cpu, monkeypatch,
-                                                                              tmp_path):
+def test_server_env_turns_off_crash_diagnostics_and_adds_the_cpu_waits_on_cpu(launch_args, on_cpu, monkeypatch):
     """The runner stops a server by signalling its process group; SGLang's crash diagnostics would add 5 s to
-    every stop (``sglang_m3.plugin.group_stop_env``)."""
-    from sglang_m3.plugin import CRASH_DIAGNOSTICS_OFF, OMP_WAIT_POLICY
+    every stop."""
+    from sglang_m3.server import CPU_OPENMP_WAITS, CRASH_DIAGNOSTICS_OFF, server_env
 
-    for name in (*CRASH_DIAGNOSTICS_OFF, OMP_WAIT_POLICY, "GOMP_SPINCOUNT"):
+    for name in (*CRASH_DIAGNOSTICS_OFF, *CPU_OPENMP_WAITS):
         monkeypatch.delenv(name, raising=False)
-    env = run.SGLangServer("m", launch_args, tmp_path / "s.log", port=1).env()
+    server = run.SGLangServer("m", launch_args, None)
+    env = server_env(server.command(), None)
     assert {k: env.get(k) for k in CRASH_DIAGNOSTICS_OFF} == CRASH_DIAGNOSTICS_OFF
-    assert (env.get(OMP_WAIT_POLICY) == "PASSIVE") == on_cpu
+    assert (env.get("OMP_WAIT_POLICY") == "PASSIVE") == on_cpu
 
 
 def test_replica_variants_serve_their_format_as_an_arm_of_their_own():

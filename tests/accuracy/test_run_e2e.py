@@ -36,5 +36,12 @@ def test_two_formats_against_the_tiny_server(tmp_path):
     assert paired["n"] == 2 and 0.0 <= paired["p_mcnemar"] <= 1.0
     assert paired["ci_lo"] <= paired["diff"] <= paired["ci_hi"]
     assert "### m3_short_arith" in (out / "report.md").read_text()
-    assert json.loads((out / "results.json").read_text())["run"]["formats"] == ["fp8", "mxfp4"]
+    results = json.loads((out / "results.json").read_text())
+    assert results["run"]["formats"] == ["fp8", "mxfp4"]
+    # each server said what it serves, checked against its label before any prompt (sglang_m3.server_info)
+    for fmt in ("fp8", "mxfp4"):
+        served = results["servers"][fmt]
+        assert served["model_path"] == str(TINY) and served["m3_index_k"]["format"] == fmt
+        assert served["m3_index_k"]["sparse_layers"] > 0 and served["sglang_version"]
+    assert "## Servers" in (out / "report.md").read_text()
     assert (out / "accuracy_vs_length.png").stat().st_size > 1000

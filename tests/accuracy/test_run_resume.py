@@ -28,7 +28,7 @@ def _rows(out, fmt, task):
 
 def test_resume_appends_skips_and_extends(tmp_path, fake_completions, wrong_rule):
     out = tmp_path / "acc"
-    with fake_completions() as a, fake_completions(wrong=wrong_rule(3)) as b:
+    with fake_completions() as a, fake_completions(wrong=wrong_rule(3), serves="mxfp4") as b:
         urls = {"fp8": a.url, "mxfp4": b.url}
         summary = run.compare_formats(_argv(out, urls, "--samples", "3", "--chunk", "2"))
         assert len(a.prompts) == len(b.prompts) == 4 * 2 * 3  # tasks x lengths x samples, once each
@@ -71,7 +71,7 @@ def test_resume_appends_skips_and_extends(tmp_path, fake_completions, wrong_rule
 
 def test_budget_stops_cleanly_and_still_reports(tmp_path, fake_completions):
     out = tmp_path / "acc"
-    with fake_completions() as a, fake_completions(delay_s=0.5) as b:
+    with fake_completions() as a, fake_completions(delay_s=0.5, serves="mxfp4") as b:
         urls = {"fp8": a.url, "mxfp4": b.url}
         summary = run.compare_formats(_argv(out, urls, "--samples", "5", "--budget-s", "0"))
         assert a.prompts == [] and b.prompts == []
@@ -93,7 +93,7 @@ def test_budget_stops_cleanly_and_still_reports(tmp_path, fake_completions):
 
 def test_saved_rates_predict_the_first_round_of_the_next_run(tmp_path, fake_completions):
     out = tmp_path / "acc"
-    with fake_completions(delay_s=0.25) as b:
+    with fake_completions(delay_s=0.25, serves="mxfp4") as b:
         run.compare_formats(_argv(out, {"mxfp4": b.url}, "--samples", "2", "--chunk", "1"))
         rates = json.loads((out / "rates.json").read_text())
         assert rates["mxfp4"] > 0 and rates["any"] == rates["mxfp4"]  # seconds per context token
@@ -110,7 +110,7 @@ def test_saved_rates_predict_the_first_round_of_the_next_run(tmp_path, fake_comp
 
 def test_questions_per_context_are_pinned_and_clustered(tmp_path, fake_completions, wrong_rule):
     out = tmp_path / "acc"
-    with fake_completions() as a, fake_completions(wrong=wrong_rule) as b:
+    with fake_completions() as a, fake_completions(wrong=wrong_rule, serves="mxfp4") as b:
         urls = {"fp8": a.url, "mxfp4": b.url}
         summary = run.compare_formats(_argv(out, urls, "--samples", "4", "--questions", "4"))
         rows = _rows(out, "fp8", "m3_kv")
@@ -180,10 +180,18 @@ def test_budget_needs_resume(tmp_path):
                              "--lengths", "1024", "--resume", "--tasks", "m3_short_arith", "--out", str(tmp_path)])
 
 
-def test_a_failing_format_is_reported_and_the_next_one_runs(tmp_path, fake_completions):
+def test_a_failing_format_is_reported_and_the_next_one_runs(tmp_path, fake_completions, monkeypatch):
     out = tmp_path / "acc"
-    with fake_completions() as b:
-        urls = {"fp8": "http://127.0.0.1:9", "mxfp4": b.url}  # nothing listens on port 9
+    evaluate = run.run_lm_eval
+
+    def run_lm_eval(base_url, *args, **kwargs):  # fp8's server goes away after the check
+        if base_url == a.url:
+            raise ConnectionError(f"{base_url} went away")
+        return evaluate(base_url, *args, **kwargs)
+
+    monkeypatch.setattr(run, "run_lm_eval", run_lm_eval)
+    with fake_completions() as a, fake_completions(serves="mxfp4") as b:
+        urls = {"fp8": a.url, "mxfp4": b.url}
         summary = run.compare_formats(_argv(out, urls, "--samples", "1", "--tasks", "m3_kv"))
     assert "fp8" in summary["errors"] and len(b.prompts) == 2
     assert summary["coverage"]["mxfp4"]["m3_kv"] == {"1024": [1, 1], "2048": [1, 1]}
@@ -192,7 +200,7 @@ def test_a_failing_format_is_reported_and_the_next_one_runs(tmp_path, fake_compl
 
 def test_max_formats_serves_those_furthest_behind(tmp_path, fake_completions):
     out = tmp_path / "acc"
-    with fake_completions() as a, fake_completions() as b, fake_completions() as c:
+    with fake_completions() as a, fake_completions(serves="mxfp4") as b, fake_completions(serves="bf16") as c:
         urls = {"fp8": a.url, "mxfp4": b.url, "bf16": c.url}
         common = ["--tasks", "m3_kv", "--samples", "4", "--chunk", "1", "--max-formats", "1"]
         run.compare_formats(_argv(out, urls, *common, "--format-samples", "bf16=2"))  # all at 0 %: fp8 first
@@ -209,7 +217,7 @@ def test_max_formats_serves_those_furthest_behind(tmp_path, fake_completions):
 def test_plain_runs_take_the_new_tasks_too(tmp_path, fake_completions, wrong_rule):
     # Without --resume: one lm-eval call per format over --samples per length, then report.build.
     out = tmp_path / "plain"
-    with fake_completions() as a, fake_completions(wrong=wrong_rule(2)) as b:
+    with fake_completions() as a, fake_completions(wrong=wrong_rule(2), serves="mxfp4") as b:
         argv = ["--model", MSA, "--formats", "fp8", "mxfp4", "--base-url", f"fp8={a.url}", f"mxfp4={b.url}",
                 "--tasks", "m3_kv", "m3_vt", "--lengths", "1024", "--samples", "4", "--concurrency", "2",
                 "--bootstrap", "100", "--out", str(out)]
@@ -227,7 +235,7 @@ def test_a_plain_run_refuses_an_out_that_holds_a_resumable_run(tmp_path, fake_co
     # A plain run rewrites samples/<fmt>/ whole; into a --resume run's --out it would drop every kept row. It
     # refuses before it asks anything, and the rows stay as they were.
     out = tmp_path / "acc"
-    with fake_completions() as a, fake_completions() as b:
+    with fake_completions() as a, fake_completions(serves="mxfp4") as b:
         urls = {"fp8": a.url, "mxfp4": b.url}
         run.compare_formats(_argv(out, urls, "--samples", "2", "--chunk", "2"))
         kept = {f: _rows(out, f, "m3_kv") for f in urls}
@@ -245,7 +253,7 @@ def test_prompts_built_ahead_are_the_ones_built_in_turn(tmp_path, fake_completio
     prompts, rows = {}, {}
     for flag in ([], ["--no-prefetch"]):
         out = tmp_path / ("plain" if flag else "ahead")
-        with fake_completions(wrong=wrong_rule(3)) as a:
+        with fake_completions(wrong=wrong_rule(3), serves="mxfp4") as a:
             run.compare_formats(_argv(out, {"mxfp4": a.url}, "--samples", "3", "--chunk", "1", "--questions", "4",
                                       *flag))
         prompts[bool(flag)] = a.prompts
@@ -337,7 +345,7 @@ def test_a_run_refuses_other_server_arguments_and_adopts_them_once(tmp_path, fak
 
 def test_each_row_says_where_it_was_served_and_the_report_counts_the_pairs_so(tmp_path, fake_completions, wrong_rule):
     out = tmp_path / "acc"
-    with fake_completions() as a, fake_completions(wrong=wrong_rule(3)) as b:
+    with fake_completions() as a, fake_completions(wrong=wrong_rule(3), serves="mxfp4") as b:
         urls = {"fp8": a.url, "mxfp4": b.url}
         run.compare_formats(_argv(out, urls, "--samples", "2", "--served-on", "card A"))
         # A later call on another machine continues the same run (where it runs is no part of its identity).
@@ -405,7 +413,7 @@ def test_a_server_s_first_round_may_use_the_whole_budget(tmp_path, fake_completi
     out.mkdir()
     tokens = 1024 + 2048  # one m3_kv sample at each length: the single round of each format
     (out / "rates.json").write_text(json.dumps({"fp8": 70.0 / tokens, "mxfp4": 1e-6, "any": 1e-6}))
-    with fake_completions() as a, fake_completions() as b:
+    with fake_completions() as a, fake_completions(serves="mxfp4") as b:
         summary = run.compare_formats(_argv(out, {"fp8": a.url, "mxfp4": b.url}, "--tasks", "m3_kv", "--samples", "1",
                                             "--budget-s", "100", "--min-format-s", "0"))
         assert len(a.prompts) == 2 and len(b.prompts) == 2
@@ -418,7 +426,8 @@ def test_a_replica_of_a_candidate_is_paired_with_it_too(tmp_path, fake_completio
     the two spoils and the other does not."""
     out = tmp_path / "acc"
     spoil, spoil_again = wrong_rule(3), (lambda prompt: wrong_rule(2)(prompt + "again"))
-    with fake_completions() as a, fake_completions(wrong=spoil) as b, fake_completions(wrong=spoil_again) as c:
+    with fake_completions() as a, fake_completions(wrong=spoil, serves="mxfp4") as b,\
+            fake_completions(wrong=spoil_again, serves="mxfp4") as c:
         urls = {"fp8": a.url, "mxfp4": b.url, "mxfp4@2": c.url}
         summary = run.compare_formats(_argv(out, urls, "--samples", "2"))
     assert sorted(b.prompts) == sorted(c.prompts)

@@ -575,3 +575,22 @@ def test_clustered_coverage_holds_where_the_plain_interval_fails():
         cover_rs += r.ci_lo <= 0.0 <= r.ci_hi
     assert cover_rs / reps >= 0.90, f"seed {seed}: {cover_rs} of {reps}"
     assert cover_plain / reps <= 0.80, f"seed {seed}: {cover_plain} of {reps}"
+
+
+def test_the_library_tests_give_the_numbers_of_the_formulas_they_replace():
+    """statsmodels' exact McNemar and Wilson interval against what stats.py computed before it used them: the
+    exact-integer binomial tail and scipy's ``binomtest(...).proportion_ci(method="wilson")``."""
+    import math
+
+    from scipy.stats import binomtest
+
+    for n10, n01 in [(i, j) for i in range(41) for j in range(41)] + [(70, 80), (3, 300), (150, 151), (0, 400)]:
+        n = n10 + n01
+        want = 1.0 if n == 0 else min(1.0, 2 * sum(math.comb(n, i) for i in range(min(n10, n01) + 1)) / 2**n)
+        assert mcnemar_exact(n10, n01) == pytest.approx(want, rel=1e-12, abs=0), (n10, n01)
+    for n in (1, 2, 5, 17, 100, 1000, 16000):
+        for k in sorted({0, 1, n // 3, n // 2, n - 1, n}):
+            ci = binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+            assert wilson_interval(k, n) == pytest.approx((ci.low, ci.high), rel=1e-12, abs=1e-15), (k, n)
+    with pytest.raises(ValueError, match="n >= 1"):
+        wilson_interval(0, 0)

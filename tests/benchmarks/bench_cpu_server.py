@@ -41,7 +41,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from sglang_m3.plugin import cpu_launch_env
+from sglang_m3.server import Server, cpu_args
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "minimax-m3.1-tiny"
@@ -114,16 +114,14 @@ class Arm:
         self.name, self.model, self.tree, self.extra, self.env, self.path = name, model, tree, extra, env, path
 
 
-def start(arm: Arm, port: int, max_total_tokens: int, log):
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(arm.model), "--load-format", "dummy",
-           "--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", str(max_total_tokens),
-           "--context-length", str(CONTEXT), "--host", "127.0.0.1", "--port", str(port), "--skip-server-warmup",
-           "--sleep-on-idle", "--log-level", "warning", *arm.extra]
-    env = cpu_launch_env(dict(os.environ, **arm.env))
+def server(arm: Arm, max_total_tokens: int, log_path: Path, ready_timeout: float) -> Server:
+    """The arm's CPU server (``sglang_m3.server``), not started yet."""
+    env = dict(os.environ, **arm.env)
     env["PYTHONPATH"] = os.pathsep.join([*map(str, arm.path), str(arm.tree), str(arm.tree / "kernels"),
                                          env.get("PYTHONPATH", "")])
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=arm.tree,
-                            start_new_session=True)
+    args = ["--load-format", "dummy", *cpu_args(max_total_tokens), "--context-length", str(CONTEXT),
+            "--log-level", "warning", *arm.extra]
+    return Server(arm.model, args, log_path, env=env, cwd=arm.tree, timeout_s=ready_timeout)
 
 
 def post(url: str, payload: dict, timeout: float) -> dict:
@@ -160,17 +158,15 @@ def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def measure(arm: Arm, args, vocab: int, rng: random.Random) -> dict:
-    from sglang_m3.demo import PROMPT, stop, wait_ready
-    from sglang_m3.plugin import free_port
+    from sglang_m3.demo import PROMPT
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     row = {"arm": arm.name, "load": load1()}
     with tempfile.NamedTemporaryFile("w+", prefix=f"bench-{arm.name.replace('@', '-')}-", suffix=".log",
                                      delete=False) as log:
-        proc = start(arm, port, args.max_total_tokens, log)
+        srv = server(arm, args.max_total_tokens, Path(log.name), args.ready_timeout)
         try:
-            timed(lambda: wait_ready(url, proc, timeout_s=args.ready_timeout), row, "ready_s")
+            timed(lambda: srv.start().wait_ready(), row, "ready_s")
+            url = srv.url
             demo = {"text": PROMPT * 34, "sampling_params": {"max_new_tokens": 16, "temperature": 0,
                                                              "ignore_eos": True}}
             timed(lambda: post(url, demo, args.timeout), row, "demo_s")
@@ -184,11 +180,10 @@ def measure(arm: Arm, args, vocab: int, rng: random.Random) -> dict:
         except Busy:
             pass
         except Exception:
-            log.flush()
-            print(Path(log.name).read_text(errors="replace")[-3000:], file=sys.stderr)
+            print(srv.log_tail(3000), file=sys.stderr)
             raise
         finally:
-            stop(proc)
+            srv.stop()
     return row
 
 

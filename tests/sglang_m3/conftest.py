@@ -2,11 +2,8 @@
 the CPU, on loopback ports, started as subprocesses and torn down with their process group."""
 
 import json
-import os
-import signal
-import subprocess
+import os  # noqa: F401 (tests/training stubs os.killpg through this module)
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -14,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from sglang_m3 import prewarm
-from sglang_m3.plugin import cpu_launch_env, free_port
+from sglang_m3.server import Server as _Server
+from sglang_m3.server import cpu_args
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "configs" / "minimax-m3.1-tiny"
@@ -24,64 +22,28 @@ STARTUP_TIMEOUT_S = 600
 def server_command(port: int, *extra: str, max_total_tokens: int = 16384) -> list[str]:
     return [
         sys.executable, "-m", "sglang.launch_server", "--model-path", str(TINY_MODEL), "--load-format", "dummy",
-        "--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", str(max_total_tokens),
-        "--host", "127.0.0.1", "--port", str(port), "--skip-server-warmup", "--sleep-on-idle", "--log-level", "warning",
-        *extra,
+        *cpu_args(max_total_tokens), "--log-level", "warning", *extra, "--host", "127.0.0.1", "--port", str(port),
     ]
 
 
-class Server:
-    """One ``sglang.launch_server`` subprocess (own process group) with its log file."""
-
-    PORT_RETRIES = 2  # fresh ports for a server that lost a port race at start-up (see wait_ready)
+class Server(_Server):
+    """``sglang_m3.server.Server`` on the tiny config (dummy weights, CPU), started at once, through the
+    prewarmed launcher when the run has one, with the tests' request helpers."""
 
     def __init__(self, log_path: Path, *extra: str, max_total_tokens: int = 16384, record: Path | None = None):
-        self.log_path = log_path
         self.record = record
         if record is not None:
             extra = (*extra, "--json-model-override-args", json.dumps({"index_k_debug_record": str(record)}))
-        self._extra, self._max_total_tokens, self._port_retries = extra, max_total_tokens, self.PORT_RETRIES
-        self._log = None
-        self._launch()
-
-    def _launch(self) -> None:
-        if self._log is not None:  # a relaunch: the failed start's children go with its process group
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self._log.close()
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = open(self.log_path, "w")
-        self.proc = prewarm.start(self._command(self.port), env=cpu_launch_env(), cwd=REPO, log=self._log)
+        self._extra, self._max_total_tokens = extra, max_total_tokens
+        super().__init__(TINY_MODEL, (), log_path, cwd=REPO, timeout_s=STARTUP_TIMEOUT_S)
+        self.start()
 
     def _command(self, port: int) -> list[str]:
         return server_command(port, *self._extra, max_total_tokens=self._max_total_tokens)
 
-    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> "Server":
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                # Servers started side by side pick their ports (and SGLang its internal ones) independently:
-                # one can find a port taken between the pick and the bind. Such a start is retried on new ports.
-                if "address already in use" in self.log_tail() and self._port_retries > 0:
-                    self._port_retries -= 1
-                    self._launch()
-                    continue
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/model_info", timeout=5) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"server not ready after {timeout_s} s:\n{self.log_tail()}")
-
-    def log_tail(self, chars: int = 4000) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-chars:]
+    @staticmethod
+    def spawn(argv, *, env, cwd, log):
+        return prewarm.start(argv, env=env, cwd=cwd, log=log)
 
     def post(self, path: str, payload: dict, timeout: float = 600):
         """``(status, json body)`` of a POST; HTTP errors are returned, not raised."""
@@ -120,16 +82,6 @@ class Server:
         if self.record is None or not self.record.exists():
             return []
         return [json.loads(line) for line in self.record.read_text().splitlines()]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        self._log.close()
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import pytest
 from m3_kernels.formats import PAGE_SIZE as BLOCK
 from m3_kernels.formats import TOPK_BLOCKS as TOPK
 from sglang_m3 import prewarm
-from sglang_m3.plugin import cpu_launch_env, free_port
+from sglang_m3.server import cpu_env, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -66,6 +66,20 @@ def test_generate_and_completions(mxfp4):
                                                   "temperature": 0, "ignore_eos": True})
     assert status == 200 and body["usage"]["completion_tokens"] == 5, body
     assert isinstance(body["choices"][0]["text"], str)
+
+
+def test_server_info_says_which_index_k_cache_it_serves(mxfp4):
+    """``/get_server_info`` names the format the config resolves to (the model's config.json, no override),
+    which SGLang's own answer does not (sglang_m3.server_info)."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(mxfp4.url + "/get_server_info", timeout=60) as r:
+        info = json.loads(r.read())
+    assert info["model_path"].endswith("minimax-m3.1-tiny")
+    index_k = info["m3_index_k"]
+    assert (index_k["format"], index_k["scale_rule"], index_k["sign_seed"]) == ("mxfp4", "rceil", None)
+    assert index_k["sparse_layers"] > 0 and index_k["sparse_topk_blocks"] == TOPK
 
 
 def test_start_up_log_has_no_config_class_warning(mxfp4):
@@ -212,7 +226,7 @@ def _run_launcher(argv, tmp_path) -> tuple[int, str]:
     the session has one, as the test servers)."""
     log_path = tmp_path / "launch.log"
     with open(log_path, "w") as log:
-        proc = prewarm.start(argv, env=cpu_launch_env(), cwd=REPO, log=log)
+        proc = prewarm.start(argv, env=cpu_env(), cwd=REPO, log=log)
         code = proc.wait(timeout=600)
     return code, log_path.read_text()
 

@@ -84,7 +84,7 @@ def sampling(n: int = 1, max_new_tokens: int = 3, **kw) -> dict:
 
 
 def test_its_children_were_forked_from_the_launcher(server):
-    """The test servers start with the OpenMP waits in their environment (``cpu_launch_env``), so the
+    """The test servers start with the OpenMP waits in their environment (``sglang_m3.server.server_env``), so the
     plugin forks the scheduler and detokenizer; every test here then runs on forked children, SIGTERM too."""
     assert "scheduler and detokenizer forked from the launcher" in server.log_tail(chars=1 << 24)
 
@@ -177,7 +177,7 @@ def test_sigterm_drains_to_zero_and_exits(server):
 def test_a_group_stop_skips_the_crash_diagnostics(server_factory):
     """The harnesses stop a server by signalling its process group, which ends the scheduler before the main
     process; SGLang takes that for a crash and slept 5 s before its diagnostics. The launch environment
-    (``cpu_launch_env``, through ``group_stop_env``) turns them off, so the stop does not wait."""
+    (``sglang_m3.server.server_env``) turns them off, so the stop does not wait."""
     s = server_factory("group-stop", "--log-level", "info").wait_ready()  # info: the sleep's log line shows
     s.generate([5, 6, 7], 2)
     t0 = time.monotonic()
