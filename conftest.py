@@ -44,7 +44,7 @@ def prewarmed_launcher(request, tmp_path_factory):
     if not wanted or os.environ.get("M3_TEST_PREWARM") == "0" or importlib.util.find_spec("sglang") is None:
         yield None
         return
-    from sglang_m3 import prewarm
+    import prewarm
     from sglang_m3.server import cpu_env
 
     root = tmp_path_factory.mktemp("prewarm")

@@ -34,7 +34,6 @@ import string
 from dataclasses import dataclass, field
 from itertools import islice
 
-import torch
 from tokenizers import Tokenizer
 
 from . import needle

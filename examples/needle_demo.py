@@ -15,22 +15,18 @@ served with SGLang's random dummy weights, and its answer is gibberish by constr
 
 import argparse
 import json
-import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 from m3_kernels.formats import PAGE_SIZE, TOPK_BLOCKS, IndexKFormat
 
-from sglang_m3 import prewarm
 from sglang_m3.config import register_config
-from sglang_m3.plugin import cpu_launch_env, free_port
+from sglang_m3.server import Server, cpu_args
 
 REPO = Path(__file__).resolve().parent.parent  # the checkout this example sits in
 TRAINED_MODEL = REPO / "configs" / "msa-small"
@@ -44,45 +40,18 @@ def has_weights(model: Path) -> bool:
     return any(model.glob("*.safetensors")) or any(model.glob("*.bin"))
 
 
-def launch(model: Path, index_k_format: str, port: int, log_file, max_total_tokens: int = 16384,
-           overrides: dict | None = None, context_length: int | None = None) -> "subprocess.Popen | prewarm.Forked":
-    """Start ``sglang.launch_server`` for ``model`` on the CPU in its own process group (dummy weights
-    when the folder has none)."""
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--device", "cpu",
-           "--attention-backend", "torch_native", "--max-total-tokens", str(max_total_tokens),
-           "--index-k-format", index_k_format, "--host", "127.0.0.1", "--port", str(port), "--skip-server-warmup",
-           "--sleep-on-idle"]
+def server(model: Path, index_k_format: str, log_path: Path, max_total_tokens: int = 16384,
+           overrides: dict | None = None, context_length: int | None = None, port: int | None = None) -> Server:
+    """A CPU server of ``model`` with the ``index_k_format`` cache (``sglang_m3.server``; dummy weights when the
+    folder has none); ``with`` starts it, waits until it answers and stops it."""
+    args = [*cpu_args(max_total_tokens), "--index-k-format", index_k_format]
     if not has_weights(model):
-        cmd += ["--load-format", "dummy"]
+        args += ["--load-format", "dummy"]
     if context_length is not None:
-        cmd += ["--context-length", str(context_length)]
+        args += ["--context-length", str(context_length)]
     if overrides:
-        cmd += ["--json-model-override-args", json.dumps(overrides)]
-    print("$", " ".join(cmd), flush=True)
-    return prewarm.start(cmd, env=cpu_launch_env(), log=log_file)
-
-
-def wait_ready(url: str, proc: "subprocess.Popen | prewarm.Forked", timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/model_info", timeout=5):
-                return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(0.5)
-    raise TimeoutError(f"server not ready after {timeout_s} s")
-
-
-def stop(proc: "subprocess.Popen | prewarm.Forked") -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        args += ["--json-model-override-args", json.dumps(overrides)]
+    return Server(model, args, log_path, port=port)
 
 
 def last_row_selections(records: list[dict], position: int) -> dict[int, list[list[int]]]:
@@ -191,32 +160,29 @@ def main(argv=None) -> int:
     model = args.model.resolve()
     dummy = not has_weights(model)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
-    port = args.port or free_port()
-    url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="sglang-m3-demo-") as tmp:
         record = Path(tmp) / "selections.jsonl"
         overrides = None if dummy else {"index_k_debug_record": str(record), "index_k_debug_rows": 1}
-        with open(Path(tmp) / "server.log", "w+") as log:
-            proc = launch(model, args.index_k_format, port, log, max_total_tokens=max(16384, 2 * args.length),
-                          overrides=overrides, context_length=None if dummy else args.length + 64)
-            try:
-                t0 = time.monotonic()
-                wait_ready(url, proc)
-                info = _server_info(url)
-                print(f"server ready in {time.monotonic() - t0:.0f} s at {url}: {model.name} "
-                      f"({'DUMMY weights' if dummy else 'trained weights'}), index-K cache {args.index_k_format}, "
-                      f"pool {info.get('max_total_num_tokens')} tokens, page {info.get('page_size')}")
-                if dummy:
-                    run_dummy(url, args.max_new_tokens)
-                else:
-                    print(f"needle seed {seed} (replay with --seed {seed})")
-                    run_needle(url, model, args.length, seed, record, args.max_new_tokens)
-            except Exception:
-                log.flush()
-                print(Path(log.name).read_text(errors="replace")[-4000:], file=sys.stderr)
-                raise
-            finally:
-                stop(proc)
+        srv = server(model, args.index_k_format, Path(tmp) / "server.log", max(16384, 2 * args.length), overrides,
+                     context_length=None if dummy else args.length + 64, port=args.port or None)
+        t0 = time.monotonic()
+        print("$", " ".join(srv.start().command()), flush=True)
+        try:
+            srv.wait_ready()
+            info = _server_info(srv.url)
+            print(f"server ready in {time.monotonic() - t0:.0f} s at {srv.url}: {model.name} "
+                  f"({'DUMMY weights' if dummy else 'trained weights'}), index-K cache {args.index_k_format}, "
+                  f"pool {info.get('max_total_num_tokens')} tokens, page {info.get('page_size')}")
+            if dummy:
+                run_dummy(srv.url, args.max_new_tokens)
+            else:
+                print(f"needle seed {seed} (replay with --seed {seed})")
+                run_needle(srv.url, model, args.length, seed, record, args.max_new_tokens)
+        except Exception:
+            print(srv.log_tail(), file=sys.stderr)
+            raise
+        finally:
+            srv.stop()
     print("server stopped")
     if not args.no_capacity:
         print("\npool capacity per index-K format (full-size MiniMax-M3.1, SGLang's own pool sizing):")

@@ -51,8 +51,6 @@ import functools
 import json
 import logging
 import os
-import random
-import socket
 from typing import Callable, NamedTuple
 
 from packaging.version import Version
@@ -119,65 +117,6 @@ CPU_OPENMP_WAITS = {OMP_WAIT_POLICY: "PASSIVE", GOMP_SPINCOUNT: CPU_SPINCOUNT}  
 CPU_START_ENV = "SGLANG_M3_CPU_START"  # "spawn": keep SGLang's spawned children on the CPU too
 
 
-# Launcher helpers (group_stop_env, cpu_launch_env, free_port): used by this project's own launchers, not by the
-# plugin; to move to the one launcher (sglang_m3/server.py) and be removed here once nothing imports them.
-
-# SGLang takes a scheduler that exits before the server's main process for a crash: the main process sleeps 5 s
-# "to let GPU activity settle", then looks for schedulers to py-spy. A harness that stops its server by signalling
-# the whole process group ends the schedulers first, so every such stop took that path and waited 5 s for nothing
-# (the schedulers are gone by then; measured on SGLang 0.5.16, 2026-12-02).
-CRASH_DIAGNOSTICS_OFF = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
-
-
-def group_stop_env(env: dict | None = None) -> dict:
-    """``env`` (default ``os.environ``) with SGLang's crash diagnostics off (``CRASH_DIAGNOSTICS_OFF``), each
-    unless set: for a server that will be stopped by signalling its process group."""
-    env = dict(os.environ if env is None else env)
-    for name, value in CRASH_DIAGNOSTICS_OFF.items():
-        env.setdefault(name, value)
-    return env
-
-
-def cpu_launch_env(env: dict | None = None) -> dict:
-    """``env`` (default ``os.environ``) with the CPU server's OpenMP waits (``OMP_WAIT_POLICY=PASSIVE``,
-    ``GOMP_SPINCOUNT=3000``) unless either is set: what a launcher of ``--device cpu`` servers passes,
-    so that OpenMP reads them when the server process starts and its children can be forked. Every such
-    launcher here stops its server through the process group, so SGLang's crash diagnostics are off too
-    (``group_stop_env``)."""
-    env = group_stop_env(env)
-    if OMP_WAIT_POLICY not in env and GOMP_SPINCOUNT not in env:
-        env.update(CPU_OPENMP_WAITS)
-    return env
-
-
-EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
-_LOWEST_PORT = 10000
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nothing listens on now, drawn at random below the kernel's ephemeral range
-    (``EPHEMERAL_PORTS``, 32768-60999 by default). A port there cannot be handed out between this check and the
-    server's own bind: not by ``bind`` to port 0 (how SGLang picks its distributed-init port, so a second server
-    started meanwhile could take a port drawn that way) and not as the source port of an outgoing connection."""
-    try:
-        with open(EPHEMERAL_PORTS) as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.SystemRandom()
-    for _ in range(100 if low > _LOWEST_PORT + 100 else 0):
-        port = rng.randrange(_LOWEST_PORT, low)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        return port
-    with socket.socket() as s:  # no room below the ephemeral range: the kernel's choice
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _cpu_openmp_waits(cls, args):
     """In the launcher, before the scheduler and its peers start: a ``--device cpu`` server gets
     ``OMP_WAIT_POLICY=PASSIVE`` and ``GOMP_SPINCOUNT=3000`` unless the user set either. OpenMP reads them
@@ -192,7 +131,7 @@ def _cpu_openmp_waits(cls, args):
     if not is_index_k_launch(args):
         return None
     # neither is set: the two defaults, and nothing else (SGLang's crash diagnostics stay as the user set them:
-    # only launchers that stop a server through its process group turn them off, cpu_launch_env)
+    # only launchers that stop a server through its process group turn them off, sglang_m3.server.server_env)
     os.environ.update(CPU_OPENMP_WAITS)
     logger.info("--device cpu: %s for the server's processes (set either to override; exported before the "
                 "launch, they also let its children be forked: ready about 2x sooner)",

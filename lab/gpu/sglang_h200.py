@@ -32,6 +32,7 @@ import re
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,8 +40,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from sglang_m3 import prewarm
-from sglang_m3.plugin import GOMP_SPINCOUNT, OMP_WAIT_POLICY, cpu_launch_env, free_port
+from sglang_m3.server import CPU_OPENMP_WAITS, free_port
+from sglang_m3.server import cpu_env as server_cpu_env
 
 REPO = Path(__file__).resolve().parents[2]
 FULL_CONFIG = REPO / "configs" / "minimax-m3.1" / "config.json"
@@ -79,10 +80,10 @@ def make_config(path: Path, n_dense: int, n_sparse: int, fmt: str, vocab: int, h
 
 
 def cpu_env(tp: int) -> dict:
-    """SGLang on a CPU: the OpenMP waits at launch (``cpu_launch_env``); with --tp > 1 also no NCCL (a CUDA
+    """SGLang on a CPU: the OpenMP waits at launch (``sglang_m3.server.cpu_env``); with --tp > 1 also no NCCL (a CUDA
     build of torch finds libnccl and would use it), and one core per rank, ranks sharing cores when there
     are fewer cores than ranks ("0|1|0|1": TP4 on 2)."""
-    env = {k: v for k, v in cpu_launch_env().items() if k in (OMP_WAIT_POLICY, GOMP_SPINCOUNT)}
+    env = {k: v for k, v in server_cpu_env().items() if k in CPU_OPENMP_WAITS}
     if tp == 1:
         return env
     cores = os.cpu_count() or 1
@@ -122,7 +123,8 @@ class Server:
         self.cmd = cmd
         self._log = open(self.log_path, "w")
         self.t0 = time.monotonic()
-        self.proc = prewarm.start(cmd, env=env, cwd=REPO, log=self._log)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                     start_new_session=True)
 
     def wait_ready(self, timeout_s: float) -> float:
         deadline = time.monotonic() + timeout_s

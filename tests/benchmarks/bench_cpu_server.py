@@ -17,7 +17,7 @@ same flags and dummy weights:
   MoE, per-head norms and partial RoPE that ``dense`` lacks, so ``m3.1`` against it isolates what
   sparse attention costs or saves, where ``dense`` also counts the rest of the architecture.
 
-Per arm: server ready time; the demo's ``/generate`` (``sglang_m3.demo``'s 2.4k-token prompt, 16 new
+Per arm: server ready time; the demo's ``/generate`` (``examples/needle_demo.py``'s dummy-weight prompt, 2.4k tokens, 16 new
 tokens); decode tokens/s at batch 1 with a 4k context and at batch 16 with 1k contexts (prompts
 prefilled first, then the same prompts again with 33 new tokens: the radix cache holds the prompts,
 so the time is one token of prefill plus 32 decode steps); prefill tokens/s of fresh random prompts
@@ -158,7 +158,12 @@ def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def measure(arm: Arm, args, vocab: int, rng: random.Random) -> dict:
-    from sglang_m3.demo import PROMPT
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("needle_demo", REPO / "examples" / "needle_demo.py")
+    needle_demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(needle_demo)
+    PROMPT = needle_demo.PROMPT  # the example's dummy-weight prompt
 
     row = {"arm": arm.name, "load": load1()}
     with tempfile.NamedTemporaryFile("w+", prefix=f"bench-{arm.name.replace('@', '-')}-", suffix=".log",

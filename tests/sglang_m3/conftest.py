@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_m3 import prewarm
+import prewarm
 from sglang_m3.server import Server as _Server
 from sglang_m3.server import cpu_args
 

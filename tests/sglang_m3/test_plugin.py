@@ -251,47 +251,6 @@ def test_cpu_openmp_hook_runs_when_the_launcher_parses_its_flags(monkeypatch):
     assert (os.environ.get(OMP_WAIT_POLICY), os.environ.get(GOMP_SPINCOUNT)) == ("PASSIVE", "3000")
 
 
-@pytest.mark.parametrize("preset,expected", [
-    ({}, ("PASSIVE", "3000")),
-    ({"OMP_WAIT_POLICY": "ACTIVE"}, ("ACTIVE", None)),
-    ({"GOMP_SPINCOUNT": "0"}, (None, "0")),
-])
-def test_cpu_launch_env_adds_the_waits_unless_either_is_set(preset, expected):
-    from sglang_m3.plugin import GOMP_SPINCOUNT, OMP_WAIT_POLICY, cpu_launch_env
-
-    base = {"PATH": "/bin", **preset}
-    env = cpu_launch_env(base)
-    assert (env.get(OMP_WAIT_POLICY), env.get(GOMP_SPINCOUNT)) == expected
-    assert env["PATH"] == "/bin" and base == {"PATH": "/bin", **preset}  # a copy; the argument is left alone
-
-
-def test_free_port_is_below_the_ephemeral_range_and_skips_busy_ports(monkeypatch, tmp_path):
-    """Ports the kernel hands out (bind to 0, SGLang's own init port; source ports) cannot take it (the CI
-    failure: a server's HTTP port, drawn by bind to 0, was bound by another process before uvicorn's bind)."""
-    import socket
-
-    from sglang_m3 import plugin
-
-    low = int(Path(plugin.EPHEMERAL_PORTS).read_text().split()[0]) if Path(plugin.EPHEMERAL_PORTS).exists() else 32768
-    for _ in range(20):
-        port = plugin.free_port()
-        assert plugin._LOWEST_PORT <= port < low
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", port))
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        taken = busy.getsockname()[1]
-        draws = iter([taken, taken, 12345])
-        monkeypatch.setattr(plugin.random.SystemRandom, "randrange", lambda self, a, b: next(draws))
-        ranges = tmp_path / "ip_local_port_range"
-        ranges.write_text(f"{taken + 1}\t60999\n")
-        monkeypatch.setattr(plugin, "EPHEMERAL_PORTS", str(ranges))
-        assert plugin.free_port() == 12345  # the busy port was drawn twice and refused
-    ranges.write_text(f"{plugin._LOWEST_PORT + 50}\t60999\n")  # no room below the range: the kernel's choice
-    assert plugin.free_port() >= plugin._LOWEST_PORT + 50
-
-
 @pytest.mark.parametrize("device,initial,launched,choice,expected", [
     ("cpu", {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000"}, True, None, "fork"),
     ("cpu", {"GOMP_SPINCOUNT": "0"}, True, None, "fork"),  # the user's OpenMP choice, read at start
@@ -407,15 +366,3 @@ def test_cpu_dense_layer_extend_equals_sglangs_torch_native_extend(gen):
     _dense_extend_cpu(lambda *a, **kw: calls.append((a, kw)), query, got, *args, scaling=0.09, enable_gqa=True,
                       causal=False)
     assert len(calls) == 1 and calls[0][1]["causal"] is False and calls[0][0][0] is query
-
-
-@pytest.mark.parametrize("preset", [{}, {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "1"}])
-def test_launch_envs_turn_off_the_crash_diagnostics_unless_set(preset):
-    from sglang_m3.plugin import CRASH_DIAGNOSTICS_OFF, cpu_launch_env, group_stop_env
-
-    base = {"PATH": "/bin", **preset}
-    for env in (group_stop_env(base), cpu_launch_env(base)):
-        assert {k: env[k] for k in CRASH_DIAGNOSTICS_OFF} == {**CRASH_DIAGNOSTICS_OFF, **preset}
-        assert env["PATH"] == "/bin"
-    assert base == {"PATH": "/bin", **preset}
-    assert set(CRASH_DIAGNOSTICS_OFF) == {"SGLANG_PYSPY_DUMP_BEFORE_CRASH", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH"}

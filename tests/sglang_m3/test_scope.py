@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_m3.plugin import free_port
+from sglang_m3.server import free_port
 from sglang_m3.scope import MissingIndexKFormat, is_index_k_config, is_index_k_launch
 
 REPO = Path(__file__).resolve().parents[2]

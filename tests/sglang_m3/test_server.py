@@ -13,7 +13,7 @@ import pytest
 
 from m3_kernels.formats import PAGE_SIZE as BLOCK
 from m3_kernels.formats import TOPK_BLOCKS as TOPK
-from sglang_m3 import prewarm
+import prewarm
 from sglang_m3.server import cpu_env, free_port
 
 pytestmark = pytest.mark.slow

@@ -55,8 +55,9 @@ def test_server_env(args, cpu):
     env = server_env(args, {"PATH": "/bin"})
     assert {k: env[k] for k in server.CRASH_DIAGNOSTICS_OFF} == server.CRASH_DIAGNOSTICS_OFF
     assert ({k: env.get(k) for k in server.CPU_OPENMP_WAITS} == server.CPU_OPENMP_WAITS) == cpu
-    # a wait the user set is theirs: neither is added then
+    # a wait the user set is theirs: neither is added then; so is a crash-diagnostics setting
     assert "GOMP_SPINCOUNT" not in server_env(args, {"OMP_WAIT_POLICY": "ACTIVE"})
+    assert server_env(args, {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "1"})["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "1"
 
 
 def test_free_port_is_bindable():

@@ -2,7 +2,7 @@
 
 Starting ``python -m sglang.launch_server`` costs about 13 s of one core before the server does
 anything: the launcher imports SGLang (torch, transformers, ...). A process that starts many short-lived
-CPU servers can pay that once. ``python -m sglang_m3.prewarm --socket PATH`` imports
+CPU servers can pay that once. ``python tests/prewarm.py --socket PATH`` imports
 ``sglang.launch_server`` (and the HTTP server module it imports when it runs) and then waits on a Unix
 socket; for each request it forks, and the child runs the launcher module as ``python -m`` would, with
 the requested arguments, environment, working directory and log file, in its own session. It is the same
@@ -126,7 +126,7 @@ def _starting(path: str) -> bool:
 def launch(path: str, log, env: dict | None = None, module: str = LAUNCHER) -> subprocess.Popen:
     """Start a prewarmed launcher listening on ``path`` (its own output to ``log``); clients that ask
     before it is ready wait for it."""
-    proc = subprocess.Popen([sys.executable, "-m", "sglang_m3.prewarm", "--socket", path, "--module", module],
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--socket", path, "--module", module],
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     Path(path + ".starting").write_text(str(proc.pid))
     return proc

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from sglang_m3 import prewarm
+import prewarm
 
 # A module the probe imports, keeping a variable as a constant (as SGLang's HTTP server keeps
 # SGLANG_HEALTH_CHECK_TIMEOUT): a forked run would see the launcher's value, so a request changing it is refused
