@@ -144,23 +144,23 @@ def _e2m1_f16(b_d, USE_ASM: tl.constexpr):
 def _mxfp4_page_bf16(k_ptr, s_ptr, page, stride_k_page, stride_s_page, o_t, T: tl.constexpr,
                      DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, USE_ASM: tl.constexpr,
                      KDT: tl.constexpr):
-    """One MXFP4 page as ``[T, 2 * DATA_BYTES]`` in ``KDT`` (bf16; fp32 in the interpreter), dims in
-    natural order: ``e2m1 * 2^(s - 129)`` (module docstring)."""
+    """One MXFP4 page as two ``[T, DATA_BYTES]`` in ``KDT`` (bf16; fp32 in the interpreter): the even
+    dims (low nibbles) and the odd dims (high nibbles), each ``e2m1 * 2^(s - 129)`` (module docstring)."""
     NG: tl.constexpr = SCALE_BYTES
     GB: tl.constexpr = DATA_BYTES // NG  # bytes per MX group
+    o_b = tl.arange(0, DATA_BYTES)
     o_g = tl.arange(0, NG)
-    o_c = tl.arange(0, GB)
-    b_d = tl.load(k_ptr + page * stride_k_page + o_t[:, None, None] * DATA_BYTES + o_g[None, :, None] * GB
-                  + o_c[None, None, :])  # [T, NG, GB]
-    s = tl.load(s_ptr + page * stride_s_page + o_t[:, None] * SCALE_BYTES + o_g[None, :]).to(tl.int32)  # [T, NG]
+    b_d = tl.load(k_ptr + page * stride_k_page + o_t[:, None] * DATA_BYTES + o_b[None, :])  # [T, DATA_BYTES]
+    # the token's NG scale bytes as one 32-bit word (the views are 4-byte aligned: check_index_k_cache)
+    w_s = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + page * (stride_s_page // 4) + o_t)  # [T]
+    s = (w_s[:, None] >> (8 * o_g)[None, :]) & 0xFF  # [T, NG]
     # 2^(s - 115) = 2^(min(s, 242) - 115) * 2^(max(s, 242) - 242), each factor a normal fp32
-    f1 = _pow2(tl.minimum(s, 242) + 12)[:, :, None]
-    f2 = _pow2(tl.maximum(s, 242) - 115)[:, :, None]
+    f1 = tl.reshape(tl.broadcast_to(_pow2(tl.minimum(s, 242) + 12)[:, :, None], (T, NG, GB)), (T, DATA_BYTES))
+    f2 = tl.reshape(tl.broadcast_to(_pow2(tl.maximum(s, 242) - 115)[:, :, None], (T, NG, GB)), (T, DATA_BYTES))
     lo, hi = _e2m1_f16(b_d, USE_ASM)
-    lo = (lo.to(tl.float32) * f1) * f2
-    hi = (hi.to(tl.float32) * f1) * f2
-    k = tl.reshape(tl.join(lo.to(KDT), hi.to(KDT)), (T, 2 * DATA_BYTES))  # byte b: dims 2b (low), 2b + 1
-    return k
+    k_even = ((lo.to(tl.float32) * f1) * f2).to(KDT)
+    k_odd = ((hi.to(tl.float32) * f1) * f2).to(KDT)
+    return k_even, k_odd
 
 
 @triton.jit
@@ -211,20 +211,31 @@ def _prefill_sm90_kernel(
     o_d = tl.arange(0, D)
     o_t = tl.arange(0, T)
     KDT: tl.constexpr = tl.float32 if INTERPRET else tl.bfloat16  # the interpreter's bf16 dot is not exact
-    b_q = tl.load(q_ptr + rows[:, None].to(tl.int64) * stride_q_r + heads[:, None] * stride_q_h + o_d[None, :],
-                  mask=m_n[:, None], other=0.0).to(KDT)  # [BM, D]
+    p_q = q_ptr + rows[:, None].to(tl.int64) * stride_q_r + heads[:, None] * stride_q_h
+    if FMT == 2:  # even and odd dims apart, as the MXFP4 page is decoded
+        o_e = 2 * tl.arange(0, D // 2)
+        b_qe = tl.load(p_q + o_e[None, :], mask=m_n[:, None], other=0.0).to(KDT)  # [BM, D / 2]
+        b_qo = tl.load(p_q + o_e[None, :] + 1, mask=m_n[:, None], other=0.0).to(KDT)
+    else:
+        b_q = tl.load(p_q + o_d[None, :], mask=m_n[:, None], other=0.0).to(KDT)  # [BM, D]
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     for p in tl.range(p_start, p_end, num_stages=NUM_STAGES):
         page = tl.load(bt_row + p).to(tl.int64)
         if FMT == 2:
-            b_k = _mxfp4_page_bf16(k_ptr, s_ptr, page, stride_k_page, stride_s_page, o_t, T, DATA_BYTES,
-                                   SCALE_BYTES, USE_ASM, KDT)
+            k_e, k_o = _mxfp4_page_bf16(k_ptr, s_ptr, page, stride_k_page, stride_s_page, o_t, T, DATA_BYTES,
+                                        SCALE_BYTES, USE_ASM, KDT)
+            if INTERPRET:
+                acc = tl.dot(b_qe, tl.trans(k_e), input_precision="ieee", out_dtype=tl.float32)  # [BM, T]
+                acc = tl.dot(b_qo, tl.trans(k_o), acc, input_precision="ieee", out_dtype=tl.float32)
+            else:
+                acc = tl.dot(b_qe, tl.trans(k_e), out_dtype=tl.float32)
+                acc = tl.dot(b_qo, tl.trans(k_o), acc, out_dtype=tl.float32)
         else:
             b_k = tl.load(k_ptr + page * stride_k_page + o_t[:, None] * D + o_d[None, :]).to(KDT)
-        if INTERPRET:
-            acc = tl.dot(b_q, tl.trans(b_k), input_precision="ieee", out_dtype=tl.float32)  # [BM, T]
-        else:
-            acc = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.float32)
+            if INTERPRET:
+                acc = tl.dot(b_q, tl.trans(b_k), input_precision="ieee", out_dtype=tl.float32)  # [BM, T]
+            else:
+                acc = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.float32)
         t0 = p * T
         if t0 + T - 1 > pos0:  # a diagonal page: some row sees only part of it
             acc = tl.where((t0 + o_t)[None, :] <= pos[:, None], acc, float("-inf"))

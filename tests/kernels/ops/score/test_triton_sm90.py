@@ -140,9 +140,35 @@ def test_tile_rows_and_bound():
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "bf16", "mxfp4_rot"])
 def test_prefill_small(gen, fmt):
-    """Radix prefixes (new tokens start mid-page), an empty request, the last partial page, a poisoned buffer."""
+    """Radix prefixes (new tokens start mid-page: a tile whose first row sees all but the last token of
+    its page), an empty request, the last partial page, a poisoned buffer."""
     _on("cpu")
-    check_prefill(gen, "cpu", fmt, torch.bfloat16, H=2, new=[3, 0, 130, 1], prefix=[125, 7, 0, 128])
+    check_prefill(gen, "cpu", fmt, torch.bfloat16, H=2, new=[3, 0, 130, 1, 4], prefix=[125, 7, 0, 128, 126])
+
+
+def check_causal_edges(gen, device, H):
+    """Positive q and a bf16 cache whose keys grow along each page (positive, token t scaled by t + 1):
+    every row's page max is its LAST visible token, so a mask off by one token changes every score."""
+    mod = _mod()
+    new, prefix = [3, 2, 5, 130, 1], [126, 127, 0, 129, 255]
+    batch, max_block = len(new), 3
+    pages = batch * max_block + 1
+    k_cache = (torch.rand(pages, PAGE_SIZE, 128, generator=gen) + 0.5) * torch.arange(1, PAGE_SIZE + 1)[None, :, None]
+    k_cache = k_cache.to(torch.bfloat16).to(device)
+    bt = torch.randperm(pages, generator=gen)[: batch * max_block].reshape(batch, max_block).int().to(device)
+    seq = torch.tensor([p + n for p, n in zip(prefix, new)], dtype=torch.int32, device=device)
+    cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    q = (torch.rand(sum(new), H, 128, generator=gen) + 0.5).to(torch.bfloat16).to(device)
+    got = mod.score_prefill_sm90(q, k_cache, None, "bf16", bt, seq, cu, 1.0, max_block)
+    args = (bt.cpu(), seq.cpu(), cu.cpu(), 1.0, max_block)
+    ref = score_prefill_ref(q.cpu(), k_cache.cpu(), None, *args)
+    assert_scores_close(got, ref, ref.abs())
+
+
+@pytest.mark.parametrize("H", [1, 4])
+def test_prefill_small_causal_edges(gen, H):
+    _on("cpu")
+    check_causal_edges(gen, "cpu", H)
 
 
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8_DTYPE], ids=["q_bf16", "q_e4m3"])
@@ -183,6 +209,13 @@ def test_prefill_matrix_gpu(gen, fmt, q_dtype, H, tiles):
     # Radix prefixes of 0, 1, 127, 128, 129 and 1000 tokens before chunks of 1, 127, 128, 129, 700 and 0 new tokens.
     check_prefill(gen, "cuda", fmt, q_dtype, H, new=[1, 127, 128, 129, 700, 0, 300],
                   prefix=[0, 1, 127, 128, 129, 1000, 1000], prealloc=tiles == "device", tiles=tiles)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [1, 3, 4, 8])
+def test_prefill_causal_edges_gpu(gen, H):
+    _on("cuda")
+    check_causal_edges(gen, "cuda", H)
 
 
 @pytest.mark.gpu
