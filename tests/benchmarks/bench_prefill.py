@@ -15,8 +15,8 @@ the float64 reference at a small shape, and every arm against today's Triton sco
 own inputs (``|a - b| <= 2e-5 * bound``, bound the score of |q| and |K|, -inf pattern equal, no NaN);
 a failure prints ``GATE FAILED`` and the run exits non-zero after the table.
 
-``--sweep`` first times the sm_90 kernel's launch settings (pages per program, pipeline stages) at
-two contexts and uses the fastest per format for the table.
+``--sweep`` first times the sm_90 kernel's launch settings (tokens per product, pages per program,
+pipeline stages, register cap) at two contexts and uses the fastest per format for the table.
 """
 
 import argparse
@@ -138,7 +138,10 @@ def gate_vs_oracle(gen, fmt, cfg):
 
 def sweep(gen, args):
     """Time the sm_90 launch settings; returns the fastest per format."""
-    configs = [dict(pp=pp, num_stages=ns) for ns in (3, 4) for pp in (16, 32, 64, 128)]
+    configs = [dict(tn=128, num_stages=3, pp=64), dict(tn=64, num_stages=3, pp=64),
+               dict(tn=64, num_stages=3, pp=64, maxnreg=128), dict(tn=64, num_stages=4, pp=64, maxnreg=128),
+               dict(tn=128, num_stages=3, pp=64, maxnreg=128), dict(tn=64, num_stages=3, pp=32, maxnreg=128),
+               dict(tn=64, num_stages=3, pp=128, maxnreg=128), dict(tn=128, num_stages=3, pp=128)]
     best, rows = {}, []
     for fmt in FORMATS:
         totals = {i: 0.0 for i in range(len(configs))}
@@ -153,8 +156,7 @@ def sweep(gen, args):
                     continue
                 totals[i] += ms
                 rows.append(dict(fmt=fmt, ctx=ctx, **cfg, ms=ms, tflops=flops(ctx, args.chunk) / ms / 1e9))
-                log(f"sweep {fmt:6s} ctx={ctx:6d} pp={cfg['pp']:3d} stages={cfg['num_stages']}: {ms:8.3f} ms "
-                    f"{rows[-1]['tflops']:6.0f} TFLOP/s")
+                log(f"sweep {fmt:6s} ctx={ctx:6d} {cfg}: {ms:8.3f} ms {rows[-1]['tflops']:6.0f} TFLOP/s")
             del sets
             torch.cuda.empty_cache()
         best[fmt] = configs[min(totals, key=totals.get)]

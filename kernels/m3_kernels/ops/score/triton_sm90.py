@@ -173,6 +173,7 @@ def _prefill_sm90_kernel(
     ROWS: tl.constexpr,  # new tokens per tile
     BM: tl.constexpr,  # query vectors per tile (>= ROWS * H, power of two)
     PP: tl.constexpr,  # pages per program
+    TN: tl.constexpr,  # tokens per product (T or T / 2)
     NUM_STAGES: tl.constexpr,
     USE_ASM: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -209,7 +210,7 @@ def _prefill_sm90_kernel(
         return
 
     o_d = tl.arange(0, D)
-    o_t = tl.arange(0, T)
+    o_t = tl.arange(0, TN)
     KDT: tl.constexpr = tl.float32 if INTERPRET else tl.bfloat16  # the interpreter's bf16 dot is not exact
     p_q = q_ptr + rows[:, None].to(tl.int64) * stride_q_r + heads[:, None] * stride_q_h
     if FMT == 2:  # even and odd dims apart, as the MXFP4 page is decoded
@@ -221,25 +222,29 @@ def _prefill_sm90_kernel(
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     for p in tl.range(p_start, p_end, num_stages=NUM_STAGES):
         page = tl.load(bt_row + p).to(tl.int64)
-        if FMT == 2:
-            k_e, k_o = _mxfp4_page_bf16(k_ptr, s_ptr, page, stride_k_page, stride_s_page, o_t, T, DATA_BYTES,
-                                        SCALE_BYTES, USE_ASM, KDT)
-            if INTERPRET:
-                acc = tl.dot(b_qe, tl.trans(k_e), input_precision="ieee", out_dtype=tl.float32)  # [BM, T]
-                acc = tl.dot(b_qo, tl.trans(k_o), acc, input_precision="ieee", out_dtype=tl.float32)
+        m = tl.full([BM], float("-inf"), tl.float32)
+        for half in tl.static_range(T // TN):  # the page in slices of TN tokens (fewer accumulator registers)
+            toks = half * TN + o_t
+            if FMT == 2:
+                k_e, k_o = _mxfp4_page_bf16(k_ptr, s_ptr, page, stride_k_page, stride_s_page, toks, TN, DATA_BYTES,
+                                            SCALE_BYTES, USE_ASM, KDT)
+                if INTERPRET:
+                    acc = tl.dot(b_qe, tl.trans(k_e), input_precision="ieee", out_dtype=tl.float32)  # [BM, TN]
+                    acc = tl.dot(b_qo, tl.trans(k_o), acc, input_precision="ieee", out_dtype=tl.float32)
+                else:
+                    acc = tl.dot(b_qe, tl.trans(k_e), out_dtype=tl.float32)
+                    acc = tl.dot(b_qo, tl.trans(k_o), acc, out_dtype=tl.float32)
             else:
-                acc = tl.dot(b_qe, tl.trans(k_e), out_dtype=tl.float32)
-                acc = tl.dot(b_qo, tl.trans(k_o), acc, out_dtype=tl.float32)
-        else:
-            b_k = tl.load(k_ptr + page * stride_k_page + o_t[:, None] * D + o_d[None, :]).to(KDT)
-            if INTERPRET:
-                acc = tl.dot(b_q, tl.trans(b_k), input_precision="ieee", out_dtype=tl.float32)  # [BM, T]
-            else:
-                acc = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.float32)
-        t0 = p * T
-        if t0 + T - 1 > pos0:  # a diagonal page: some row sees only part of it
-            acc = tl.where((t0 + o_t)[None, :] <= pos[:, None], acc, float("-inf"))
-        tl.store(o_out + p, tl.max(acc, axis=1) * post_scale, mask=m_n)
+                b_k = tl.load(k_ptr + page * stride_k_page + toks[:, None] * D + o_d[None, :]).to(KDT)
+                if INTERPRET:
+                    acc = tl.dot(b_q, tl.trans(b_k), input_precision="ieee", out_dtype=tl.float32)  # [BM, TN]
+                else:
+                    acc = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.float32)
+            t0 = p * T + half * TN
+            if t0 + TN - 1 > pos0:  # a diagonal slice: some row sees only part of it
+                acc = tl.where((t0 + o_t)[None, :] <= pos[:, None], acc, float("-inf"))
+            m = tl.maximum(m, tl.max(acc, axis=1))
+        tl.store(o_out + p, m * post_scale, mask=m_n)
 
 
 # ---------------------------------------------------------------- entry points
@@ -268,7 +273,7 @@ def supported(q, k_data, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale,
 
 
 def score_prefill_sm90(q, k_data, k_scale, fmt, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None,
-                       out=None, tiles=None, pp=None, num_warps=8, num_stages=2):
+                       out=None, tiles=None, pp=None, tn=64, num_warps=8, num_stages=3, maxnreg=None):
     """Prefill scores ``fp32 [H, total_new_tokens, max_block]`` (contract: ``naive.score_prefill_ref``).
 
     Args:
@@ -280,7 +285,9 @@ def score_prefill_sm90(q, k_data, k_scale, fmt, block_table, seq_lens, cu_seqlen
         tiles: int32 ``[n, 2]`` work map (``prefill_tiles_device``, or ``prefill_tiles_host`` as a
             tensor), the caller's promise that it matches ``cu_seqlens_q``: no host sync, CUDA-graph
             safe. Without it the lengths are checked on the host (one sync) and the map is built here.
-        pp, num_warps, num_stages: launch tuning (pages per program: default by the grid size).
+        pp, tn, num_warps, num_stages, maxnreg: launch tuning (pages per program, default by the grid
+            size; tokens per product, 64 or 128; a register cap per thread, e.g. 128 for two programs
+            of 8 warps per multiprocessor).
     Every column of ``out`` is written (-inf past each row's last visible page).
     """
     from ...formats import parse_format
@@ -320,9 +327,9 @@ def score_prefill_sm90(q, k_data, k_scale, fmt, block_table, seq_lens, cu_seqlen
         q, k_ptr, s_ptr, block_table, seq_lens, cu_seqlens_q, tiles, out,
         max_block, post,
         q.stride(0), q.stride(1), stride_k, stride_s, block_table.stride(0), out.stride(0), out.stride(1),
-        FMT=_FMT_CODE[fmt], H=H, ROWS=rows, BM=bm, PP=pp, NUM_STAGES=num_stages, USE_ASM=_use_asm(),
+        FMT=_FMT_CODE[fmt], H=H, ROWS=rows, BM=bm, PP=pp, TN=tn, NUM_STAGES=num_stages, USE_ASM=_use_asm(),
         INTERPRET=_interpret(), D=INDEX_DIM, T=PAGE_SIZE, DATA_BYTES=MXFP4_DATA_BYTES,
-        SCALE_BYTES=MXFP4_SCALE_BYTES, num_warps=num_warps,
+        SCALE_BYTES=MXFP4_SCALE_BYTES, num_warps=num_warps, **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )
     return out
 

@@ -61,7 +61,7 @@ def _cache(gen, fmt, pages, device, single=True, scale_range=(122, 127)):
 
 
 def check_prefill(gen, device, fmt, q_dtype, H, new, prefix, max_block=None, single=True, prealloc=True,
-                  tiles="device", scale_range=(122, 127), q_scale=1.0, extra_pages=1):
+                  tiles="device", scale_range=(122, 127), q_scale=1.0, extra_pages=1, **launch):
     """Score a batch (``new`` tokens after ``prefix`` cached ones per request) and compare with the
     reference. ``tiles``: "device" (``prefill_tiles_device``, padded), "host" (``prefill_tiles_host``
     as a tensor) or None (built inside, with the host length check)."""
@@ -85,7 +85,7 @@ def check_prefill(gen, device, fmt, q_dtype, H, new, prefix, max_block=None, sin
         t = torch.tensor(mod.prefill_tiles_host(cu_list, H), dtype=torch.int32).reshape(-1, 2).to(device)
     else:
         t = None
-    got = mod.score_prefill_sm90(q, k_cache, k_scale, fmt, bt, seq, cu, 0.25, max_block, out, tiles=t)
+    got = mod.score_prefill_sm90(q, k_cache, k_scale, fmt, bt, seq, cu, 0.25, max_block, out, tiles=t, **launch)
     if prealloc:
         assert got.data_ptr() == out.data_ptr()
     kc, ks = k_cache.cpu(), (k_scale.cpu() if k_scale is not None else None)
@@ -137,12 +137,13 @@ def test_tile_rows_and_bound():
 # ---------------------------------------------------------------- CPU interpreter (CI) cases
 
 
+@pytest.mark.parametrize("tn", [64, 128], ids=["tn64", "tn128"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "bf16", "mxfp4_rot"])
-def test_prefill_small(gen, fmt):
+def test_prefill_small(gen, fmt, tn):
     """Radix prefixes (new tokens start mid-page: a tile whose first row sees all but the last token of
     its page), an empty request, the last partial page, a poisoned buffer."""
     _on("cpu")
-    check_prefill(gen, "cpu", fmt, torch.bfloat16, H=2, new=[3, 0, 130, 1, 4], prefix=[125, 7, 0, 128, 126])
+    check_prefill(gen, "cpu", fmt, torch.bfloat16, H=2, new=[3, 0, 130, 1, 4], prefix=[125, 7, 0, 128, 126], tn=tn)
 
 
 def check_causal_edges(gen, device, H):
@@ -220,10 +221,13 @@ def test_prefill_causal_edges_gpu(gen, H):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
-def test_prefill_long_gpu(gen, fmt):
-    """One 4000-token chunk after a 3000-token prefix (55 pages, many tiles and page chunks) and a batch beside it."""
+@pytest.mark.parametrize("launch", [dict(tn=128), dict(tn=64, maxnreg=128, pp=16), dict(tn=64, num_stages=4, pp=128)],
+                         ids=["tn128", "tn64_maxnreg128", "tn64_stages4"])
+def test_prefill_long_gpu(gen, fmt, launch):
+    """One 4000-token chunk after a 3000-token prefix (55 pages, many tiles and page chunks) and a batch beside
+    it, under the launch settings the benchmark may pick."""
     _on("cuda")
-    check_prefill(gen, "cuda", fmt, torch.bfloat16, 4, new=[4000, 33], prefix=[3000, 5000])
+    check_prefill(gen, "cuda", fmt, torch.bfloat16, 4, new=[4000, 33], prefix=[3000, 5000], **launch)
 
 
 @pytest.mark.gpu
