@@ -17,7 +17,7 @@ shape padded with a sentinel the kernel skips), so a caller can capture the call
 
 Numerics (exact operands, fp32 accumulation):
 - Q: bf16 as given; an e4m3 Q widens to bf16 exactly.
-- fp8 K: e4m3 widens to bf16 exactly.
+- fp8 K: e4m3 widens to bf16 exactly (on the GPU by bit placement and an exact multiply by 2^120).
 - MXFP4 K: each e2m1 code is formed as fp16 ``2^-14 * e2m1`` (exact; code 1 is an fp16 subnormal),
   widened to fp32, multiplied by ``2^(s - 115)`` for the group's e8m0 byte ``s`` (in two fp32 factors,
   so no factor overflows) and rounded to bf16: ``e2m1 * 2^(s - 129)``, which bf16 holds exactly for
@@ -141,6 +141,46 @@ def _e2m1_f16(b_d, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_bf16(b_k, USE_ASM: tl.constexpr):
+    """e4m3 ``[..., C]`` -> bf16 ``[..., C]``, exact. GPU: the bf16 bit pattern ``sign << 15 | (b & 0x7F) << 4``
+    is ``2^-120`` times the e4m3 value (subnormals included: the field widths line up), then one exact bf16x2
+    multiply by ``2^120`` per pair (integer and FMA pipes; no conversion unit)."""
+    if USE_ASM:
+        k = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 a, c, m, s, f, z;
+            mov.b32 c, 0;
+            mov.b32 f, 0x7B807B80;
+            mov.b32 z, 0x80008000;
+            prmt.b32 a, $2, c, 0x4140;
+            shl.b32 m, a, 4;
+            and.b32 m, m, 0x07F007F0;
+            shl.b32 s, a, 8;
+            and.b32 s, s, 0x80008000;
+            or.b32 a, m, s;
+            fma.rn.bf16x2 $0, a, f, z;
+            prmt.b32 a, $2, c, 0x4342;
+            shl.b32 m, a, 4;
+            and.b32 m, m, 0x07F007F0;
+            shl.b32 s, a, 8;
+            and.b32 s, s, 0x80008000;
+            or.b32 a, m, s;
+            fma.rn.bf16x2 $1, a, f, z;
+            }
+            """,
+            constraints="=r,=r,r",
+            args=[b_k.to(tl.uint8, bitcast=True)],
+            dtype=tl.bfloat16,
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        k = b_k.to(tl.bfloat16)
+    return k
+
+
+@triton.jit
 def _mxfp4_page_bf16(k_ptr, s_ptr, page, stride_k_page, stride_s_page, o_t, T: tl.constexpr,
                      DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, USE_ASM: tl.constexpr,
                      KDT: tl.constexpr):
@@ -235,7 +275,10 @@ def _prefill_sm90_kernel(
                     acc = tl.dot(b_qe, tl.trans(k_e), out_dtype=tl.float32)
                     acc = tl.dot(b_qo, tl.trans(k_o), acc, out_dtype=tl.float32)
             else:
-                b_k = tl.load(k_ptr + page * stride_k_page + toks[:, None] * D + o_d[None, :]).to(KDT)
+                b_k = tl.load(k_ptr + page * stride_k_page + toks[:, None] * D + o_d[None, :])
+                if FMT == 1 and not INTERPRET:
+                    b_k = _e4m3_bf16(b_k, USE_ASM)
+                b_k = b_k.to(KDT)
                 if INTERPRET:
                     acc = tl.dot(b_q, tl.trans(b_k), input_precision="ieee", out_dtype=tl.float32)  # [BM, TN]
                 else:
