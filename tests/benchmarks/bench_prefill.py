@@ -138,9 +138,9 @@ def gate_vs_oracle(gen, fmt, cfg):
 
 def sweep(gen, args):
     """Time the sm_90 launch settings; returns the fastest per format."""
-    configs = [dict(tn=128, num_stages=3, pp=64), dict(tn=64, num_stages=3, pp=64),
-               dict(tn=64, num_stages=3, pp=64, maxnreg=128), dict(tn=64, num_stages=4, pp=64, maxnreg=128),
-               dict(tn=64, num_stages=3, pp=32, maxnreg=128), dict(tn=128, num_stages=3, pp=64, maxnreg=128)]
+    configs = [dict(tn=128, num_stages=3, pp=64, maxnreg=None), dict(tn=64, num_stages=3, pp=64, maxnreg=128),
+               dict(tn=64, num_stages=4, pp=64, maxnreg=128), dict(tn=64, num_stages=3, pp=32, maxnreg=128),
+               dict(tn=64, num_stages=3, pp=128, maxnreg=128)]
     best, rows = {}, []
     for fmt in FORMATS:
         totals = {i: 0.0 for i in range(len(configs))}

@@ -18,11 +18,11 @@ shape padded with a sentinel the kernel skips), so a caller can capture the call
 Numerics (exact operands, fp32 accumulation):
 - Q: bf16 as given; an e4m3 Q widens to bf16 exactly.
 - fp8 K: e4m3 widens to bf16 exactly (on the GPU by bit placement and an exact multiply by 2^120).
-- MXFP4 K: each e2m1 code is formed as fp16 ``2^-14 * e2m1`` (exact; code 1 is an fp16 subnormal),
-  widened to fp32, multiplied by ``2^(s - 115)`` for the group's e8m0 byte ``s`` (in two fp32 factors,
-  so no factor overflows) and rounded to bf16: ``e2m1 * 2^(s - 129)``, which bf16 holds exactly for
-  every byte 0..254 (its range is fp32's, down to the subnormal 2^-133). The page max is multiplied by
-  ``4 * sm_scale`` (``_MX_FOLD``) afterwards.
+- MXFP4 K: each e2m1 code is formed as fp16 ``2^-14 * e2m1`` (exact; code 1 is an fp16 subnormal) and
+  multiplied by 2^14 (exact fp16: the e2m1 value itself), widened to fp32, multiplied by the fp32
+  ``2^(s - 129)`` of the group's e8m0 byte ``s`` (subnormal for s < 3; no flush to zero) and rounded to
+  bf16: ``e2m1 * 2^(s - 129)``, which bf16 holds exactly for every byte 0..254 (its range is fp32's, down
+  to the subnormal 2^-133). The page max is multiplied by ``4 * sm_scale`` (``_MX_FOLD_EXP``) afterwards.
 - bf16 x bf16 products are exact in fp32; the tensor cores accumulate in fp32.
 """
 
@@ -104,8 +104,9 @@ def _pow2(e):
 
 @triton.jit
 def _e2m1_f16(b_d, USE_ASM: tl.constexpr):
-    """uint8 ``[..., C]`` packed e2m1 -> (low nibbles, high nibbles) as fp16 ``2^-14 * e2m1``, each
-    ``[..., C]``: the fp16 bit pattern ``sign << 15 | code << 9`` (low byte zero)."""
+    """uint8 ``[..., C]`` packed e2m1 -> (low nibbles, high nibbles), each ``[..., C]``, the e2m1 values
+    exactly: the fp16 bit pattern ``sign << 15 | code << 9`` (``2^-14 * e2m1``; code 1 an fp16 subnormal)
+    times 2^14 in one exact f16x2 multiply per pair on the GPU (fp16 there, fp32 in the interpreter)."""
     if USE_ASM:
         lo, hi = tl.inline_asm_elementwise(
             asm="""
@@ -125,6 +126,11 @@ def _e2m1_f16(b_d, USE_ASM: tl.constexpr):
             prmt.b32 $1, hl, z, 0x3424;
             prmt.b32 $2, hh, z, 0x1404;
             prmt.b32 $3, hh, z, 0x3424;
+            mov.b32 t, 0x74007400;
+            mul.rn.f16x2 $0, $0, t;
+            mul.rn.f16x2 $1, $1, t;
+            mul.rn.f16x2 $2, $2, t;
+            mul.rn.f16x2 $3, $3, t;
             }
             """,
             constraints="=r,=r,=r,=r,r",
@@ -137,6 +143,8 @@ def _e2m1_f16(b_d, USE_ASM: tl.constexpr):
         x = b_d.to(tl.int32)
         lo = ((((x & 0x8) << 12) | ((x & 0x7) << 9)).to(tl.int16)).to(tl.float16, bitcast=True)
         hi = ((((x & 0x80) << 8) | ((x & 0x70) << 5)).to(tl.int16)).to(tl.float16, bitcast=True)
+        lo = lo.to(tl.float32) * 16384.0
+        hi = hi.to(tl.float32) * 16384.0
     return lo, hi
 
 
@@ -184,8 +192,8 @@ def _e4m3_bf16(b_k, USE_ASM: tl.constexpr):
 def _mxfp4_page_bf16(k_ptr, s_ptr, page, stride_k_page, stride_s_page, o_t, T: tl.constexpr,
                      DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, USE_ASM: tl.constexpr,
                      KDT: tl.constexpr):
-    """One MXFP4 page as two ``[T, DATA_BYTES]`` in ``KDT`` (bf16; fp32 in the interpreter): the even
-    dims (low nibbles) and the odd dims (high nibbles), each ``e2m1 * 2^(s - 129)`` (module docstring)."""
+    """One MXFP4 page (or slice of ``T`` tokens) as two ``[T, DATA_BYTES]`` in ``KDT`` (bf16; fp32 in the
+    interpreter): the even dims (low nibbles) and the odd dims (high nibbles), each ``e2m1 * 2^(s - 129)``."""
     NG: tl.constexpr = SCALE_BYTES
     GB: tl.constexpr = DATA_BYTES // NG  # bytes per MX group
     o_b = tl.arange(0, DATA_BYTES)
@@ -194,12 +202,12 @@ def _mxfp4_page_bf16(k_ptr, s_ptr, page, stride_k_page, stride_s_page, o_t, T: t
     # the token's NG scale bytes as one 32-bit word (the views are 4-byte aligned: check_index_k_cache)
     w_s = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + page * (stride_s_page // 4) + o_t)  # [T]
     s = (w_s[:, None] >> (8 * o_g)[None, :]) & 0xFF  # [T, NG]
-    # 2^(s - 115) = 2^(min(s, 242) - 115) * 2^(max(s, 242) - 242), each factor a normal fp32
-    f1 = tl.reshape(tl.broadcast_to(_pow2(tl.minimum(s, 242) + 12)[:, :, None], (T, NG, GB)), (T, DATA_BYTES))
-    f2 = tl.reshape(tl.broadcast_to(_pow2(tl.maximum(s, 242) - 115)[:, :, None], (T, NG, GB)), (T, DATA_BYTES))
+    # fp32 2^(s - 129): the bit pattern (s - 2) << 23, or the subnormal 1 << (s + 20) for s < 3
+    f_bits = tl.where(s >= 3, (s - 2) << 23, 1 << (s + 20))
+    f = tl.reshape(tl.broadcast_to(f_bits.to(tl.float32, bitcast=True)[:, :, None], (T, NG, GB)), (T, DATA_BYTES))
     lo, hi = _e2m1_f16(b_d, USE_ASM)
-    k_even = ((lo.to(tl.float32) * f1) * f2).to(KDT)
-    k_odd = ((hi.to(tl.float32) * f1) * f2).to(KDT)
+    k_even = (lo.to(tl.float32) * f).to(KDT)  # exact: e2m1 * 2^(s - 129), an fp32 (maybe subnormal) that bf16 holds
+    k_odd = (hi.to(tl.float32) * f).to(KDT)
     return k_even, k_odd
 
 
@@ -253,12 +261,7 @@ def _prefill_sm90_kernel(
     o_t = tl.arange(0, TN)
     KDT: tl.constexpr = tl.float32 if INTERPRET else tl.bfloat16  # the interpreter's bf16 dot is not exact
     p_q = q_ptr + rows[:, None].to(tl.int64) * stride_q_r + heads[:, None] * stride_q_h
-    if FMT == 2:  # even and odd dims apart, as the MXFP4 page is decoded
-        o_e = 2 * tl.arange(0, D // 2)
-        b_qe = tl.load(p_q + o_e[None, :], mask=m_n[:, None], other=0.0).to(KDT)  # [BM, D / 2]
-        b_qo = tl.load(p_q + o_e[None, :] + 1, mask=m_n[:, None], other=0.0).to(KDT)
-    else:
-        b_q = tl.load(p_q + o_d[None, :], mask=m_n[:, None], other=0.0).to(KDT)  # [BM, D]
+    b_q = tl.load(p_q + o_d[None, :], mask=m_n[:, None], other=0.0).to(KDT)  # [BM, D]
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     for p in tl.range(p_start, p_end, num_stages=NUM_STAGES):
         page = tl.load(bt_row + p).to(tl.int64)
@@ -268,12 +271,11 @@ def _prefill_sm90_kernel(
             if FMT == 2:
                 k_e, k_o = _mxfp4_page_bf16(k_ptr, s_ptr, page, stride_k_page, stride_s_page, toks, TN, DATA_BYTES,
                                             SCALE_BYTES, USE_ASM, KDT)
+                b_k = tl.reshape(tl.join(k_e, k_o), (TN, D))  # byte c: dims 2c (low nibble), 2c + 1
                 if INTERPRET:
-                    acc = tl.dot(b_qe, tl.trans(k_e), input_precision="ieee", out_dtype=tl.float32)  # [BM, TN]
-                    acc = tl.dot(b_qo, tl.trans(k_o), acc, input_precision="ieee", out_dtype=tl.float32)
+                    acc = tl.dot(b_q, tl.trans(b_k), input_precision="ieee", out_dtype=tl.float32)  # [BM, TN]
                 else:
-                    acc = tl.dot(b_qe, tl.trans(k_e), out_dtype=tl.float32)
-                    acc = tl.dot(b_qo, tl.trans(k_o), acc, out_dtype=tl.float32)
+                    acc = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.float32)
             else:
                 b_k = tl.load(k_ptr + page * stride_k_page + toks[:, None] * D + o_d[None, :])
                 if FMT == 1 and not INTERPRET:
@@ -316,7 +318,7 @@ def supported(q, k_data, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale,
 
 
 def score_prefill_sm90(q, k_data, k_scale, fmt, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None,
-                       out=None, tiles=None, pp=None, tn=64, num_warps=8, num_stages=3, maxnreg=None):
+                       out=None, tiles=None, pp=None, tn=64, num_warps=8, num_stages=3, maxnreg=128):
     """Prefill scores ``fp32 [H, total_new_tokens, max_block]`` (contract: ``naive.score_prefill_ref``).
 
     Args:
