@@ -1,0 +1,392 @@
+"""Prefill block scorer for NVIDIA sm_90 (Hopper): large query tiles, each page decoded once per tile.
+
+Contract: ``naive.score_prefill_ref`` (DESIGN section 3); validation: ``common.check_prefill_args``.
+``out[h, r, p] = sm_scale * max over the tokens t of page p visible to row r of q[r, h] . K[t]``,
+-inf for a page with no visible token, every column written.
+
+Work map: one program per (query tile, chunk of ``PP`` pages). A query tile is ``BM // H`` consecutive
+new tokens of one request times its ``H`` heads: ``BM`` (256) query vectors, held once in shared memory
+as the tensor-core A operand. For each page of its chunk the program loads the page once, widens it
+to bf16 (fp8 and MXFP4; a bf16 page as is), takes ONE ``[BM, 128] x [128, 128]`` product (warpgroup
+MMA on sm_90), masks tokens past each row's position only on the tile's diagonal pages and keeps the
+page max in registers. A page is therefore fetched and decoded once per 256 query vectors, not once
+per 64 as in ``triton.py``, and the decode is amortised over four times the columns.
+
+The tile list is built on the device (``prefill_tiles_device``: torch ops, no host sync, a static
+shape padded with a sentinel the kernel skips), so a caller can capture the call in a CUDA graph.
+
+Numerics (exact operands, fp32 accumulation):
+- Q: bf16 as given; an e4m3 Q widens to bf16 exactly.
+- fp8 K: e4m3 widens to bf16 exactly (on the GPU by bit placement and an exact multiply by 2^120).
+- MXFP4 K: each e2m1 code is formed as fp16 ``2^-14 * e2m1`` (exact; code 1 is an fp16 subnormal) and
+  multiplied by 2^14 (exact fp16: the e2m1 value itself), widened to fp32, multiplied by the fp32
+  ``2^(s - 129)`` of the group's e8m0 byte ``s`` (subnormal for s < 3; no flush to zero) and rounded to
+  bf16: ``e2m1 * 2^(s - 129)``, which bf16 holds exactly for every byte 0..254 (its range is fp32's, down
+  to the subnormal 2^-133). The page max is multiplied by ``4 * sm_scale`` (``_MX_FOLD_EXP``) afterwards.
+- bf16 x bf16 products are exact in fp32; the tensor cores accumulate in fp32.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ...formats import FP8_DTYPE, INDEX_DIM, MXFP4_DATA_BYTES, MXFP4_SCALE_BYTES, PAGE_SIZE, IndexKFormat
+from .common import check_prefill_args, check_prefill_lengths
+
+BLOCK_Q = 256  # query vectors per tile (tokens x heads)
+_FMT_CODE = {IndexKFormat.BF16: 0, IndexKFormat.FP8: 1, IndexKFormat.MXFP4: 2, IndexKFormat.MXFP4_ROT: 2}
+_MX_FOLD_EXP = 2  # MXFP4 K is formed as e2m1 * 2^(s - 127 - 2): exact in bf16 for every byte 0..254
+SENTINEL = -1  # request id of a padding tile
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _use_asm() -> bool:
+    """Inline PTX for the e2m1 decode on NVIDIA GPUs (not in the interpreter, not on ROCm)."""
+    return not _interpret() and torch.version.hip is None and os.environ.get("M3_TRITON_NO_ASM", "0") != "1"
+
+
+def tile_rows(H: int) -> int:
+    """New tokens per query tile for ``H`` heads (``BLOCK_Q // H``, at least 1)."""
+    return max(1, BLOCK_Q // H)
+
+
+# ---------------------------------------------------------------- work map
+
+
+def prefill_tiles_host(cu_seqlens_q: list[int], H: int) -> list[tuple[int, int]]:
+    """The tile list on the host: ``(request, first row)`` of every tile, requests in order, each
+    request's rows cut into tiles of ``tile_rows(H)``."""
+    rows = tile_rows(H)
+    cu = [int(x) for x in cu_seqlens_q]
+    return [(b, r) for b in range(len(cu) - 1) for r in range(cu[b], cu[b + 1], rows)]
+
+
+def max_prefill_tiles(total_new_tokens: int, batch: int, H: int) -> int:
+    """An upper bound on the tiles of any batch of ``batch`` requests and ``total_new_tokens`` new
+    tokens: ``sum ceil(n_b / rows) <= (total + batch * (rows - 1)) // rows``."""
+    rows = tile_rows(H)
+    return (total_new_tokens + batch * (rows - 1)) // rows
+
+
+def prefill_tiles_device(cu_seqlens_q: torch.Tensor, H: int, max_tiles: int) -> torch.Tensor:
+    """Device work map: int32 ``[max_tiles, 2]`` of ``(request, first row)``, the tiles of
+    ``prefill_tiles_host`` in order, then rows ``(SENTINEL, 0)``. Torch ops on ``cu_seqlens_q``'s
+    device only: no host sync, a static shape, so it can be captured in a CUDA graph. ``max_tiles``
+    must be at least the batch's tile count (``max_prefill_tiles``); tiles past it are dropped."""
+    rows = tile_rows(H)
+    cu = cu_seqlens_q.to(torch.int64)
+    n_tiles = (cu[1:] - cu[:-1] + rows - 1) // rows  # [batch]
+    ends = torch.cumsum(n_tiles, 0)  # tile index past each request's last
+    i = torch.arange(max_tiles, device=cu.device, dtype=torch.int64)
+    b = torch.searchsorted(ends, i, right=True)  # request of tile i (batch past the last tile)
+    valid = b < ends.shape[0]
+    bc = b.clamp(max=max(ends.shape[0] - 1, 0))
+    if ends.shape[0] == 0:
+        return torch.stack([torch.full_like(i, SENTINEL), torch.zeros_like(i)], 1).to(torch.int32)
+    first_tile = ends[bc] - n_tiles[bc]
+    row0 = cu[bc] + (i - first_tile) * rows
+    return torch.stack([torch.where(valid, b, SENTINEL), torch.where(valid, row0, 0)], 1).to(torch.int32)
+
+
+# ---------------------------------------------------------------- kernel
+
+
+@triton.jit
+def _pow2(e):
+    """fp32 2^(e - 127) for biased exponents e in [1, 254] (int32)."""
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_f16(b_d, USE_ASM: tl.constexpr):
+    """uint8 ``[..., C]`` packed e2m1 -> (low nibbles, high nibbles), each ``[..., C]``, the e2m1 values
+    exactly: the fp16 bit pattern ``sign << 15 | code << 9`` (``2^-14 * e2m1``; code 1 an fp16 subnormal)
+    times 2^14 in one exact f16x2 multiply per pair on the GPU (fp16 there, fp32 in the interpreter)."""
+    if USE_ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 hl, hh, t, z;
+            mov.b32 z, 0;
+            and.b32 t, $4, 0x08080808;
+            shl.b32 t, t, 4;
+            and.b32 hl, $4, 0x07070707;
+            shl.b32 hl, hl, 1;
+            or.b32 hl, hl, t;
+            and.b32 t, $4, 0x80808080;
+            shr.u32 hh, $4, 3;
+            and.b32 hh, hh, 0x0E0E0E0E;
+            or.b32 hh, hh, t;
+            prmt.b32 $0, hl, z, 0x1404;
+            prmt.b32 $1, hl, z, 0x3424;
+            prmt.b32 $2, hh, z, 0x1404;
+            prmt.b32 $3, hh, z, 0x3424;
+            mov.b32 t, 0x74007400;
+            mul.rn.f16x2 $0, $0, t;
+            mul.rn.f16x2 $1, $1, t;
+            mul.rn.f16x2 $2, $2, t;
+            mul.rn.f16x2 $3, $3, t;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r",
+            args=[b_d],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        x = b_d.to(tl.int32)
+        lo = ((((x & 0x8) << 12) | ((x & 0x7) << 9)).to(tl.int16)).to(tl.float16, bitcast=True)
+        hi = ((((x & 0x80) << 8) | ((x & 0x70) << 5)).to(tl.int16)).to(tl.float16, bitcast=True)
+        lo = lo.to(tl.float32) * 16384.0
+        hi = hi.to(tl.float32) * 16384.0
+    return lo, hi
+
+
+@triton.jit
+def _e4m3_bf16(b_k, USE_ASM: tl.constexpr):
+    """e4m3 ``[..., C]`` -> bf16 ``[..., C]``, exact. GPU: the bf16 bit pattern ``sign << 15 | (b & 0x7F) << 4``
+    is ``2^-120`` times the e4m3 value (subnormals included: the field widths line up), then one exact bf16x2
+    multiply by ``2^120`` per pair (integer and FMA pipes; no conversion unit)."""
+    if USE_ASM:
+        k = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 a, c, m, s, f, z;
+            mov.b32 c, 0;
+            mov.b32 f, 0x7B807B80;
+            mov.b32 z, 0x80008000;
+            prmt.b32 a, $2, c, 0x4140;
+            shl.b32 m, a, 4;
+            and.b32 m, m, 0x07F007F0;
+            shl.b32 s, a, 8;
+            and.b32 s, s, 0x80008000;
+            or.b32 a, m, s;
+            fma.rn.bf16x2 $0, a, f, z;
+            prmt.b32 a, $2, c, 0x4342;
+            shl.b32 m, a, 4;
+            and.b32 m, m, 0x07F007F0;
+            shl.b32 s, a, 8;
+            and.b32 s, s, 0x80008000;
+            or.b32 a, m, s;
+            fma.rn.bf16x2 $1, a, f, z;
+            }
+            """,
+            constraints="=r,=r,r",
+            args=[b_k.to(tl.uint8, bitcast=True)],
+            dtype=tl.bfloat16,
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        k = b_k.to(tl.bfloat16)
+    return k
+
+
+@triton.jit
+def _mxfp4_page_bf16(k_ptr, s_ptr, page, stride_k_page, stride_s_page, o_t, T: tl.constexpr,
+                     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, USE_ASM: tl.constexpr,
+                     KDT: tl.constexpr):
+    """One MXFP4 page (or slice of ``T`` tokens) as two ``[T, DATA_BYTES]`` in ``KDT`` (bf16; fp32 in the
+    interpreter): the even dims (low nibbles) and the odd dims (high nibbles), each ``e2m1 * 2^(s - 129)``."""
+    NG: tl.constexpr = SCALE_BYTES
+    GB: tl.constexpr = DATA_BYTES // NG  # bytes per MX group
+    o_b = tl.arange(0, DATA_BYTES)
+    o_g = tl.arange(0, NG)
+    b_d = tl.load(k_ptr + page * stride_k_page + o_t[:, None] * DATA_BYTES + o_b[None, :])  # [T, DATA_BYTES]
+    # the token's NG scale bytes as one 32-bit word (the views are 4-byte aligned: check_index_k_cache)
+    w_s = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + page * (stride_s_page // 4) + o_t)  # [T]
+    s = (w_s[:, None] >> (8 * o_g)[None, :]) & 0xFF  # [T, NG]
+    # fp32 2^(s - 129): the bit pattern (s - 2) << 23, or the subnormal 1 << (s + 20) for s < 3
+    f_bits = tl.where(s >= 3, (s - 2) << 23, 1 << (s + 20))
+    f = tl.reshape(tl.broadcast_to(f_bits.to(tl.float32, bitcast=True)[:, :, None], (T, NG, GB)), (T, DATA_BYTES))
+    lo, hi = _e2m1_f16(b_d, USE_ASM)
+    k_even = (lo.to(tl.float32) * f).to(KDT)  # exact: e2m1 * 2^(s - 129), an fp32 (maybe subnormal) that bf16 holds
+    k_odd = (hi.to(tl.float32) * f).to(KDT)
+    return k_even, k_odd
+
+
+@triton.jit
+def _prefill_sm90_kernel(
+    q_ptr, k_ptr, s_ptr, bt_ptr, seq_ptr, cu_ptr, tile_ptr, out_ptr,
+    n_cols, post_scale,
+    stride_q_r, stride_q_h, stride_k_page, stride_s_page, stride_bt, stride_o_h, stride_o_r,
+    FMT: tl.constexpr,  # 0 bf16, 1 fp8, 2 mxfp4
+    H: tl.constexpr,
+    ROWS: tl.constexpr,  # new tokens per tile
+    BM: tl.constexpr,  # query vectors per tile (>= ROWS * H, power of two)
+    PP: tl.constexpr,  # pages per program
+    TN: tl.constexpr,  # tokens per product (T or T / 2)
+    NUM_STAGES: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    D: tl.constexpr,
+    T: tl.constexpr,
+    DATA_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+):
+    i_tile, i_c = tl.program_id(0), tl.program_id(1)
+    b = tl.load(tile_ptr + 2 * i_tile)
+    if b < 0:
+        return  # padding tile of a device work map
+    row0 = tl.load(tile_ptr + 2 * i_tile + 1)
+    cu0 = tl.load(cu_ptr + b)
+    cu1 = tl.load(cu_ptr + b + 1)
+    n_rows = tl.minimum(cu1 - row0, ROWS)
+    pos0 = tl.load(seq_ptr + b) - (cu1 - cu0) + (row0 - cu0)  # position of the tile's first token
+    last_pos = pos0 + n_rows - 1
+    n_vis = tl.minimum(tl.where(last_pos >= 0, last_pos // T + 1, 0), n_cols)
+    p_start = i_c * PP
+    p_stop = tl.minimum(p_start + PP, n_cols)
+
+    o_n = tl.arange(0, BM)
+    j = o_n // H
+    m_n = j < n_rows
+    rows = row0 + j
+    heads = o_n % H
+    pos = pos0 + j
+    o_out = out_ptr + heads.to(tl.int64) * stride_o_h + rows.to(tl.int64) * stride_o_r
+    for p in range(tl.maximum(p_start, n_vis), p_stop):
+        tl.store(o_out + p, tl.full([BM], float("-inf"), tl.float32), mask=m_n)
+    p_end = tl.minimum(p_stop, n_vis)
+    if p_start >= p_end:
+        return
+
+    o_d = tl.arange(0, D)
+    o_t = tl.arange(0, TN)
+    KDT: tl.constexpr = tl.float32 if INTERPRET else tl.bfloat16  # the interpreter's bf16 dot is not exact
+    p_q = q_ptr + rows[:, None].to(tl.int64) * stride_q_r + heads[:, None] * stride_q_h
+    b_q = tl.load(p_q + o_d[None, :], mask=m_n[:, None], other=0.0).to(KDT)  # [BM, D]
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    for p in tl.range(p_start, p_end, num_stages=NUM_STAGES):
+        page = tl.load(bt_row + p).to(tl.int64)
+        m = tl.full([BM], float("-inf"), tl.float32)
+        for half in tl.static_range(T // TN):  # the page in slices of TN tokens (fewer accumulator registers)
+            toks = half * TN + o_t
+            if FMT == 2:
+                k_e, k_o = _mxfp4_page_bf16(k_ptr, s_ptr, page, stride_k_page, stride_s_page, toks, TN, DATA_BYTES,
+                                            SCALE_BYTES, USE_ASM, KDT)
+                b_k = tl.reshape(tl.join(k_e, k_o), (TN, D))  # byte c: dims 2c (low nibble), 2c + 1
+                if INTERPRET:
+                    acc = tl.dot(b_q, tl.trans(b_k), input_precision="ieee", out_dtype=tl.float32)  # [BM, TN]
+                else:
+                    acc = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.float32)
+            else:
+                b_k = tl.load(k_ptr + page * stride_k_page + toks[:, None] * D + o_d[None, :])
+                if FMT == 1 and not INTERPRET:
+                    b_k = _e4m3_bf16(b_k, USE_ASM)
+                b_k = b_k.to(KDT)
+                if INTERPRET:
+                    acc = tl.dot(b_q, tl.trans(b_k), input_precision="ieee", out_dtype=tl.float32)  # [BM, TN]
+                else:
+                    acc = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.float32)
+            t0 = p * T + half * TN
+            if t0 + TN - 1 > pos0:  # a diagonal slice: some row sees only part of it
+                acc = tl.where((t0 + o_t)[None, :] <= pos[:, None], acc, float("-inf"))
+            m = tl.maximum(m, tl.max(acc, axis=1))
+        tl.store(o_out + p, m * post_scale, mask=m_n)
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def _device_ok(device: torch.device) -> tuple[bool, str]:
+    if device.type == "cpu" and _interpret():
+        return True, ""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False, f"the sm_90 prefill scorer runs on NVIDIA CUDA devices, got {device}"
+    cap = torch.cuda.get_device_capability(device)
+    if cap[0] != 9:
+        return False, f"the sm_90 prefill scorer needs compute capability 9.x (Hopper), got {cap[0]}.{cap[1]}"
+    return True, ""
+
+
+def supported(q, k_data, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None, out=None):
+    """``(True, "")`` if ``score_prefill_sm90`` takes this call (the arguments pass
+    ``check_prefill_args`` and the device is an NVIDIA sm_90 GPU, or the CPU under the Triton
+    interpreter), else ``(False, reason)``. Never raises, never syncs."""
+    try:
+        check_prefill_args(q, k_data, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block, out)
+    except ValueError as e:
+        return False, str(e)
+    return _device_ok(q.device)
+
+
+def score_prefill_sm90(q, k_data, k_scale, fmt, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None,
+                       out=None, tiles=None, pp=None, tn=64, num_warps=8, num_stages=3, maxnreg=128):
+    """Prefill scores ``fp32 [H, total_new_tokens, max_block]`` (contract: ``naive.score_prefill_ref``).
+
+    Args:
+        q: ``[total_new_tokens, H, 128]`` bf16 or e4m3, last dim contiguous.
+        k_data, k_scale: the cache (``formats.pages``): bf16/e4m3 ``[pages, 128, 128]`` and None, or
+            MXFP4 ``[pages, 128, 64]`` codes and ``[pages, 128, 4]`` e8m0 bytes.
+        fmt: the cache's ``IndexKFormat`` (or its name); must match the cache's dtypes.
+        block_table, seq_lens, cu_seqlens_q, sm_scale, max_block, out: as ``score_prefill``.
+        tiles: int32 ``[n, 2]`` work map (``prefill_tiles_device``, or ``prefill_tiles_host`` as a
+            tensor), the caller's promise that it matches ``cu_seqlens_q``: no host sync, CUDA-graph
+            safe. Without it the lengths are checked on the host (one sync) and the map is built here.
+        pp, tn, num_warps, num_stages, maxnreg: launch tuning (pages per program, default by the grid
+            size; tokens per product, 64 or 128; a register cap per thread, e.g. 128 for two programs
+            of 8 warps per multiprocessor).
+    Every column of ``out`` is written (-inf past each row's last visible page).
+    """
+    from ...formats import parse_format
+
+    cache_fmt, batch, H, max_block, sm_scale = check_prefill_args(q, k_data, k_scale, block_table, seq_lens,
+                                                                  cu_seqlens_q, sm_scale, max_block, out)
+    fmt = parse_format(fmt)
+    if fmt.is_mxfp4 != cache_fmt.is_mxfp4 or (not fmt.is_mxfp4 and fmt is not cache_fmt):
+        raise ValueError(f"fmt={fmt.value!r} does not match the cache, which holds {cache_fmt.value}")
+    ok, reason = _device_ok(q.device)
+    if not ok:
+        raise ValueError(reason)
+    if tiles is None:
+        check_prefill_lengths(q, seq_lens, cu_seqlens_q)
+        tiles = prefill_tiles_device(cu_seqlens_q, H, max_prefill_tiles(q.shape[0], batch, H))
+    elif tiles.dtype != torch.int32 or tiles.dim() != 2 or tiles.shape[1] != 2 or not tiles.is_contiguous() \
+            or tiles.device != q.device:
+        raise ValueError(f"tiles must be a contiguous int32 [n, 2] tensor on {q.device}, got {tiles.dtype} "
+                         f"{tuple(tiles.shape)} on {tiles.device}")
+    if out is None:
+        out = torch.empty((H, q.shape[0], max_block), dtype=torch.float32, device=q.device)
+    n_tiles = tiles.shape[0]
+    if n_tiles == 0 or max_block == 0 or q.shape[0] == 0:
+        return out
+    rows = tile_rows(H)
+    bm = max(16, triton.next_power_of_2(rows * H))
+    if pp is None:
+        pp = _pages_per_program(n_tiles, max_block)
+    if fmt.is_mxfp4:
+        k_ptr, s_ptr, stride_k, stride_s = k_data, k_scale, k_data.stride(0), k_scale.stride(0)
+        post = sm_scale * 2.0**_MX_FOLD_EXP
+    else:
+        k_ptr, s_ptr, stride_k, stride_s = k_data, k_data, k_data.stride(0), 0
+        post = sm_scale
+    grid = (n_tiles, triton.cdiv(max_block, pp))
+    _prefill_sm90_kernel[grid](
+        q, k_ptr, s_ptr, block_table, seq_lens, cu_seqlens_q, tiles, out,
+        max_block, post,
+        q.stride(0), q.stride(1), stride_k, stride_s, block_table.stride(0), out.stride(0), out.stride(1),
+        FMT=_FMT_CODE[fmt], H=H, ROWS=rows, BM=bm, PP=pp, TN=tn, NUM_STAGES=num_stages, USE_ASM=_use_asm(),
+        INTERPRET=_interpret(), D=INDEX_DIM, T=PAGE_SIZE, DATA_BYTES=MXFP4_DATA_BYTES,
+        SCALE_BYTES=MXFP4_SCALE_BYTES, num_warps=num_warps, **({} if maxnreg is None else dict(maxnreg=maxnreg)),
+    )
+    return out
+
+
+def _pages_per_program(n_tiles: int, max_block: int) -> int:
+    """Pages per program: the fewest (a power of two, 16..256) that still give about 4 programs per
+    multiprocessor of an H100/H200 (132)."""
+    pp = 256
+    while pp > 16 and n_tiles * triton.cdiv(max_block, pp) < 4 * 132:
+        pp //= 2
+    return pp
+
+
+__all__ = ["BLOCK_Q", "SENTINEL", "max_prefill_tiles", "prefill_tiles_device", "prefill_tiles_host",
+           "score_prefill_sm90", "supported", "tile_rows"]
