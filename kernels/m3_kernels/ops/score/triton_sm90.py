@@ -103,7 +103,7 @@ def _pow2(e):
     return (e << 23).to(tl.float32, bitcast=True)
 
 
-_E2M1_F16_ASM = """
+_E2M1_F16_ASM_TEXT = """
             {
             .reg .b32 hl, hh, t, z;
             mov.b32 z, 0;
@@ -123,7 +123,7 @@ _E2M1_F16_ASM = """
             }
             """
 # the same, then times 2^14 (fp16 0x7400) in one exact f16x2 multiply per pair: the e2m1 values themselves
-_E2M1_F16_EXACT_ASM = _E2M1_F16_ASM.replace("""prmt.b32 $3, hh, z, 0x3424;
+_E2M1_F16_EXACT_ASM_TEXT = _E2M1_F16_ASM_TEXT.replace("""prmt.b32 $3, hh, z, 0x3424;
             }""", """prmt.b32 $3, hh, z, 0x3424;
             mov.b32 t, 0x74007400;
             mul.rn.f16x2 $0, $0, t;
@@ -131,6 +131,8 @@ _E2M1_F16_EXACT_ASM = _E2M1_F16_ASM.replace("""prmt.b32 $3, hh, z, 0x3424;
             mul.rn.f16x2 $2, $2, t;
             mul.rn.f16x2 $3, $3, t;
             }""")
+_E2M1_F16_ASM = tl.constexpr(_E2M1_F16_ASM_TEXT)  # a jit function reads module globals only as constexpr
+_E2M1_F16_EXACT_ASM = tl.constexpr(_E2M1_F16_EXACT_ASM_TEXT)
 
 
 @triton.jit

@@ -24,6 +24,7 @@ from m3_kernels.testing import (  # noqa: E402
     abs_index_k,
     assert_scores_close,
     capture_graph,
+    compile_sm90,
     make_q,
     q_abs,
     random_cache,
@@ -195,6 +196,24 @@ def test_prefill_small_max_block_below_the_visible_pages(gen):
     """``max_block`` smaller than the pages a request sees: the scores stop at ``max_block``."""
     _on("cpu")
     check_prefill(gen, "cpu", "fp8", torch.bfloat16, H=1, new=[20, 300], prefix=[200, 100], max_block=2)
+
+
+@pytest.mark.parametrize("fmt,mx_join,tn", [(0, False, 64), (1, False, 64), (2, False, 128), (2, True, 64)],
+                         ids=["bf16", "fp8", "mxfp4_split", "mxfp4_joined"])
+def test_compiles_for_sm90(fmt, mx_join, tn):
+    """The kernel compiles for sm_90 on a machine without a GPU (Triton's own ptxas): inline PTX, globals read
+    from jit code and layouts are checked here, which the interpreter does not do."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check; a GPU run compiles it for real")
+    k_ty = {0: "*bf16", 1: "*fp8e4nv", 2: "*u8"}[fmt]
+    sig = {"q_ptr": "*bf16", "k_ptr": k_ty, "s_ptr": "*u8", "bt_ptr": "*i32", "seq_ptr": "*i32", "cu_ptr": "*i32",
+           "tile_ptr": "*i32", "out_ptr": "*fp32", "n_cols": "i32", "post_scale": "fp32", "stride_q_r": "i32",
+           "stride_q_h": "i32", "stride_k_page": "i32", "stride_s_page": "i32", "stride_bt": "i32",
+           "stride_o_h": "i32", "stride_o_r": "i32"}
+    const = dict(FMT=fmt, H=4, ROWS=64, BM=256, PP=32, TN=tn, MX_JOIN=mx_join, NUM_STAGES=3, USE_ASM=True,
+                 INTERPRET=False, D=128, T=PAGE_SIZE, DATA_BYTES=64, SCALE_BYTES=4)
+    facts = compile_sm90("m3_kernels.ops.score.triton_sm90", "_prefill_sm90_kernel", sig, const, num_warps=8)
+    assert facts["sass_bytes"] > 0
 
 
 # ---------------------------------------------------------------- GPU (sm_90)
