@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from m3_kernels.formats import FP8_DTYPE, PAGE_SIZE, IndexKFormat
+from m3_kernels.formats import PAGE_SIZE, IndexKFormat
 from m3_kernels.ops.score import triton_sm90
 from m3_kernels.ops.score.naive import score_prefill_ref
 from m3_kernels.ops.score.triton import prefill_tiles, score_prefill_triton

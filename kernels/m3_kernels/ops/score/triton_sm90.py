@@ -7,9 +7,10 @@ Contract: ``naive.score_prefill_ref`` (DESIGN section 3); validation: ``common.c
 Work map: one program per (query tile, chunk of ``PP`` pages). A query tile is ``BM // H`` consecutive
 new tokens of one request times its ``H`` heads: ``BM`` (256) query vectors, held once in shared memory
 as the tensor-core A operand. For each page of its chunk the program loads the page once, widens it
-to bf16 (fp8 and MXFP4; a bf16 page as is), takes ONE ``[BM, 128] x [128, 128]`` product (warpgroup
-MMA on sm_90), masks tokens past each row's position only on the tile's diagonal pages and keeps the
-page max in registers. A page is therefore fetched and decoded once per 256 query vectors, not once
+to bf16 (fp8 and MXFP4; a bf16 page as is), multiplies it with the tile in slices of ``TN`` (64 or 128)
+tokens (``[BM, 128] x [128, TN]``, warpgroup MMA on sm_90), masks tokens past each row's position only on
+the tile's diagonal pages and keeps the page max in registers. Launch settings per format:
+``DEFAULT_LAUNCH``. A page is therefore fetched and decoded once per 256 query vectors, not once
 per 64 as in ``triton.py``, and the decode is amortised over four times the columns.
 
 The tile list is built on the device (``prefill_tiles_device``: torch ops, no host sync, a static
@@ -33,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...formats import FP8_DTYPE, INDEX_DIM, MXFP4_DATA_BYTES, MXFP4_SCALE_BYTES, PAGE_SIZE, IndexKFormat
+from ...formats import INDEX_DIM, MXFP4_DATA_BYTES, MXFP4_SCALE_BYTES, PAGE_SIZE, IndexKFormat
 from .common import check_prefill_args, check_prefill_lengths
 
 BLOCK_Q = 256  # query vectors per tile (tokens x heads)
