@@ -16,7 +16,8 @@ own inputs (``|a - b| <= 2e-5 * bound``, bound the score of |q| and |K|, -inf pa
 a failure prints ``GATE FAILED`` and the run exits non-zero after the table.
 
 ``--sweep`` first times the sm_90 kernel's launch settings (tokens per product, pages per program,
-pipeline stages, register cap) at two contexts and uses the fastest per format for the table.
+pipeline stages, register cap, the MXFP4 ``mx_join`` path) at two contexts and uses the fastest per format
+for the table (gated against the oracle first); without it the table uses ``DEFAULT_LAUNCH``.
 """
 
 import argparse
@@ -28,7 +29,7 @@ import time
 
 import torch
 
-from m3_kernels.formats import FP8_DTYPE, PAGE_SIZE, IndexKFormat
+from m3_kernels.formats import PAGE_SIZE, IndexKFormat
 from m3_kernels.ops.score import triton_sm90
 from m3_kernels.ops.score.naive import score_prefill_ref
 from m3_kernels.ops.score.triton import prefill_tiles, score_prefill_triton
@@ -138,9 +139,10 @@ def gate_vs_oracle(gen, fmt, cfg):
 
 def sweep(gen, args):
     """Time the sm_90 launch settings; returns the fastest per format."""
-    configs = [dict(tn=128, num_stages=3, pp=64, maxnreg=None), dict(tn=64, num_stages=3, pp=64, maxnreg=128),
-               dict(tn=64, num_stages=4, pp=64, maxnreg=128), dict(tn=64, num_stages=3, pp=32, maxnreg=128),
-               dict(tn=64, num_stages=3, pp=128, maxnreg=128)]
+    configs = [dict(tn=128, num_stages=3, pp=64, maxnreg=None), dict(tn=64, num_stages=3, pp=32, maxnreg=128),
+               dict(tn=64, num_stages=4, pp=32, maxnreg=128), dict(tn=64, num_stages=3, pp=64, maxnreg=128),
+               dict(tn=64, num_stages=3, pp=32, maxnreg=128, mx_join=True),
+               dict(tn=128, num_stages=3, pp=64, maxnreg=None, mx_join=True)]
     best, rows = {}, []
     for fmt in FORMATS:
         totals = {i: 0.0 for i in range(len(configs))}

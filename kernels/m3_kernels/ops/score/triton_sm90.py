@@ -7,9 +7,10 @@ Contract: ``naive.score_prefill_ref`` (DESIGN section 3); validation: ``common.c
 Work map: one program per (query tile, chunk of ``PP`` pages). A query tile is ``BM // H`` consecutive
 new tokens of one request times its ``H`` heads: ``BM`` (256) query vectors, held once in shared memory
 as the tensor-core A operand. For each page of its chunk the program loads the page once, widens it
-to bf16 (fp8 and MXFP4; a bf16 page as is), takes ONE ``[BM, 128] x [128, 128]`` product (warpgroup
-MMA on sm_90), masks tokens past each row's position only on the tile's diagonal pages and keeps the
-page max in registers. A page is therefore fetched and decoded once per 256 query vectors, not once
+to bf16 (fp8 and MXFP4; a bf16 page as is), multiplies it with the tile in slices of ``TN`` (64 or 128)
+tokens (``[BM, 128] x [128, TN]``, warpgroup MMA on sm_90), masks tokens past each row's position only on
+the tile's diagonal pages and keeps the page max in registers. Launch settings per format:
+``DEFAULT_LAUNCH``. A page is therefore fetched and decoded once per 256 query vectors, not once
 per 64 as in ``triton.py``, and the decode is amortised over four times the columns.
 
 The tile list is built on the device (``prefill_tiles_device``: torch ops, no host sync, a static
@@ -18,11 +19,12 @@ shape padded with a sentinel the kernel skips), so a caller can capture the call
 Numerics (exact operands, fp32 accumulation):
 - Q: bf16 as given; an e4m3 Q widens to bf16 exactly.
 - fp8 K: e4m3 widens to bf16 exactly (on the GPU by bit placement and an exact multiply by 2^120).
-- MXFP4 K: each e2m1 code is formed as fp16 ``2^-14 * e2m1`` (exact; code 1 is an fp16 subnormal) and
-  multiplied by 2^14 (exact fp16: the e2m1 value itself), widened to fp32, multiplied by the fp32
-  ``2^(s - 129)`` of the group's e8m0 byte ``s`` (subnormal for s < 3; no flush to zero) and rounded to
-  bf16: ``e2m1 * 2^(s - 129)``, which bf16 holds exactly for every byte 0..254 (its range is fp32's, down
-  to the subnormal 2^-133). The page max is multiplied by ``4 * sm_scale`` (``_MX_FOLD_EXP``) afterwards.
+- MXFP4 K: ``e2m1 * 2^(s - 129)`` in bf16 for the group's e8m0 byte ``s``, exact for every byte 0..254
+  (bf16's range is fp32's, down to the subnormal 2^-133): each e2m1 code is formed as fp16 ``2^-14 * e2m1``
+  (exact; code 1 an fp16 subnormal), widened to fp32 and multiplied by ``2^(s - 115)`` in two normal fp32
+  factors (``_mxfp4_page_split``, the default), or made the exact fp16 e2m1 by one f16x2 multiply and
+  multiplied by the one fp32 ``2^(s - 129)`` (``_mxfp4_page_joined``, ``mx_join=True``). The page max is
+  multiplied by ``4 * sm_scale`` (``_MX_FOLD_EXP``) afterwards.
 - bf16 x bf16 products are exact in fp32; the tensor cores accumulate in fp32.
 """
 
@@ -32,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...formats import FP8_DTYPE, INDEX_DIM, MXFP4_DATA_BYTES, MXFP4_SCALE_BYTES, PAGE_SIZE, IndexKFormat
+from ...formats import INDEX_DIM, MXFP4_DATA_BYTES, MXFP4_SCALE_BYTES, PAGE_SIZE, IndexKFormat
 from .common import check_prefill_args, check_prefill_lengths
 
 BLOCK_Q = 256  # query vectors per tile (tokens x heads)
@@ -102,14 +104,7 @@ def _pow2(e):
     return (e << 23).to(tl.float32, bitcast=True)
 
 
-@triton.jit
-def _e2m1_f16(b_d, USE_ASM: tl.constexpr):
-    """uint8 ``[..., C]`` packed e2m1 -> (low nibbles, high nibbles), each ``[..., C]``, the e2m1 values
-    exactly: the fp16 bit pattern ``sign << 15 | code << 9`` (``2^-14 * e2m1``; code 1 an fp16 subnormal)
-    times 2^14 in one exact f16x2 multiply per pair on the GPU (fp16 there, fp32 in the interpreter)."""
-    if USE_ASM:
-        lo, hi = tl.inline_asm_elementwise(
-            asm="""
+_E2M1_F16_ASM_TEXT = """
             {
             .reg .b32 hl, hh, t, z;
             mov.b32 z, 0;
@@ -126,25 +121,40 @@ def _e2m1_f16(b_d, USE_ASM: tl.constexpr):
             prmt.b32 $1, hl, z, 0x3424;
             prmt.b32 $2, hh, z, 0x1404;
             prmt.b32 $3, hh, z, 0x3424;
+            }
+            """
+# the same, then times 2^14 (fp16 0x7400) in one exact f16x2 multiply per pair: the e2m1 values themselves
+_E2M1_F16_EXACT_ASM_TEXT = _E2M1_F16_ASM_TEXT.replace("""prmt.b32 $3, hh, z, 0x3424;
+            }""", """prmt.b32 $3, hh, z, 0x3424;
             mov.b32 t, 0x74007400;
             mul.rn.f16x2 $0, $0, t;
             mul.rn.f16x2 $1, $1, t;
             mul.rn.f16x2 $2, $2, t;
             mul.rn.f16x2 $3, $3, t;
-            }
-            """,
-            constraints="=r,=r,=r,=r,r",
-            args=[b_d],
-            dtype=(tl.float16, tl.float16),
-            is_pure=True,
-            pack=4,
-        )
+            }""")
+_E2M1_F16_ASM = tl.constexpr(_E2M1_F16_ASM_TEXT)  # a jit function reads module globals only as constexpr
+_E2M1_F16_EXACT_ASM = tl.constexpr(_E2M1_F16_EXACT_ASM_TEXT)
+
+
+@triton.jit
+def _e2m1_f16(b_d, USE_ASM: tl.constexpr, UNIT: tl.constexpr):
+    """uint8 ``[..., C]`` packed e2m1 -> (low nibbles, high nibbles), each ``[..., C]``: the fp16 bit
+    pattern ``sign << 15 | code << 9``, i.e. ``2^-14 * e2m1`` (code 1 an fp16 subnormal); ``UNIT``: times
+    2^14, the e2m1 values themselves (one exact f16x2 multiply per pair; fp32 in the interpreter)."""
+    if USE_ASM:
+        if UNIT:
+            lo, hi = tl.inline_asm_elementwise(asm=_E2M1_F16_EXACT_ASM, constraints="=r,=r,=r,=r,r", args=[b_d],
+                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        else:
+            lo, hi = tl.inline_asm_elementwise(asm=_E2M1_F16_ASM, constraints="=r,=r,=r,=r,r", args=[b_d],
+                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     else:
         x = b_d.to(tl.int32)
         lo = ((((x & 0x8) << 12) | ((x & 0x7) << 9)).to(tl.int16)).to(tl.float16, bitcast=True)
         hi = ((((x & 0x80) << 8) | ((x & 0x70) << 5)).to(tl.int16)).to(tl.float16, bitcast=True)
-        lo = lo.to(tl.float32) * 16384.0
-        hi = hi.to(tl.float32) * 16384.0
+        if UNIT:
+            lo = lo.to(tl.float32) * 16384.0
+            hi = hi.to(tl.float32) * 16384.0
     return lo, hi
 
 
@@ -189,26 +199,53 @@ def _e4m3_bf16(b_k, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_page_bf16(k_ptr, s_ptr, page, stride_k_page, stride_s_page, o_t, T: tl.constexpr,
-                     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, USE_ASM: tl.constexpr,
-                     KDT: tl.constexpr):
-    """One MXFP4 page (or slice of ``T`` tokens) as two ``[T, DATA_BYTES]`` in ``KDT`` (bf16; fp32 in the
-    interpreter): the even dims (low nibbles) and the odd dims (high nibbles), each ``e2m1 * 2^(s - 129)``."""
+def _mxfp4_scales(s_ptr, page, stride_s_page, o_t, NG: tl.constexpr):
+    """int32 ``[T, NG]``: the e8m0 bytes of tokens ``o_t``, read as one 32-bit word per token (the views
+    are 4-byte aligned: ``check_index_k_cache``)."""
+    o_g = tl.arange(0, NG)
+    w_s = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + page * (stride_s_page // 4) + o_t)  # [T]
+    return (w_s[:, None] >> (8 * o_g)[None, :]) & 0xFF
+
+
+@triton.jit
+def _mxfp4_page_split(k_ptr, s_ptr, page, stride_k_page, stride_s_page, o_t, T: tl.constexpr,
+                      DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, USE_ASM: tl.constexpr,
+                      KDT: tl.constexpr):
+    """Tokens ``o_t`` (``T`` of them) of an MXFP4 page as two ``[T, DATA_BYTES]`` in ``KDT`` (bf16; fp32 in
+    the interpreter): the even dims (low nibbles) and the odd dims (high nibbles), each
+    ``e2m1 * 2^(s - 129)``: fp16 ``2^-14 * e2m1`` widened to fp32 times ``2^(s - 115)`` in two normal fp32
+    factors ``2^(min(s, 242) - 115) * 2^(max(s, 242) - 242)`` (one would overflow for s > 242)."""
     NG: tl.constexpr = SCALE_BYTES
     GB: tl.constexpr = DATA_BYTES // NG  # bytes per MX group
     o_b = tl.arange(0, DATA_BYTES)
-    o_g = tl.arange(0, NG)
     b_d = tl.load(k_ptr + page * stride_k_page + o_t[:, None] * DATA_BYTES + o_b[None, :])  # [T, DATA_BYTES]
-    # the token's NG scale bytes as one 32-bit word (the views are 4-byte aligned: check_index_k_cache)
-    w_s = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + page * (stride_s_page // 4) + o_t)  # [T]
-    s = (w_s[:, None] >> (8 * o_g)[None, :]) & 0xFF  # [T, NG]
-    # fp32 2^(s - 129): the bit pattern (s - 2) << 23, or the subnormal 1 << (s + 20) for s < 3
+    s = _mxfp4_scales(s_ptr, page, stride_s_page, o_t, NG)
+    f1 = tl.reshape(tl.broadcast_to(_pow2(tl.minimum(s, 242) + 12)[:, :, None], (T, NG, GB)), (T, DATA_BYTES))
+    f2 = tl.reshape(tl.broadcast_to(_pow2(tl.maximum(s, 242) - 115)[:, :, None], (T, NG, GB)), (T, DATA_BYTES))
+    lo, hi = _e2m1_f16(b_d, USE_ASM, False)
+    k_even = ((lo.to(tl.float32) * f1) * f2).to(KDT)
+    k_odd = ((hi.to(tl.float32) * f1) * f2).to(KDT)
+    return k_even, k_odd
+
+
+@triton.jit
+def _mxfp4_page_joined(k_ptr, s_ptr, page, stride_k_page, stride_s_page, o_t, T: tl.constexpr,
+                       DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, USE_ASM: tl.constexpr,
+                       KDT: tl.constexpr):
+    """Tokens ``o_t`` of an MXFP4 page as one ``[T, 2 * DATA_BYTES]`` in ``KDT``, dims in natural order (byte
+    c: dims 2c, 2c + 1), each ``e2m1 * 2^(s - 129)``: the exact fp16 e2m1 widened to fp32 times the one fp32
+    factor ``2^(s - 129)`` (bit pattern ``(s - 2) << 23``, or the subnormal ``1 << (s + 20)`` for s < 3)."""
+    NG: tl.constexpr = SCALE_BYTES
+    GB: tl.constexpr = DATA_BYTES // NG
+    o_b = tl.arange(0, DATA_BYTES)
+    b_d = tl.load(k_ptr + page * stride_k_page + o_t[:, None] * DATA_BYTES + o_b[None, :])
+    s = _mxfp4_scales(s_ptr, page, stride_s_page, o_t, NG)
     f_bits = tl.where(s >= 3, (s - 2) << 23, 1 << (s + 20))
     f = tl.reshape(tl.broadcast_to(f_bits.to(tl.float32, bitcast=True)[:, :, None], (T, NG, GB)), (T, DATA_BYTES))
-    lo, hi = _e2m1_f16(b_d, USE_ASM)
-    k_even = (lo.to(tl.float32) * f).to(KDT)  # exact: e2m1 * 2^(s - 129), an fp32 (maybe subnormal) that bf16 holds
+    lo, hi = _e2m1_f16(b_d, USE_ASM, True)
+    k_even = (lo.to(tl.float32) * f).to(KDT)
     k_odd = (hi.to(tl.float32) * f).to(KDT)
-    return k_even, k_odd
+    return tl.reshape(tl.join(k_even, k_odd), (T, 2 * DATA_BYTES))
 
 
 @triton.jit
@@ -222,6 +259,7 @@ def _prefill_sm90_kernel(
     BM: tl.constexpr,  # query vectors per tile (>= ROWS * H, power of two)
     PP: tl.constexpr,  # pages per program
     TN: tl.constexpr,  # tokens per product (T or T / 2)
+    MX_JOIN: tl.constexpr,  # MXFP4: one K=128 product on the page joined to natural dim order
     NUM_STAGES: tl.constexpr,
     USE_ASM: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -261,21 +299,34 @@ def _prefill_sm90_kernel(
     o_t = tl.arange(0, TN)
     KDT: tl.constexpr = tl.float32 if INTERPRET else tl.bfloat16  # the interpreter's bf16 dot is not exact
     p_q = q_ptr + rows[:, None].to(tl.int64) * stride_q_r + heads[:, None] * stride_q_h
-    b_q = tl.load(p_q + o_d[None, :], mask=m_n[:, None], other=0.0).to(KDT)  # [BM, D]
+    if FMT == 2 and not MX_JOIN:  # even and odd dims apart, as _mxfp4_page_split decodes the page
+        o_e = 2 * tl.arange(0, D // 2)
+        b_qe = tl.load(p_q + o_e[None, :], mask=m_n[:, None], other=0.0).to(KDT)  # [BM, D / 2]
+        b_qo = tl.load(p_q + o_e[None, :] + 1, mask=m_n[:, None], other=0.0).to(KDT)
+    else:
+        b_q = tl.load(p_q + o_d[None, :], mask=m_n[:, None], other=0.0).to(KDT)  # [BM, D]
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     for p in tl.range(p_start, p_end, num_stages=NUM_STAGES):
         page = tl.load(bt_row + p).to(tl.int64)
         m = tl.full([BM], float("-inf"), tl.float32)
         for half in tl.static_range(T // TN):  # the page in slices of TN tokens (fewer accumulator registers)
             toks = half * TN + o_t
-            if FMT == 2:
-                k_e, k_o = _mxfp4_page_bf16(k_ptr, s_ptr, page, stride_k_page, stride_s_page, toks, TN, DATA_BYTES,
-                                            SCALE_BYTES, USE_ASM, KDT)
-                b_k = tl.reshape(tl.join(k_e, k_o), (TN, D))  # byte c: dims 2c (low nibble), 2c + 1
+            if FMT == 2 and MX_JOIN:
+                b_k = _mxfp4_page_joined(k_ptr, s_ptr, page, stride_k_page, stride_s_page, toks, TN, DATA_BYTES,
+                                         SCALE_BYTES, USE_ASM, KDT)
                 if INTERPRET:
                     acc = tl.dot(b_q, tl.trans(b_k), input_precision="ieee", out_dtype=tl.float32)  # [BM, TN]
                 else:
                     acc = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.float32)
+            elif FMT == 2:
+                k_e, k_o = _mxfp4_page_split(k_ptr, s_ptr, page, stride_k_page, stride_s_page, toks, TN, DATA_BYTES,
+                                             SCALE_BYTES, USE_ASM, KDT)
+                if INTERPRET:
+                    acc = tl.dot(b_qe, tl.trans(k_e), input_precision="ieee", out_dtype=tl.float32)  # [BM, TN]
+                    acc = tl.dot(b_qo, tl.trans(k_o), acc, input_precision="ieee", out_dtype=tl.float32)
+                else:
+                    acc = tl.dot(b_qe, tl.trans(k_e), out_dtype=tl.float32)
+                    acc = tl.dot(b_qo, tl.trans(k_o), acc, out_dtype=tl.float32)
             else:
                 b_k = tl.load(k_ptr + page * stride_k_page + toks[:, None] * D + o_d[None, :])
                 if FMT == 1 and not INTERPRET:
@@ -317,8 +368,19 @@ def supported(q, k_data, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale,
     return _device_ok(q.device)
 
 
+# Launch settings per cache format: those an H100 measured fastest (docs/perf.md, 2026-12-07) for chunks of
+# 8192 tokens at 8k-128k. pp: pages per program; tn: tokens per product (64 or 128); maxnreg: a register cap
+# per thread (128: two programs of 8 warps per multiprocessor; None: no cap); mx_join: MXFP4 page joined to
+# natural dim order for one K=128 product (a candidate not yet run on a GPU).
+DEFAULT_LAUNCH = {
+    "fp8": dict(pp=32, tn=64, num_warps=8, num_stages=3, maxnreg=128, mx_join=False),
+    "bf16": dict(pp=32, tn=64, num_warps=8, num_stages=3, maxnreg=128, mx_join=False),  # not timed
+    "mxfp4": dict(pp=64, tn=128, num_warps=8, num_stages=3, maxnreg=None, mx_join=False),
+}
+
+
 def score_prefill_sm90(q, k_data, k_scale, fmt, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None,
-                       out=None, tiles=None, pp=None, tn=64, num_warps=8, num_stages=3, maxnreg=128):
+                       out=None, tiles=None, **launch):
     """Prefill scores ``fp32 [H, total_new_tokens, max_block]`` (contract: ``naive.score_prefill_ref``).
 
     Args:
@@ -330,9 +392,8 @@ def score_prefill_sm90(q, k_data, k_scale, fmt, block_table, seq_lens, cu_seqlen
         tiles: int32 ``[n, 2]`` work map (``prefill_tiles_device``, or ``prefill_tiles_host`` as a
             tensor), the caller's promise that it matches ``cu_seqlens_q``: no host sync, CUDA-graph
             safe. Without it the lengths are checked on the host (one sync) and the map is built here.
-        pp, tn, num_warps, num_stages, maxnreg: launch tuning (pages per program, default by the grid
-            size; tokens per product, 64 or 128; a register cap per thread, e.g. 128 for two programs
-            of 8 warps per multiprocessor).
+        launch: overrides of ``DEFAULT_LAUNCH`` for the format (pp, tn, num_warps, num_stages, maxnreg,
+            mx_join).
     Every column of ``out`` is written (-inf past each row's last visible page).
     """
     from ...formats import parse_format
@@ -357,10 +418,16 @@ def score_prefill_sm90(q, k_data, k_scale, fmt, block_table, seq_lens, cu_seqlen
     n_tiles = tiles.shape[0]
     if n_tiles == 0 or max_block == 0 or q.shape[0] == 0:
         return out
+    settings = dict(DEFAULT_LAUNCH["mxfp4" if fmt.is_mxfp4 else fmt.value])
+    unknown = set(launch) - set(settings)
+    if unknown:
+        raise TypeError(f"unknown launch settings {sorted(unknown)}; known: {sorted(settings)}")
+    settings.update(launch)
+    pp, tn, maxnreg = settings["pp"], settings["tn"], settings["maxnreg"]
+    if tn not in (64, 128) or not (isinstance(pp, int) and pp >= 1):
+        raise ValueError(f"need tn in (64, 128) and an int pp >= 1, got tn={tn!r}, pp={pp!r}")
     rows = tile_rows(H)
     bm = max(16, triton.next_power_of_2(rows * H))
-    if pp is None:
-        pp = _pages_per_program(n_tiles, max_block)
     if fmt.is_mxfp4:
         k_ptr, s_ptr, stride_k, stride_s = k_data, k_scale, k_data.stride(0), k_scale.stride(0)
         post = sm_scale * 2.0**_MX_FOLD_EXP
@@ -372,21 +439,13 @@ def score_prefill_sm90(q, k_data, k_scale, fmt, block_table, seq_lens, cu_seqlen
         q, k_ptr, s_ptr, block_table, seq_lens, cu_seqlens_q, tiles, out,
         max_block, post,
         q.stride(0), q.stride(1), stride_k, stride_s, block_table.stride(0), out.stride(0), out.stride(1),
-        FMT=_FMT_CODE[fmt], H=H, ROWS=rows, BM=bm, PP=pp, TN=tn, NUM_STAGES=num_stages, USE_ASM=_use_asm(),
-        INTERPRET=_interpret(), D=INDEX_DIM, T=PAGE_SIZE, DATA_BYTES=MXFP4_DATA_BYTES,
-        SCALE_BYTES=MXFP4_SCALE_BYTES, num_warps=num_warps, **({} if maxnreg is None else dict(maxnreg=maxnreg)),
+        FMT=_FMT_CODE[fmt], H=H, ROWS=rows, BM=bm, PP=pp, TN=tn, MX_JOIN=bool(settings["mx_join"]),
+        NUM_STAGES=settings["num_stages"], USE_ASM=_use_asm(), INTERPRET=_interpret(), D=INDEX_DIM, T=PAGE_SIZE,
+        DATA_BYTES=MXFP4_DATA_BYTES, SCALE_BYTES=MXFP4_SCALE_BYTES, num_warps=settings["num_warps"],
+        **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )
     return out
 
 
-def _pages_per_program(n_tiles: int, max_block: int) -> int:
-    """Pages per program: the fewest (a power of two, 16..256) that still give about 4 programs per
-    multiprocessor of an H100/H200 (132)."""
-    pp = 256
-    while pp > 16 and n_tiles * triton.cdiv(max_block, pp) < 4 * 132:
-        pp //= 2
-    return pp
-
-
-__all__ = ["BLOCK_Q", "SENTINEL", "max_prefill_tiles", "prefill_tiles_device", "prefill_tiles_host",
+__all__ = ["BLOCK_Q", "DEFAULT_LAUNCH", "SENTINEL", "max_prefill_tiles", "prefill_tiles_device", "prefill_tiles_host",
            "score_prefill_sm90", "supported", "tile_rows"]

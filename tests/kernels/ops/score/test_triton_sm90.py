@@ -24,6 +24,7 @@ from m3_kernels.testing import (  # noqa: E402
     abs_index_k,
     assert_scores_close,
     capture_graph,
+    compile_sm90,
     make_q,
     q_abs,
     random_cache,
@@ -137,13 +138,17 @@ def test_tile_rows_and_bound():
 # ---------------------------------------------------------------- CPU interpreter (CI) cases
 
 
-@pytest.mark.parametrize("tn", [64, 128], ids=["tn64", "tn128"])
+LAUNCHES = [dict(tn=64, pp=2), dict(tn=128, pp=16), dict(tn=64, pp=2, mx_join=True)]
+LAUNCH_IDS = ["tn64", "tn128", "tn64_mx_join"]
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=LAUNCH_IDS)
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "bf16", "mxfp4_rot"])
-def test_prefill_small(gen, fmt, tn):
+def test_prefill_small(gen, fmt, launch):
     """Radix prefixes (new tokens start mid-page: a tile whose first row sees all but the last token of
     its page), an empty request, the last partial page, a poisoned buffer."""
     _on("cpu")
-    check_prefill(gen, "cpu", fmt, torch.bfloat16, H=2, new=[3, 0, 130, 1, 4], prefix=[125, 7, 0, 128, 126], tn=tn)
+    check_prefill(gen, "cpu", fmt, torch.bfloat16, H=2, new=[3, 0, 130, 1, 4], prefix=[125, 7, 0, 128, 126], **launch)
 
 
 def check_causal_edges(gen, device, H):
@@ -180,16 +185,35 @@ def test_prefill_small_maps_and_q_dtypes(gen, q_dtype, tiles):
                   prealloc=False)
 
 
-def test_prefill_small_split_views_and_wide_scales(gen):
+@pytest.mark.parametrize("mx_join", [False, True], ids=["split", "joined"])
+def test_prefill_small_split_views_and_wide_scales(gen, mx_join):
     _on("cpu")
     check_prefill(gen, "cpu", "mxfp4", torch.bfloat16, H=3, new=[90, 5], prefix=[40, 250], single=False,
-                  scale_range=(100, 150))
+                  scale_range=(100, 150), mx_join=mx_join)
 
 
 def test_prefill_small_max_block_below_the_visible_pages(gen):
     """``max_block`` smaller than the pages a request sees: the scores stop at ``max_block``."""
     _on("cpu")
     check_prefill(gen, "cpu", "fp8", torch.bfloat16, H=1, new=[20, 300], prefix=[200, 100], max_block=2)
+
+
+@pytest.mark.parametrize("fmt,mx_join,tn", [(0, False, 64), (1, False, 64), (2, False, 128), (2, True, 64)],
+                         ids=["bf16", "fp8", "mxfp4_split", "mxfp4_joined"])
+def test_compiles_for_sm90(fmt, mx_join, tn):
+    """The kernel compiles for sm_90 on a machine without a GPU (Triton's own ptxas): inline PTX, globals read
+    from jit code and layouts are checked here, which the interpreter does not do."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check; a GPU run compiles it for real")
+    k_ty = {0: "*bf16", 1: "*fp8e4nv", 2: "*u8"}[fmt]
+    sig = {"q_ptr": "*bf16", "k_ptr": k_ty, "s_ptr": "*u8", "bt_ptr": "*i32", "seq_ptr": "*i32", "cu_ptr": "*i32",
+           "tile_ptr": "*i32", "out_ptr": "*fp32", "n_cols": "i32", "post_scale": "fp32", "stride_q_r": "i32",
+           "stride_q_h": "i32", "stride_k_page": "i32", "stride_s_page": "i32", "stride_bt": "i32",
+           "stride_o_h": "i32", "stride_o_r": "i32"}
+    const = dict(FMT=fmt, H=4, ROWS=64, BM=256, PP=32, TN=tn, MX_JOIN=mx_join, NUM_STAGES=3, USE_ASM=True,
+                 INTERPRET=False, D=128, T=PAGE_SIZE, DATA_BYTES=64, SCALE_BYTES=4)
+    facts = compile_sm90("m3_kernels.ops.score.triton_sm90", "_prefill_sm90_kernel", sig, const, num_warps=8)
+    assert facts["sass_bytes"] > 0
 
 
 # ---------------------------------------------------------------- GPU (sm_90)
@@ -213,6 +237,17 @@ def test_prefill_matrix_gpu(gen, fmt, q_dtype, H, tiles):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp4_rot"])
+@pytest.mark.parametrize("H", [1, 3, 4, 8])
+@pytest.mark.parametrize("tn", [64, 128])
+def test_prefill_mxfp4_joined_gpu(gen, fmt, H, tn):
+    """The ``mx_join`` MXFP4 path (one K=128 product on the page in natural dim order) over the matrix's batch."""
+    _on("cuda")
+    check_prefill(gen, "cuda", fmt, torch.bfloat16, H, new=[1, 127, 128, 129, 700, 0, 300],
+                  prefix=[0, 1, 127, 128, 129, 1000, 1000], mx_join=True, tn=tn, maxnreg=128)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("H", [1, 3, 4, 8])
 def test_prefill_causal_edges_gpu(gen, H):
     _on("cuda")
@@ -221,8 +256,9 @@ def test_prefill_causal_edges_gpu(gen, H):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
-@pytest.mark.parametrize("launch", [dict(tn=128, maxnreg=None), dict(tn=64, pp=16), dict(tn=64, num_stages=4, pp=128)],
-                         ids=["tn128_uncapped", "tn64_pp16", "tn64_stages4"])
+@pytest.mark.parametrize("launch", [dict(tn=128, maxnreg=None), dict(tn=64, pp=16, maxnreg=128),
+                                    dict(tn=64, num_stages=4, pp=128), dict(tn=64, maxnreg=128, mx_join=True)],
+                         ids=["tn128_uncapped", "tn64_pp16_capped", "tn64_stages4", "tn64_capped_mx_join"])
 def test_prefill_long_gpu(gen, fmt, launch):
     """One 4000-token chunk after a 3000-token prefix (55 pages, many tiles and page chunks) and a batch beside
     it, under the launch settings the benchmark may pick."""
@@ -234,12 +270,13 @@ def test_prefill_long_gpu(gen, fmt, launch):
 @pytest.mark.parametrize("scale_range,q_scale", [((100, 150), 1.0), ((0, 20), 2.0**100), ((230, 254), 2.0**-100),
                                                  ((0, 240), 1.0)], ids=["e8m0_mid", "e8m0_low", "e8m0_high",
                                                                         "e8m0_all"])
-def test_prefill_mxfp4_scale_ranges_gpu(gen, scale_range, q_scale):
+@pytest.mark.parametrize("mx_join", [False, True], ids=["split", "joined"])
+def test_prefill_mxfp4_scale_ranges_gpu(gen, scale_range, q_scale, mx_join):
     """Every e8m0 byte 0..254 is folded into bf16 K exactly (subnormal K at the low end, 2^127 at the top); Q is
     scaled so that the scores stay far above the tolerance's absolute floor and inside fp32."""
     _on("cuda")
     got = check_prefill(gen, "cuda", "mxfp4", torch.bfloat16, 4, new=[129, 300], prefix=[5, 700],
-                        scale_range=scale_range, q_scale=q_scale)
+                        scale_range=scale_range, q_scale=q_scale, mx_join=mx_join)
     assert got.isfinite().any()
 
 
@@ -363,6 +400,10 @@ def test_supported_accepts_valid_inputs_and_other_rejections(device):
         mod.score_prefill_sm90(fmt="mxfp4", **bad)
     with pytest.raises(ValueError, match="tiles must be"):
         mod.score_prefill_sm90(fmt="mxfp4", tiles=torch.zeros(2, 2, dtype=torch.int64, device=device), **args)
+    with pytest.raises(TypeError, match="unknown launch settings"):
+        mod.score_prefill_sm90(fmt="mxfp4", warps=4, **args)
+    with pytest.raises(ValueError, match="need tn in"):
+        mod.score_prefill_sm90(fmt="mxfp4", tn=32, **args)
 
 
 def test_supported_refuses_the_cpu_without_the_interpreter(monkeypatch):
