@@ -152,9 +152,9 @@ def score_and_select_decode(plan: DecodePlan, q, cache, out=None, topk=None):
 
 @dataclass(frozen=True, eq=False)
 class PrefillPlan:
-    """One prefill batch, checked: the backend, the geometry, the metadata tensors and (Triton) the work
-    map (``tiles`` int32 ``[n_tiles, 2]`` of (request, first row) on the device, ``rows`` per tile), built
-    from lengths on the host, so no layer reads lengths back from the device.
+    """One prefill batch, checked: the backend, the geometry, the metadata tensors and the work map (``tiles``
+    int32 ``[n_tiles, 2]`` of (request, first row) on the device; Triton: built from host lengths, ``rows`` per
+    tile; ``triton_sm90``: built on the device, padded with skipped tiles), so no layer reads lengths back.
     ``skip_rows_seeing`` (torch backend): rows seeing at most this many pages are left -inf."""
 
     backend: str
@@ -196,8 +196,10 @@ def plan_prefill(cache, block_table, seq_lens, cu_seqlens_q, H, sm_scale, max_bl
         from .triton import prefill_tiles
 
         tiles, rows = prefill_tiles(cu, H, cache.device)
-    # SLOT (op="prefill", backend "cuda"): the sm_90 CUDA prefill scorer's plan goes here once
-    # resolve._cuda_prefill_available answers True (its checks and work map), and its run in score_prefill.
+    elif name == "triton_sm90":  # the work map on the device: no host lengths in it, so it can be captured
+        from .triton_sm90 import max_prefill_tiles, prefill_tiles_device
+
+        tiles = prefill_tiles_device(cu_seqlens_q, H, max_prefill_tiles(num_tokens, batch, H))
     elif name != "torch":
         raise NotImplementedError(f"score backend {name!r} has no prefill scorer in this build")
     return PrefillPlan(name, cache.storage, H, batch, num_tokens, max_block, sm_scale, block_table, seq_lens,
@@ -214,6 +216,10 @@ def score_prefill(plan: PrefillPlan, q, cache, out=None):
         from .triton import score_prefill_triton
 
         return score_prefill_triton(plan, q, cache, out)
+    if plan.backend == "triton_sm90":
+        from .triton_sm90 import score_prefill_planned
+
+        return score_prefill_planned(plan, q, cache, out)
     from .cpu import prefill_scores
 
     return prefill_scores(q, cache.data, cache.scale_e8m0, plan.block_table, plan.seq_lens, plan.cu_seqlens_q,

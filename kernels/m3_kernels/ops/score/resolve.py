@@ -8,9 +8,11 @@ batch; nothing downstream second-guesses it. See ``docs/design.md`` (where each 
 auto, decode:  torch off-GPU; FlyDSL on ROCm gfx950 (when installed); the CUDA kernel for an
                MXFP4 cache on NVIDIA sm_90+ when it builds and the batch has ``S * H <= 32`` query
                vectors per request; Triton otherwise.
-auto, prefill: torch off-GPU; Triton on GPUs.
-forced:        the named backend; FlyDSL and aiter score decode only (forced for prefill they
-               resolve as auto), and so does CUDA until its prefill scorer lands (the slot below).
+auto, prefill: torch off-GPU; the sm_90 Triton scorer (``triton_sm90``: large query tiles, each page
+               decoded once per tile, warpgroup MMA, a device work map) on NVIDIA Hopper; Triton on
+               other GPUs.
+forced:        the named backend; FlyDSL, aiter and CUDA score decode only and ``triton_sm90`` prefill
+               only (forced for the other op they resolve as auto).
 """
 
 import logging
@@ -21,7 +23,7 @@ import torch
 
 from ...formats import IndexKFormat, parse_format
 
-BACKENDS = ("auto", "torch", "triton", "cuda", "flydsl", "aiter")
+BACKENDS = ("auto", "torch", "triton", "triton_sm90", "cuda", "flydsl", "aiter")
 ENV_BACKEND = "M3_SCORE_BACKEND"
 OPS = ("decode", "prefill")
 
@@ -44,11 +46,12 @@ def requested_backend(backend: str | None = None) -> str:
     return name
 
 
-def _cuda_prefill_available(device: torch.device) -> tuple[bool, str]:
-    # SLOT (op="prefill", backend "cuda"): the sm_90 CUDA prefill scorer is being written in new files under
-    # backends/cuda/. When it lands, answer here from its own availability (e.g. NVIDIA sm_90+, built),
-    # and add its run to ``plan_prefill``/``score_prefill`` (ops/score/__init__.py, marked there too).
-    return False, "no CUDA prefill scorer in this build"
+def _sm90_prefill_available(device: torch.device) -> tuple[bool, str]:
+    """Whether the sm_90 prefill scorer (``triton_sm90``) runs on ``device``: NVIDIA compute capability 9.x (or the
+    CPU under ``TRITON_INTERPRET=1``, for the tests)."""
+    from .triton_sm90 import device_ok
+
+    return device_ok(device)
 
 
 def choose_backend(device, fmt, op: str = "decode", backend: str | None = None,
@@ -62,15 +65,16 @@ def choose_backend(device, fmt, op: str = "decode", backend: str | None = None,
     storage = IndexKFormat.MXFP4 if parse_format(fmt).is_mxfp4 else parse_format(fmt)
     requested = requested_backend(backend)
     if requested != "auto":
-        if op == "prefill" and requested in ("flydsl", "aiter"):
+        if op == "prefill" and requested in ("flydsl", "aiter", "cuda"):
             return Choice(_auto(device, storage, op, query_vectors).backend,
                           f"{requested} scores decode only; prefill resolves as auto")
-        if op == "prefill" and requested == "cuda":
-            ok, why = _cuda_prefill_available(device)
+        if op == "decode" and requested == "triton_sm90":
+            return Choice(_auto(device, storage, op, query_vectors).backend,
+                          "triton_sm90 scores prefill only; decode resolves as auto")
+        if requested == "triton_sm90":
+            ok, why = _sm90_prefill_available(device)
             if not ok:
-                auto = _auto(device, storage, op, query_vectors).backend
-                return Choice(auto, f"cuda prefill: {why}; resolves as auto")
-            return Choice("cuda", "forced")
+                raise NotImplementedError(f"score backend 'triton_sm90' cannot run here: {why}")
         return Choice(requested, f"forced by {'the backend argument' if backend else ENV_BACKEND}")
     return _auto(device, storage, op, query_vectors)
 
@@ -79,10 +83,10 @@ def _auto(device: torch.device, storage: IndexKFormat, op: str, query_vectors: i
     if device.type != "cuda":
         return Choice("torch", f"auto: {device.type} is not a GPU")
     if op == "prefill":
-        ok, why = _cuda_prefill_available(device)  # the future CUDA prefill scorer's slot
+        ok, why = _sm90_prefill_available(device)
         if ok:
-            return Choice("cuda", "auto: CUDA prefill scorer")
-        return Choice("triton", "auto: GPU prefill")
+            return Choice("triton_sm90", "auto: prefill on NVIDIA Hopper")
+        return Choice("triton", f"auto: GPU prefill ({why})")
     from .backends import flydsl  # light: imports FlyDSL only when a kernel is launched
 
     if flydsl.is_available(device):

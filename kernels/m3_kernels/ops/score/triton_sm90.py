@@ -346,7 +346,8 @@ def _prefill_sm90_kernel(
 # ---------------------------------------------------------------- entry points
 
 
-def _device_ok(device: torch.device) -> tuple[bool, str]:
+def device_ok(device: torch.device) -> tuple[bool, str]:
+    """``(True, "")`` on an NVIDIA sm_90 GPU (or the CPU under the Triton interpreter), else ``(False, why)``."""
     if device.type == "cpu" and _interpret():
         return True, ""
     if device.type != "cuda" or torch.version.hip is not None:
@@ -365,7 +366,7 @@ def supported(q, k_data, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale,
         check_prefill_args(q, k_data, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block, out)
     except ValueError as e:
         return False, str(e)
-    return _device_ok(q.device)
+    return device_ok(q.device)
 
 
 # Launch settings per cache format: those an H100 measured fastest (docs/perf.md, 2026-12-07) for chunks of
@@ -403,7 +404,7 @@ def score_prefill_sm90(q, k_data, k_scale, fmt, block_table, seq_lens, cu_seqlen
     fmt = parse_format(fmt)
     if fmt.is_mxfp4 != cache_fmt.is_mxfp4 or (not fmt.is_mxfp4 and fmt is not cache_fmt):
         raise ValueError(f"fmt={fmt.value!r} does not match the cache, which holds {cache_fmt.value}")
-    ok, reason = _device_ok(q.device)
+    ok, reason = device_ok(q.device)
     if not ok:
         raise ValueError(reason)
     if tiles is None:
@@ -413,19 +414,38 @@ def score_prefill_sm90(q, k_data, k_scale, fmt, block_table, seq_lens, cu_seqlen
             or tiles.device != q.device:
         raise ValueError(f"tiles must be a contiguous int32 [n, 2] tensor on {q.device}, got {tiles.dtype} "
                          f"{tuple(tiles.shape)} on {tiles.device}")
-    if out is None:
-        out = torch.empty((H, q.shape[0], max_block), dtype=torch.float32, device=q.device)
-    n_tiles = tiles.shape[0]
-    if n_tiles == 0 or max_block == 0 or q.shape[0] == 0:
-        return out
     settings = dict(DEFAULT_LAUNCH["mxfp4" if fmt.is_mxfp4 else fmt.value])
     unknown = set(launch) - set(settings)
     if unknown:
         raise TypeError(f"unknown launch settings {sorted(unknown)}; known: {sorted(settings)}")
     settings.update(launch)
+    if settings["tn"] not in (64, 128) or not (isinstance(settings["pp"], int) and settings["pp"] >= 1):
+        raise ValueError(f"need tn in (64, 128) and an int pp >= 1, got tn={settings['tn']!r}, pp={settings['pp']!r}")
+    if out is None:
+        out = torch.empty((H, q.shape[0], max_block), dtype=torch.float32, device=q.device)
+    return _launch(q, k_data, k_scale, fmt, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block, out, tiles,
+                   settings)
+
+
+def score_prefill_planned(plan, q, cache, out=None):
+    """The run of a ``plan_prefill`` plan whose backend is ``"triton_sm90"`` (``plan.tiles``: the device work map):
+    one launch with the format's ``DEFAULT_LAUNCH``, nothing checked (the plan did). ``out``: default the plan's
+    buffer, else fresh."""
+    if out is None:
+        out = plan.out if plan.out is not None else torch.empty((plan.H, plan.num_tokens, plan.max_block),
+                                                                dtype=torch.float32, device=q.device)
+    fmt = cache.storage
+    settings = DEFAULT_LAUNCH["mxfp4" if fmt.is_mxfp4 else fmt.value]
+    return _launch(q, cache.data, cache.scale_e8m0, fmt, plan.block_table, plan.seq_lens, plan.cu_seqlens_q,
+                   plan.sm_scale, plan.max_block, out, plan.tiles, settings)
+
+
+def _launch(q, k_data, k_scale, fmt, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block, out, tiles, settings):
+    """Launch the kernel over checked arguments; returns ``out``."""
+    H, n_tiles = q.shape[1], tiles.shape[0]
+    if n_tiles == 0 or max_block == 0 or q.shape[0] == 0:
+        return out
     pp, tn, maxnreg = settings["pp"], settings["tn"], settings["maxnreg"]
-    if tn not in (64, 128) or not (isinstance(pp, int) and pp >= 1):
-        raise ValueError(f"need tn in (64, 128) and an int pp >= 1, got tn={tn!r}, pp={pp!r}")
     rows = tile_rows(H)
     bm = max(16, triton.next_power_of_2(rows * H))
     if fmt.is_mxfp4:
@@ -448,4 +468,4 @@ def score_prefill_sm90(q, k_data, k_scale, fmt, block_table, seq_lens, cu_seqlen
 
 
 __all__ = ["BLOCK_Q", "DEFAULT_LAUNCH", "SENTINEL", "max_prefill_tiles", "prefill_tiles_device", "prefill_tiles_host",
-           "score_prefill_sm90", "supported", "tile_rows"]
+           "score_prefill_planned", "score_prefill_sm90", "supported", "tile_rows"]

@@ -1,8 +1,8 @@
 """The one resolver's decisions: device x format x op x ``M3_SCORE_BACKEND``, on the CPU with GPUs faked.
 
 A fake device is a ``torch.device("cuda", i)`` whose kind the backends' own availability answers are
-patched to report: index 0 an NVIDIA sm_90 on which the CUDA kernel builds, 1 an NVIDIA GPU on which it
-cannot (an older GPU, or no nvcc), 2 a ROCm gfx950 with FlyDSL installed."""
+patched to report: index 0 an NVIDIA sm_90 on which the CUDA kernel builds (and the sm_90 prefill scorer runs),
+1 an NVIDIA GPU on which neither can (an older GPU, or no nvcc), 2 a ROCm gfx950 with FlyDSL installed."""
 
 import logging
 
@@ -27,6 +27,9 @@ def fake_gpus(monkeypatch):
     monkeypatch.setattr(cuda_backend, "availability",
                         lambda device=None: (True, "") if torch.device(device) == DEVICES[SM90]
                         else (False, "the CUDA scorer needs sm_90 or newer (bulk copies), this GPU is sm_80"))
+    monkeypatch.setattr(resolve, "_sm90_prefill_available",
+                        lambda device: (True, "") if torch.device(device) == DEVICES[SM90]
+                        else (False, "the sm_90 prefill scorer needs compute capability 9.x (Hopper)"))
 
 
 def _auto_decode(device, fmt):
@@ -39,8 +42,12 @@ def _auto_decode(device, fmt):
     return "triton"
 
 
+def _auto_prefill(device):
+    return {CPU: "torch", SM90: "triton_sm90"}.get(device, "triton")
+
+
 TABLE = [(d, f, "decode", _auto_decode(d, f)) for d in DEVICES for f in FORMATS] + [
-    (d, f, "prefill", "torch" if d == CPU else "triton") for d in DEVICES for f in FORMATS]
+    (d, f, "prefill", _auto_prefill(d)) for d in DEVICES for f in FORMATS]
 
 
 @pytest.mark.parametrize("device,fmt,op,want", TABLE)
@@ -53,12 +60,24 @@ def test_auto(fake_gpus, device, fmt, op, want):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_forced_by_the_environment(fake_gpus, monkeypatch, forced, device, fmt):
     """A forced backend is taken as is for decode (the plan then checks whether it can run); prefill has no
-    FlyDSL, aiter or (yet) CUDA scorer, so those resolve as auto there."""
+    FlyDSL, aiter or CUDA scorer, so those resolve as auto there."""
     monkeypatch.setenv(resolve.ENV_BACKEND, forced)
     assert resolve.resolve_backend(DEVICES[device], fmt, "decode") == forced
-    prefill_auto = "torch" if device == CPU else "triton"
-    want = prefill_auto if forced in ("cuda", "flydsl", "aiter") else forced
+    want = _auto_prefill(device) if forced in ("cuda", "flydsl", "aiter") else forced
     assert resolve.resolve_backend(DEVICES[device], fmt, "prefill") == want
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_forced_sm90_prefill(fake_gpus, monkeypatch, fmt):
+    """``triton_sm90`` scores prefill only: forced, decode resolves as auto; prefill takes it on Hopper and
+    refuses it, naming why, anywhere else."""
+    monkeypatch.setenv(resolve.ENV_BACKEND, "triton_sm90")
+    for device in DEVICES:
+        assert resolve.resolve_backend(DEVICES[device], fmt, "decode") == _auto_decode(device, fmt)
+    assert resolve.resolve_backend(DEVICES[SM90], fmt, "prefill") == "triton_sm90"
+    for device in (CPU, OLD_NVIDIA, GFX950):
+        with pytest.raises(NotImplementedError, match="score backend 'triton_sm90' cannot run here: "):
+            resolve.resolve_backend(DEVICES[device], fmt, "prefill")
 
 
 def test_the_argument_wins_over_the_environment(fake_gpus, monkeypatch):

@@ -411,3 +411,38 @@ def test_supported_refuses_the_cpu_without_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     ok, reason = mod.supported(**_args("cpu"))
     assert not ok and "NVIDIA CUDA" in reason
+
+
+# ---------------------------------------------------------------- through the dispatcher (plan, then run)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_plan_then_run_equals_the_checked_entry_and_the_oracle(gen, device, fmt):
+    """``plan_prefill(backend="triton_sm90")`` builds the device work map once; ``score_prefill`` then runs the
+    kernel with nothing checked: bit for bit the checked entry's scores, within the oracle's bound, every
+    column of a poisoned ``out`` written."""
+    from m3_kernels.formats import IndexKCache
+    from m3_kernels.ops.score import plan_prefill, score_prefill
+
+    device = _on(device)
+    H, new, prefix = 4, [129, 1, 0, 300], [127, 0, 5, 128]
+    batch, max_block = len(new), max(-(-(p + n) // PAGE_SIZE) for p, n in zip(prefix, new))
+    pages = batch * max_block + 1
+    k_cache, k_scale = _cache(gen, fmt, pages, device)
+    cache = IndexKCache(fmt, k_cache, k_scale)
+    bt = torch.randperm(pages, generator=gen)[: batch * max_block].reshape(batch, max_block).int().to(device)
+    seq = torch.tensor([p + n for p, n in zip(prefix, new)], dtype=torch.int32, device=device)
+    cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    q = make_q(gen, sum(new), H, torch.bfloat16, device, 1.0)
+    out = torch.full((H, sum(new), max_block), float("nan"), device=device)
+    plan = plan_prefill(cache, bt, seq, cu, H, 0.25, max_block, out, backend="triton_sm90")
+    assert plan.backend == "triton_sm90" and plan.tiles.dtype == torch.int32
+    got = score_prefill(plan, q, cache)
+    assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
+    want = _mod().score_prefill_sm90(q, k_cache, k_scale, fmt, bt, seq, cu, 0.25, max_block)
+    assert torch.equal(got, want)
+    kc, ks = k_cache.cpu(), (k_scale.cpu() if k_scale is not None else None)
+    args = (bt.cpu(), seq.cpu(), cu.cpu(), 0.25, max_block)
+    assert_scores_close(got, score_prefill_ref(q.cpu(), kc, ks, *args),
+                        score_prefill_ref(q_abs(q.cpu()), *abs_index_k(kc, ks), *args))
