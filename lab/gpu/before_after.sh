@@ -1,30 +1,45 @@
 #!/usr/bin/env bash
-# On a GPU machine with the wheel bundle carried: the product's GPU tests at this tree, then the decode scorer
-# and writer benchmark (tests/benchmarks/bench_score.py --quick --no-peer) A-B-B-A between this tree (A) and
-# an earlier one unpacked under before/ (B: `git archive REV kernels tests/benchmarks | tar -x -C before`),
-# then the prefill scorer benchmark. Tables in $OUT/{after1,before1,before2,after2}/bench_score.md.
-#   lab/gpu/before_after.sh [pytest -k expression]
+# On a GPU machine with the wheel bundle carried (lab/gpu/bundle_env.sh), in phases that fit one call each:
+#   lab/gpu/before_after.sh tests              the product's GPU tests at this tree (the correctness gate)
+#   lab/gpu/before_after.sh bench ARM ...      tests/benchmarks/bench_score.py --quick --no-peer per ARM, in order:
+#                                              after* = this tree, before* = the tree unpacked in build/before
+#                                              (git archive REV kernels tests/benchmarks | tar -x -C build/before)
+#   lab/gpu/before_after.sh prefill            tests/benchmarks/bench_prefill.py (sm_90 vs portable prefill scorer)
+# Logs and tables under $OUT (default ./out); a phase after a failed gate refuses to time.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-source lab/gpu/bundle_env.sh || exit 1
+source lab/gpu/bundle_env.sh > /dev/null || exit 1
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/kernels/ops/write/test_triton.py \
-    tests/kernels/ops/score tests/kernels/ops/select/test_triton.py tests/kernels/ops/test_pdl.py \
-    tests/sglang_m3/test_sparse_attention.py ${1:+-k "$1"} > "$OUT/pytest_gpu.log" 2>&1
-rc=$?
-tail -n 5 "$OUT/pytest_gpu.log"
-[ "$rc" = 0 ] || { echo "CORRECTNESS GATE FAILED ($rc): no timing"; exit "$rc"; }
-here=$PYTHONPATH
-for arm in after1 before1 before2 after2; do
-    if [ "${arm#before}" != "$arm" ]; then
-        root=before
-    else
+phase=${1:-tests}
+shift || true
+case "$phase" in
+tests)
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+    timeout 480 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/ops/write/test_triton.py \
+        tests/kernels/ops/score tests/kernels/ops/select/test_triton.py tests/kernels/ops/test_pdl.py \
+        tests/sglang_m3/test_sparse_attention.py > "$OUT/pytest_gpu.log" 2>&1
+    rc=$?
+    grep -E "passed|failed|error" "$OUT/pytest_gpu.log" | tail -n 3
+    grep -E "^FAILED|^ERROR" "$OUT/pytest_gpu.log" | head -n 20
+    [ "$rc" = 0 ] || touch "$OUT/GATE_FAILED"
+    exit "$rc" ;;
+bench)
+    [ -f "$OUT/GATE_FAILED" ] && { echo "correctness gate failed: no timing"; exit 1; }
+    here=$PYTHONPATH
+    for arm in "$@"; do
         root=.
-    fi
-    mkdir -p "$OUT/$arm"
-    PYTHONPATH="$PWD/$root/kernels:$here" timeout 300 python3 "$root/tests/benchmarks/bench_score.py" --quick --no-peer \
-        --out "$OUT/$arm" > "$OUT/$arm/log.txt" 2>&1 || { echo "$arm failed"; tail -n 20 "$OUT/$arm/log.txt"; }
-done
-for arm in after1 before1 before2 after2; do echo "== $arm"; grep -E "^\| S" "$OUT/$arm/bench_score.md" | cut -d'|' -f2-10; done
+        [ "${arm#before}" != "$arm" ] && root=build/before
+        mkdir -p "$OUT/$arm"
+        PYTHONPATH="$PWD/$root/kernels:$here" timeout 280 python3 "$root/tests/benchmarks/bench_score.py" --quick \
+            --no-peer --out "$OUT/$arm" > "$OUT/$arm/log.txt" 2>&1 || { echo "$arm failed"; tail -n 15 "$OUT/$arm/log.txt"; }
+        echo "== $arm"; grep -E "^\| S" "$OUT/$arm/bench_score.md" | cut -d'|' -f2-10,14
+    done ;;
+prefill)
+    [ -f "$OUT/GATE_FAILED" ] && { echo "correctness gate failed: no timing"; exit 1; }
+    timeout 400 python3 tests/benchmarks/bench_prefill.py --out "$OUT" > "$OUT/prefill_log.txt" 2>&1
+    rc=$?
+    tail -n 25 "$OUT/prefill_log.txt"
+    exit "$rc" ;;
+*) echo "phase must be tests, bench or prefill, got $phase" >&2; exit 2 ;;
+esac

@@ -29,10 +29,10 @@ import time
 
 import torch
 
-from m3_kernels.formats import PAGE_SIZE, IndexKFormat
-from m3_kernels.ops.score import triton_sm90
+from m3_kernels.formats import PAGE_SIZE, IndexKCache, IndexKFormat
+from m3_kernels.ops.score import plan_prefill, triton_sm90
 from m3_kernels.ops.score.naive import score_prefill_ref
-from m3_kernels.ops.score.triton import prefill_tiles, score_prefill_triton
+from m3_kernels.ops.score.triton import score_prefill_triton
 from m3_kernels.testing import abs_index_k, assert_scores_close, capture_graph, make_q, q_abs, random_cache
 
 H, D = 4, 128
@@ -59,13 +59,20 @@ def make_inputs(gen, fmt, ctx, chunk, sets):
     return out
 
 
+def today(fmt, s, q, k_data, k_scale, out):
+    """Today's portable Triton scorer, planned once (``plan_prefill(backend="triton")``): ``(plan, cache)``."""
+    cache = IndexKCache(FORMATS[fmt], k_data, k_scale)
+    plan = plan_prefill(cache, s["bt"], s["seq"], s["cu"], H, SM_SCALE, s["max_block"], out,
+                        cu_seqlens_host=s["cu"].tolist(), seq_lens_host=s["seq"].tolist(), backend="triton")
+    return plan, cache
+
+
 def arm_call(kind, fmt, s, cfg=None):
     """A closure running one scorer call on input set ``s`` (work maps made once, outside)."""
     f = FORMATS[fmt]
     if kind == "today":
-        tiles = prefill_tiles(s["cu"], H)
-        return lambda: score_prefill_triton(s["q"], s["k_data"], s["k_scale"], f, s["max_block"], s["bt"], s["seq"],
-                                            s["cu"], SM_SCALE, s["out"], tiles=tiles)
+        plan, cache = today(fmt, s, s["q"], s["k_data"], s["k_scale"], s["out"])
+        return lambda: score_prefill_triton(plan, s["q"], cache, s["out"])
     cfg = cfg or {}
     tiles = triton_sm90.prefill_tiles_device(s["cu"], H, triton_sm90.max_prefill_tiles(s["q"].shape[0], 1, H))
     return lambda: triton_sm90.score_prefill_sm90(s["q"], s["k_data"], s["k_scale"], f, s["bt"], s["seq"], s["cu"],
@@ -98,13 +105,11 @@ def flops(ctx, chunk):
 def gate_vs_today(fmt, s, cfg):
     """The sm_90 arm against today's Triton scorer on benchmark inputs: both are within 1e-5 * bound of
     the exact score, so within 2e-5 * bound of each other. Returns an error string or ''."""
-    f = FORMATS[fmt]
-    tiles = prefill_tiles(s["cu"], H)
-    want = score_prefill_triton(s["q"], s["k_data"], s["k_scale"], f, s["max_block"], s["bt"], s["seq"], s["cu"],
-                                SM_SCALE, None, tiles=tiles)
+    plan, cache = today(fmt, s, s["q"], s["k_data"], s["k_scale"], None)
+    want = score_prefill_triton(plan, s["q"], cache)
     ka, sa = abs_index_k(s["k_data"], s["k_scale"])
-    bound = score_prefill_triton(q_abs(s["q"]), ka, sa, f, s["max_block"], s["bt"], s["seq"], s["cu"], SM_SCALE, None,
-                                 tiles=tiles)
+    plan_abs, cache_abs = today(fmt, s, q_abs(s["q"]), ka, sa, None)
+    bound = score_prefill_triton(plan_abs, q_abs(s["q"]), cache_abs)
     s["out"].fill_(float("nan"))
     arm_call("sm90", fmt, s, cfg)()
     got = s["out"]
