@@ -333,4 +333,8 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    # Run as a script, sys.path[0] is tests/, where the test folder tests/sglang_m3 would stand in for the package
+    # sglang_m3 (as a namespace) in every forked server; a launcher's children expect what ``python -m`` gives:
+    # the working directory first.
+    sys.path[0] = os.getcwd()
     main()
