@@ -251,7 +251,7 @@ def _normalized(line: str) -> str:
     line = re.sub(r"0x[0-9a-f]+", "0xH", line)
     # FastAPI's duplicate-operation warnings name one HTTP method of a route, picked by set order (a per-process hash)
     line = re.sub(r"_(get|post|put|delete|patch) for function", "_METHOD for function", line)
-    return re.sub(r"\d+(\.\d+)?", "N", line).strip()
+    return re.sub(r"-?\d+(\.\d+)?", "N", line).strip()  # signed: SGLang logs memory deltas like "-0.12 GB"
 
 
 def serve(model: Path, tmp_path: Path, name: str, env_extra: dict, shim: Path) -> dict:

@@ -75,7 +75,11 @@ def test_ready_then_the_stop_ends_the_process_group(tmp_path):
             time.sleep(0.1)
         child = int(re.search(r"(?m)^child (\d+)$", s.log_tail()).group(1))
         assert _alive(s.proc.pid) and _alive(child)
-    assert s.proc.poll() is not None and not _alive(child)
+    assert s.proc.poll() is not None
+    deadline = time.monotonic() + 10  # SIGKILL is delivered, not instant: on a loaded box the child takes a moment
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
     assert s.log_path.read_text().startswith(sys.executable)  # the command line heads the log
 
 

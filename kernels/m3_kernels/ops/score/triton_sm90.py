@@ -350,7 +350,7 @@ def device_ok(device: torch.device) -> tuple[bool, str]:
     """``(True, "")`` on an NVIDIA sm_90 GPU (or the CPU under the Triton interpreter), else ``(False, why)``."""
     if device.type == "cpu" and _interpret():
         return True, ""
-    if device.type != "cuda" or torch.version.hip is not None:
+    if device.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
         return False, f"the sm_90 prefill scorer runs on NVIDIA CUDA devices, got {device}"
     cap = torch.cuda.get_device_capability(device)
     if cap[0] != 9:
