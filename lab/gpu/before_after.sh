@@ -5,7 +5,9 @@
 #                                              after* = this tree, before* = the tree unpacked in build/before
 #                                              (git archive REV kernels tests/benchmarks | tar -x -C build/before)
 #   lab/gpu/before_after.sh prefill            tests/benchmarks/bench_prefill.py (sm_90 vs portable prefill scorer)
-# Logs and tables under $OUT (default ./out); a phase after a failed gate refuses to time.
+# Logs and tables under $OUT (default ./out); a phase after a failed gate refuses to time. On a fresh H200
+# (2026-12-07) the tests phase did not finish in 280 s (bundle unpack, bytecode, JIT builds, then the tests):
+# give it a call of its own with the whole 600 s.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source lab/gpu/bundle_env.sh > /dev/null || exit 1
