@@ -121,19 +121,9 @@ def _load_q(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, d0, DK: tl.constexp
     return _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, d0 + tl.arange(0, DK))
 
 
-@triton.jit
-def _e2m1_split_f16(b_d, USE_ASM: tl.constexpr):
-    """uint8 ``[..., C]`` packed e2m1 -> (low-nibble fp16, high-nibble fp16), each ``[..., C]`` and
-    ``2^-14 * e2m1``, without interleaving.
-
-    fp16 of nibble n is ``(n & 8) << 12 | (n & 7) << 9``: its low byte is zero and its high byte
-    is ``(n & 8) << 4 | (n & 7) << 1``, so the GPU path builds four high bytes per 32-bit word
-    with two masks and shifts and places them with byte permutes (about 1.6 instructions per
-    element).
-    """
-    if USE_ASM:
-        lo, hi = tl.inline_asm_elementwise(
-            asm="""
+# e2m1 nibbles to fp16 (2^-14 * e2m1) by byte permutes: four bytes in, four f16x2 words out (see _e2m1_split_f16);
+# the sm_90 prefill scorer (triton_sm90) builds on the same text
+_E2M1_F16_ASM_TEXT = """
             {
             .reg .b32 hl, hh, t, z;
             mov.b32 z, 0;
@@ -151,7 +141,23 @@ def _e2m1_split_f16(b_d, USE_ASM: tl.constexpr):
             prmt.b32 $2, hh, z, 0x1404;
             prmt.b32 $3, hh, z, 0x3424;
             }
-            """,
+            """
+_E2M1_F16_ASM = tl.constexpr(_E2M1_F16_ASM_TEXT)  # a jit function reads module globals only as constexpr
+
+
+@triton.jit
+def _e2m1_split_f16(b_d, USE_ASM: tl.constexpr):
+    """uint8 ``[..., C]`` packed e2m1 -> (low-nibble fp16, high-nibble fp16), each ``[..., C]`` and
+    ``2^-14 * e2m1``, without interleaving.
+
+    fp16 of nibble n is ``(n & 8) << 12 | (n & 7) << 9``: its low byte is zero and its high byte
+    is ``(n & 8) << 4 | (n & 7) << 1``, so the GPU path builds four high bytes per 32-bit word
+    with two masks and shifts and places them with byte permutes (about 1.6 instructions per
+    element).
+    """
+    if USE_ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            asm=_E2M1_F16_ASM,
             constraints="=r,=r,=r,=r,r",
             args=[b_d],
             dtype=(tl.float16, tl.float16),

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from ...formats import INDEX_DIM, MXFP4_DATA_BYTES, MXFP4_SCALE_BYTES, PAGE_SIZE, IndexKFormat
 from .common import check_prefill_args, check_prefill_lengths
+from .triton import _E2M1_F16_ASM, _E2M1_F16_ASM_TEXT  # the e2m1 byte-permute decode, shared with the decode scorer
 
 BLOCK_Q = 256  # query vectors per tile (tokens x heads)
 _FMT_CODE = {IndexKFormat.BF16: 0, IndexKFormat.FP8: 1, IndexKFormat.MXFP4: 2, IndexKFormat.MXFP4_ROT: 2}
@@ -104,25 +105,6 @@ def _pow2(e):
     return (e << 23).to(tl.float32, bitcast=True)
 
 
-_E2M1_F16_ASM_TEXT = """
-            {
-            .reg .b32 hl, hh, t, z;
-            mov.b32 z, 0;
-            and.b32 t, $4, 0x08080808;
-            shl.b32 t, t, 4;
-            and.b32 hl, $4, 0x07070707;
-            shl.b32 hl, hl, 1;
-            or.b32 hl, hl, t;
-            and.b32 t, $4, 0x80808080;
-            shr.u32 hh, $4, 3;
-            and.b32 hh, hh, 0x0E0E0E0E;
-            or.b32 hh, hh, t;
-            prmt.b32 $0, hl, z, 0x1404;
-            prmt.b32 $1, hl, z, 0x3424;
-            prmt.b32 $2, hh, z, 0x1404;
-            prmt.b32 $3, hh, z, 0x3424;
-            }
-            """
 # the same, then times 2^14 (fp16 0x7400) in one exact f16x2 multiply per pair: the e2m1 values themselves
 _E2M1_F16_EXACT_ASM_TEXT = _E2M1_F16_ASM_TEXT.replace("""prmt.b32 $3, hh, z, 0x3424;
             }""", """prmt.b32 $3, hh, z, 0x3424;
@@ -132,7 +114,6 @@ _E2M1_F16_EXACT_ASM_TEXT = _E2M1_F16_ASM_TEXT.replace("""prmt.b32 $3, hh, z, 0x3
             mul.rn.f16x2 $2, $2, t;
             mul.rn.f16x2 $3, $3, t;
             }""")
-_E2M1_F16_ASM = tl.constexpr(_E2M1_F16_ASM_TEXT)  # a jit function reads module globals only as constexpr
 _E2M1_F16_EXACT_ASM = tl.constexpr(_E2M1_F16_EXACT_ASM_TEXT)
 
 
