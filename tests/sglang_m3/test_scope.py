@@ -38,6 +38,7 @@ ROTARY_SHIM = """try:
 except ImportError:
     pass
 """
+FIRED_UP = "The server is fired up and ready to roll!"  # SGLang 0.5.16-0.5.23, after its warmup request
 LOADER_LINES = re.compile(r"Available plugins for group|^\s*- \w+ -> |Loaded plugin|Executed general plugin|"
                           r"Skipping plugin")
 
@@ -266,7 +267,7 @@ def serve(model: Path, tmp_path: Path, name: str, env_extra: dict, shim: Path) -
     log_path = tmp_path / f"{name}.log"
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--load-format", "dummy",
            "--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "4096",
-           "--host", "127.0.0.1", "--port", str(port), "--skip-server-warmup", "--log-level", "info"]
+           "--host", "127.0.0.1", "--port", str(port), "--log-level", "info"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
         try:
@@ -274,12 +275,12 @@ def serve(model: Path, tmp_path: Path, name: str, env_extra: dict, shim: Path) -
             while True:
                 assert proc.poll() is None, log_path.read_text()[-4000:]
                 assert time.monotonic() < deadline, log_path.read_text()[-4000:]
-                try:
-                    with urllib.request.urlopen(url + "/model_info", timeout=5) as r:
-                        if r.status == 200:
-                            break
-                except (urllib.error.URLError, ConnectionError, TimeoutError):
-                    time.sleep(1)
+                # Ready means SGLang's own warmup is over: it ends with a POST to /freeze_gc, then this line. (With
+                # --skip-server-warmup, SGLang 0.5.23 posts /freeze_gc before its HTTP server listens, and whether
+                # that fails is a race: the two runs' logs then differ by chance.)
+                if FIRED_UP in log_path.read_text(errors="replace"):
+                    break
+                time.sleep(1)
             pids = _tree(proc.pid)
             seen = {
                 "environ": {pid: _environ(pid) for pid in pids},
