@@ -103,10 +103,6 @@ def score_decode(plan: DecodePlan, q, cache, out=None):
         from .triton import score_decode_triton
 
         return score_decode_triton(plan, q, cache, out)
-    if name == "cuda":
-        from .backends import cuda
-
-        return cuda.score_decode(plan, q, cache, out)
     if name == "torch":
         from .cpu import decode_scores
 
