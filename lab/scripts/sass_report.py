@@ -33,6 +33,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from m3_kernels.formats import MXFP4_INPUT_MAX
+from m3_kernels.ops.pdl import have_triton_gdc
 from m3_kernels.ops.score import triton as score_triton
 from m3_kernels.ops.write import triton as write_triton
 
@@ -59,7 +60,8 @@ def compile_variant(fmt_code, q_fp8=False, nq=16, rows=4, heads=1, pp=16, num_st
                cp_rank="i32", cp_world="i32", sm_scale="fp32", stride_q_r="i32", stride_q_h="i32",
                stride_k_page="i32", stride_s_page="i32", stride_bt="i32", stride_o_h="i32", stride_o_r="i32")
     const = dict(cu_ptr=None, tile_ptr=None, FMT=fmt_code, Q_FP8=q_fp8, H=heads, ROWS=rows, NQ=nq, PP=pp,
-                 PREFILL=False, FILL_TAIL=False, NUM_STAGES=num_stages, USE_ASM=True)
+                 PREFILL=False, FILL_TAIL=False, NUM_STAGES=num_stages, USE_ASM=True,
+                 USE_PDL=have_triton_gdc())  # as launched on sm_90 (ops.pdl.use_pdl)
     const.update(score_triton._static_constexprs(), INTERPRET=False)
     nv = max(4, triton.next_power_of_2(rows * heads))  # as score_triton._launch
     const.update(NV=nv, MX_STACK=nv <= score_triton._MX_STACK_MAX_NV)
