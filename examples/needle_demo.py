@@ -31,7 +31,7 @@ from sglang_m3.server import Server, cpu_args
 REPO = Path(__file__).resolve().parent.parent  # the checkout this example sits in
 TRAINED_MODEL = REPO / "configs" / "msa-small"
 TINY_MODEL = REPO / "configs" / "minimax-m3.1-tiny"
-# The tiny model's old demo prompt (about 2450 tokens with its tokenizer): kept for the CPU benchmark.
+# The dummy-weight prompt (about 2,450 tokens at 34 repeats with the tiny model's tokenizer).
 PROMPT = ("MiniMax-M3 scores every 128-token block of the context with a small indexer and attends to the best "
           "sixteen; the indexer keys live in a paged cache, here stored as MXFP4. ")
 
