@@ -121,6 +121,50 @@ def assert_scores_close(got, ref, bound):
     assert worst <= 1.0, f"error {worst:.3g} x tolerance"
 
 
+def selection_error(picked, scores, n_visible, tol, topk, local_blocks, init_blocks) -> str:
+    """'' when ``picked`` is an MSA top-k selection of ``scores`` up to near-ties, else what is wrong.
+
+    ``picked int [H, rows, topk]`` block ids in any order, -1 for unused slots (any selector: ours, a
+    peer's); ``scores [H, rows, nb]``; ``n_visible int [rows]``; ``tol``: how far below the row's
+    ``m``-th best score a chosen block may be (a scalar or ``[H, rows, nb]``, e.g. ``2e-5 * bound``).
+    Every row must hold ``m = min(topk, n_visible)`` distinct visible blocks, all forced blocks (the
+    first ``init_blocks`` and the last ``local_blocks`` visible ones) when ``n_visible > topk``, and no
+    other block scoring below the ``m``-th best by more than ``tol``. The contract itself is
+    ``ops.select.naive.select_blocks_ref``; this accepts any tie order, so it can check a peer.
+    """
+    import torch
+
+    H, rows, nb = scores.shape
+    if picked.shape != (H, rows, topk):
+        return f"picked has shape {tuple(picked.shape)}, want {(H, rows, topk)}"
+    ids = torch.arange(nb, device=scores.device)
+    n = n_visible.to(device=scores.device, dtype=torch.long)[None, :, None]  # [1, rows, 1]
+    p = picked.to(device=scores.device, dtype=torch.long)
+    used = p >= 0
+    m = torch.clamp(n, max=topk)
+    if not torch.equal(used.sum(-1, keepdim=True), m.expand(H, rows, 1)):
+        return "a row does not hold min(topk, visible) blocks"
+    if (p >= n).any():
+        return "a block past the row's visible blocks"
+    chosen = torch.zeros(H, rows, nb + 1, dtype=torch.int32, device=scores.device)
+    chosen.scatter_add_(-1, torch.where(used, p, nb), torch.ones_like(p, dtype=torch.int32))
+    if (chosen[..., :nb] > 1).any():
+        return "a block chosen twice in one row"
+    forced = ((ids < init_blocks) | (ids >= n - local_blocks)) & (ids < n) & (n > topk)  # [1, rows, nb]
+    if ((chosen[..., :nb] == 0) & forced).any():
+        return "a forced block (init or local) left out"
+    s = torch.where((ids < n) & ~forced, scores.double(), float("-inf"))
+    ranked = (m - forced.sum(-1, keepdim=True)).expand(H, rows, 1)  # blocks chosen by score
+    kth = torch.sort(s, dim=-1, descending=True).values.gather(-1, (ranked - 1).clamp(min=0))  # [H, rows, 1]
+    slack = torch.as_tensor(tol, dtype=torch.float64, device=scores.device)
+    short = (chosen[..., :nb] > 0) & ~forced & (s < kth - slack) & (ranked > 0)
+    if short.any():
+        h, r, b = (int(x) for x in short.nonzero()[0])
+        return (f"head {h} row {r}: block {b} scores {s[h, r, b].item():.6g}, below the row's best {int(ranked[h, r])} "
+                f"(cut {kth[h, r, 0].item():.6g}) by more than the tolerance")
+    return ""
+
+
 def compile_sm90(module: str, kernel: str, signature: dict, constants: dict, num_warps: int = 4) -> dict:
     """Compile the ``@triton.jit`` function ``module.kernel`` for sm_90 with Triton's own ptxas (no GPU
     needed) and return ``{"seconds": compile time, "sass_bytes": size of the cubin}``. ``signature`` maps the
