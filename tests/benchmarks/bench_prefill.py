@@ -15,6 +15,14 @@ the float64 reference at a small shape, and every arm against today's Triton sco
 own inputs (``|a - b| <= 2e-5 * bound``, bound the score of |q| and |K|, -inf pattern equal, no NaN);
 a failure prints ``GATE FAILED`` and the run exits non-zero after the table.
 
+Beside them (unless ``--no-peer``), scoring plus top-16 selection as a layer does it: SGLang's own MiniMax-M3
+prefill indexer (``flash_prefill_with_topk_index``: bf16 index keys in token slots, index value off, scores and
+top-k in one call, its query-block metadata made once outside) against ours (``plan_prefill`` once outside, as a
+server plans once per batch; then ``score_prefill`` and ``select_blocks``) for bf16, fp8 and MXFP4, A-B-C-D-D-C-B-A.
+The peer reads the same bf16 keys as our bf16 cache (its ``req_to_token`` points into our pages). Gate: every
+selection passes ``m3_kernels.testing.selection_error`` against the scores it should follow (ours: the scores it
+was given; the peer: our bf16 scores of the same keys, within ``2e-5 * bound``).
+
 ``--sweep`` first times the sm_90 kernel's launch settings (tokens per product, pages per program,
 pipeline stages, register cap, the MXFP4 ``mx_join`` path) at two contexts and uses the fastest per format
 for the table (gated against the oracle first); without it the table uses ``DEFAULT_LAUNCH``.
@@ -29,15 +37,21 @@ import time
 
 import torch
 
-from m3_kernels.formats import PAGE_SIZE, IndexKCache, IndexKFormat
-from m3_kernels.ops.score import plan_prefill, triton_sm90
+from bench_score import import_peer
+from m3_kernels.formats import INIT_BLOCKS, LOCAL_BLOCKS, PAGE_SIZE, TOPK_BLOCKS, IndexKCache, IndexKFormat
+from m3_kernels.ops.score import plan_prefill, score_prefill, triton_sm90
 from m3_kernels.ops.score.naive import score_prefill_ref
 from m3_kernels.ops.score.triton import score_prefill_triton
-from m3_kernels.testing import abs_index_k, assert_scores_close, capture_graph, make_q, q_abs, random_cache
+from m3_kernels.ops.select import select_blocks, visible_blocks
+from m3_kernels.testing import (abs_index_k, assert_scores_close, capture_graph, make_q, q_abs, random_cache,
+                                selection_error)
 
 H, D = 4, 128
 SM_SCALE = 0.125
 FORMATS = {"fp8": IndexKFormat.FP8, "mxfp4": IndexKFormat.MXFP4}
+PEER_FORMATS = {"bf16": IndexKFormat.BF16, **FORMATS}  # ours, scoring and selecting, beside the peer
+PEER_MODULE = "sglang.kernels.ops.attention.minimax_sparse.prefill.flash_with_topk_idx"
+PEER_UTILS = "sglang.kernels.ops.attention.minimax_sparse.common.utils"
 
 
 def log(*a):
@@ -55,13 +69,15 @@ def make_inputs(gen, fmt, ctx, chunk, sets):
         cu = torch.tensor([0, chunk], dtype=torch.int32, device="cuda")
         q = make_q(gen, chunk, H, torch.bfloat16, "cuda")
         o = torch.empty(H, chunk, n_pages, device="cuda")
-        out.append(dict(q=q, k_data=k_data, k_scale=k_scale, bt=bt, seq=seq, cu=cu, out=o, max_block=n_pages))
+        n_visible = visible_blocks(torch.arange(ctx - chunk, ctx, device="cuda"), PAGE_SIZE).int()
+        out.append(dict(q=q, k_data=k_data, k_scale=k_scale, bt=bt, seq=seq, cu=cu, out=o, max_block=n_pages,
+                        n_visible=n_visible))
     return out
 
 
 def today(fmt, s, q, k_data, k_scale, out):
     """Today's portable Triton scorer, planned once (``plan_prefill(backend="triton")``): ``(plan, cache)``."""
-    cache = IndexKCache(FORMATS[fmt], k_data, k_scale)
+    cache = IndexKCache(PEER_FORMATS[fmt], k_data, k_scale)
     plan = plan_prefill(cache, s["bt"], s["seq"], s["cu"], H, SM_SCALE, s["max_block"], out,
                         cu_seqlens_host=s["cu"].tolist(), seq_lens_host=s["seq"].tolist(), backend="triton")
     return plan, cache
@@ -77,6 +93,52 @@ def arm_call(kind, fmt, s, cfg=None):
     tiles = triton_sm90.prefill_tiles_device(s["cu"], H, triton_sm90.max_prefill_tiles(s["q"].shape[0], 1, H))
     return lambda: triton_sm90.score_prefill_sm90(s["q"], s["k_data"], s["k_scale"], f, s["bt"], s["seq"], s["cu"],
                                                   SM_SCALE, s["max_block"], s["out"], tiles=tiles, **cfg)
+
+
+def ours_with_select(fmt, s):
+    """Our layer step on input set ``s``: the planned scorer (auto backend, as served) then the selector."""
+    cache = IndexKCache(PEER_FORMATS[fmt], s["k_data"], s["k_scale"])
+    plan = plan_prefill(cache, s["bt"], s["seq"], s["cu"], H, SM_SCALE, s["max_block"], s["out"],
+                        cu_seqlens_host=s["cu"].tolist(), seq_lens_host=s["seq"].tolist())
+    return lambda: select_blocks(score_prefill(plan, s["q"], cache, s["out"]), s["n_visible"])
+
+
+def peer_call(peer, utils, s):
+    """SGLang's indexer on input set ``s`` (bf16): its keys are our bf16 pages read through ``req_to_token``."""
+    chunk, ctx = s["q"].shape[0], int(s["seq"][0])
+    t = torch.arange(ctx, device="cuda")
+    req_to_token = (s["bt"][0, t // PAGE_SIZE].long() * PAGE_SIZE + t % PAGE_SIZE).int().reshape(1, ctx)
+    k_slots = s["k_data"].view(-1, 1, D)
+    cu_blocks, max_blocks_q, all_blocks_q, *_ = utils.get_cu_seqblocks(s["cu"], chunk, 1, PAGE_SIZE)
+    slot_ids = torch.zeros(1, dtype=torch.int32, device="cuda")
+    prefix = s["seq"] - chunk
+    return lambda: peer.flash_prefill_with_topk_index(
+        q=s["q"], k_cache=k_slots, v_cache=None, sink=None, req_to_token=req_to_token, slot_ids=slot_ids,
+        cu_seqlens=s["cu"], seq_lens=s["seq"], prefix_lens=prefix, max_seqlen_q=chunk, max_seqlen_k=ctx,
+        block_size_q=1, block_size_k=PAGE_SIZE, topk=TOPK_BLOCKS, init_blocks=INIT_BLOCKS,
+        local_blocks=LOCAL_BLOCKS, sm_scale=SM_SCALE, disable_index_value=True, cu_seqblocks_q=cu_blocks,
+        max_seqblock_q=max_blocks_q, all_seqblock_q=all_blocks_q)[1]
+
+
+def gate_selections(peer, utils, inputs):
+    """Every arm's top-16 on the first input set (module docstring). Returns error strings."""
+    errors, rule = [], (TOPK_BLOCKS, LOCAL_BLOCKS, INIT_BLOCKS)
+    for fmt in PEER_FORMATS:
+        s = inputs[fmt][0]
+        picked = ours_with_select(fmt, s)()
+        err = selection_error(picked, s["out"], s["n_visible"], 0.0, *rule)
+        if err:
+            errors.append(f"ours {fmt} + select: {err}")
+    s = inputs["bf16"][0]
+    want = s["out"].clone()  # our bf16 scores of the peer's keys (the loop above left them there)
+    plan_abs, cache_abs = today("bf16", s, q_abs(s["q"]), *abs_index_k(s["k_data"], s["k_scale"]), None)
+    bound = score_prefill_triton(plan_abs, q_abs(s["q"]), cache_abs)
+    call = peer_call(peer, utils, s)
+    call()  # autotune outside any graph
+    err = selection_error(call(), want, s["n_visible"], 2e-5 * bound, *rule)
+    if err:
+        errors.append(f"SGLang bf16: {err}")
+    return errors
 
 
 def graph_ms(fns, replays):
@@ -178,11 +240,18 @@ def main():
     ap.add_argument("--sets", type=int, default=2, help="independent input sets per graph")
     ap.add_argument("--replays", type=int, default=15)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-peer", action="store_true", help="leave SGLang's prefill indexer out")
     args = ap.parse_args()
     assert args.replays >= 10
     gen = torch.Generator().manual_seed(int(os.environ.get("M3_BENCH_SEED", "1234")))
     dev = torch.cuda.get_device_name()
     log(f"device: {dev}, torch {torch.__version__}, chunk {args.chunk}, H={H}, sets {args.sets}, replays {args.replays}")
+    peer = utils = None
+    if not args.no_peer:
+        try:
+            peer, utils = import_peer(PEER_MODULE), import_peer(PEER_UTILS)
+        except Exception as e:
+            log(f"SGLang prefill indexer unavailable: {type(e).__name__}: {e}")
     failed = []
     cfgs = {fmt: None for fmt in FORMATS}
     for fmt in FORMATS:
@@ -201,7 +270,7 @@ def main():
     results = []
     for ctx in [int(c) for c in args.ctx.split(",")]:
         chunk = min(args.chunk, ctx)
-        inputs = {fmt: make_inputs(gen, fmt, ctx, chunk, args.sets) for fmt in FORMATS}
+        inputs = {fmt: make_inputs(gen, fmt, ctx, chunk, args.sets) for fmt in (PEER_FORMATS if peer else FORMATS)}
         for fmt in FORMATS:
             err = gate_vs_today(fmt, inputs[fmt][0], cfgs[fmt])
             if err:
@@ -220,6 +289,19 @@ def main():
             row[f"{kind}_{fmt}_tflops"] = fl / (sum(v) / 2) / 1e9
         results.append(row)
         log(f"ctx {ctx}: " + ", ".join(f"{k}_{f} {sum(v) / 2:.3f} ms" for (k, f), v in ms.items()))
+        if peer is not None:
+            for err in gate_selections(peer, utils, inputs):
+                failed.append(f"ctx={ctx}: {err}")
+                log(f"GATE FAILED: ctx={ctx}: {err}")
+            calls = {("sglang", "bf16"): lambda s: peer_call(peer, utils, s)}
+            calls.update({("sel", fmt): (lambda s, fmt=fmt: ours_with_select(fmt, s)) for fmt in PEER_FORMATS})
+            pms = {a: [] for a in calls}
+            for a in list(calls) + list(calls)[::-1]:
+                pms[a].append(graph_ms([calls[a](s) for s in inputs[a[1]]], args.replays))
+            for (kind, fmt), v in pms.items():
+                row[f"{kind}_{fmt}_ms"] = sum(v) / 2
+                row[f"{kind}_{fmt}_rounds_ms"] = v
+            log(f"ctx {ctx}: " + ", ".join(f"{k}_{f} {sum(v) / 2:.3f} ms" for (k, f), v in pms.items()))
         del inputs
         torch.cuda.empty_cache()
 
@@ -236,6 +318,17 @@ def main():
             f"{r['today_fp8_tflops']:.0f} | {r['sm90_mxfp4_ms'] / r['sm90_fp8_ms']:.2f} | "
             f"{r['today_mxfp4_ms'] / r['today_fp8_ms']:.2f} | {r['today_fp8_ms'] / r['sm90_fp8_ms']:.2f} | "
             f"{r['today_mxfp4_ms'] / r['sm90_mxfp4_ms']:.2f} |")
+    if peer is not None:
+        lines += ["", f"Scores plus top-{TOPK_BLOCKS} selection, same shapes: SGLang's M3 prefill indexer (bf16 keys) "
+                  "against ours (planned scorer, auto backend, + selector); ms as above",
+                  "",
+                  "| ctx | SGLang bf16 ms | ours bf16 ms | ours fp8 ms | ours MXFP4 ms | SGLang / ours bf16 "
+                  "| SGLang / ours fp8 | SGLang / ours MXFP4 |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in results:
+            lines.append(f"| {r['ctx']} | {r['sglang_bf16_ms']:.3f} | {r['sel_bf16_ms']:.3f} | {r['sel_fp8_ms']:.3f} | "
+                         f"{r['sel_mxfp4_ms']:.3f} | " + " | ".join(f"{r['sglang_bf16_ms'] / r[f'sel_{f}_ms']:.2f}x"
+                                                               for f in PEER_FORMATS) + " |")
     if failed:
         lines.append("")
         lines += [f"GATE FAILED: {f}" for f in failed]

@@ -115,20 +115,22 @@ def copy_bandwidth(rounds=5):
     return 2 * n / (min(kernel_us, min(eager_us)) * 1e-6) / 1e9
 
 
-def import_peer():
-    """SGLang's decode scorer module without running sglang/__init__ (which imports the server)."""
+def import_peer(module="sglang.kernels.ops.attention.minimax_sparse.decode.flash_with_topk_idx"):
+    """SGLang's M3 indexer ``module`` (default: its decode scorer) without running sglang/__init__ (which imports
+    the server)."""
     import importlib
     import importlib.util
 
-    spec = importlib.util.find_spec("sglang")
-    if spec is None:
-        raise ImportError("sglang is not installed")
-    root = list(spec.submodule_search_locations)[0]
-    for name in ("sglang", "sglang.kernels", "sglang.kernels.ops", "sglang.kernels.ops.attention"):
-        mod = types.ModuleType(name)
-        mod.__path__ = [os.path.join(root, *name.split(".")[1:])]
-        sys.modules[name] = mod
-    return importlib.import_module("sglang.kernels.ops.attention.minimax_sparse.decode.flash_with_topk_idx")
+    if "sglang" not in sys.modules:  # else SGLang, or these stand-ins from an earlier call, is there already
+        spec = importlib.util.find_spec("sglang")
+        if spec is None:
+            raise ImportError("sglang is not installed")
+        root = list(spec.submodule_search_locations)[0]
+        for name in ("sglang", "sglang.kernels", "sglang.kernels.ops", "sglang.kernels.ops.attention"):
+            mod = types.ModuleType(name)
+            mod.__path__ = [os.path.join(root, *name.split(".")[1:])]
+            sys.modules[name] = mod
+    return importlib.import_module(module)
 
 
 class Pools:
