@@ -202,9 +202,12 @@ def _turn_off_prefill_graph(prefill_backend, explicit: bool, hf_config: Callable
     """Whether an index-K config's prefill CUDA graph must be turned off (``hf_config()`` is read
     only when a graph is on); ValueError when the user asked for that graph explicitly.
 
-    The prefill scorer plans its page tiles on the host from each batch's lengths (read back from
-    the device), which a captured graph can neither record nor replay, so SGLang's CUDA default
-    (``breakable`` prefill graphs) is turned off. Decode CUDA graphs are unaffected.
+    Why: in a ``breakable`` prefill graph SGLang records this model's sparse attention inside the graph
+    (for attention with index inputs it inserts no break), while our prefill metadata (the block table's
+    width, the scores' width, the scorer's plan) is made on the host from each batch's lengths: a replay
+    would run the captured batch's. ``tc_piecewise`` runs the attention between pieces, but needs the model
+    under ``torch.compile`` and has not run on a GPU with it. So SGLang's CUDA default (``breakable``) is
+    turned off. Decode CUDA graphs are unaffected.
     """
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
@@ -213,7 +216,9 @@ def _turn_off_prefill_graph(prefill_backend, explicit: bool, hf_config: Callable
     if explicit:
         raise ValueError(
             f"cuda_graph_config prefill backend {prefill_backend!r}: MiniMax-M3.1 with an index-K cache "
-            "runs prefill without a CUDA graph; use --cuda-graph-backend-prefill disabled (decode graphs stay on)"
+            "runs prefill without a CUDA graph, since its prefill metadata is planned on the host per batch and "
+            "a captured prefill would replay the captured batch's; use --cuda-graph-backend-prefill disabled "
+            "(decode graphs stay on)"
         )
     logger.info("MiniMax-M3.1 index-K cache: prefill CUDA graph %r turned off (decode graphs stay on)", prefill_backend)
     return True
