@@ -4,7 +4,8 @@
 #   lab/gpu/before_after.sh bench ARM ...      tests/benchmarks/bench_score.py --quick --no-peer per ARM, in order:
 #                                              after* = this tree, before* = the tree unpacked in build/before
 #                                              (git archive REV kernels tests/benchmarks | tar -x -C build/before)
-#   lab/gpu/before_after.sh prefill            tests/benchmarks/bench_prefill.py (sm_90 vs portable prefill scorer)
+#   lab/gpu/before_after.sh prefill [ARG ...]  tests/benchmarks/bench_prefill.py ARG ... (sm_90 vs portable prefill
+#                                              scorer, and SGLang's own M3 prefill indexer beside ours + selector)
 # Logs and tables under $OUT (default ./out); a phase after a failed gate refuses to time. On a fresh H200
 # (2026-12-07) the tests phase did not finish in 280 s (bundle unpack, bytecode, JIT builds, then the tests):
 # give it a call of its own with the whole 600 s.
@@ -39,7 +40,7 @@ bench)
     done ;;
 prefill)
     [ -f "$OUT/GATE_FAILED" ] && { echo "correctness gate failed: no timing"; exit 1; }
-    timeout 400 python3 tests/benchmarks/bench_prefill.py --out "$OUT" > "$OUT/prefill_log.txt" 2>&1
+    timeout 540 python3 tests/benchmarks/bench_prefill.py --out "$OUT" "$@" > "$OUT/prefill_log.txt" 2>&1
     rc=$?
     tail -n 25 "$OUT/prefill_log.txt"
     exit "$rc" ;;
