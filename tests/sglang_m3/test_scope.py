@@ -297,11 +297,15 @@ def serve(model: Path, tmp_path: Path, name: str, env_extra: dict, shim: Path) -
                                 for status, body in seen["parallel"]]
             # last: SGLang 0.5.16 itself lets an out-of-vocabulary id reach the embedding, and the server dies (W1)
             status, body = _post(url + "/generate", {"input_ids": [5, 99999], "sampling_params": sampling})
-            try:
-                proc.wait(timeout=15)  # a dying server is gone within seconds (its scheduler's crash ends the tree)
-            except subprocess.TimeoutExpired:
-                pass
-            seen["out_of_vocabulary"] = (status, str(body)[:300], proc.poll() is None)
+            if status in (200, 400):  # answered: alive if it still serves the next request
+                alive = _post(url + "/generate", {"input_ids": [5, 6, 7], "sampling_params": sampling})[0] == 200
+            else:
+                try:
+                    proc.wait(timeout=15)  # a dying server is gone within seconds (its scheduler's crash ends the tree)
+                except subprocess.TimeoutExpired:
+                    pass
+                alive = proc.poll() is None
+            seen["out_of_vocabulary"] = (status, str(body)[:300], alive)
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
