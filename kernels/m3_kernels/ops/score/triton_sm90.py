@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ...formats import INDEX_DIM, MXFP4_DATA_BYTES, MXFP4_SCALE_BYTES, PAGE_SIZE, IndexKFormat
 from .common import check_prefill_args, check_prefill_lengths
-from .triton import _E2M1_F16_ASM, _E2M1_F16_ASM_TEXT  # the e2m1 byte-permute decode, shared with the decode scorer
+from .triton import _E2M1_F16_ASM_TEXT, _e2m1_split_f16  # the e2m1 byte-permute decode, shared with decode
 
 BLOCK_Q = 256  # query vectors per tile (tokens x heads)
 _FMT_CODE = {IndexKFormat.BF16: 0, IndexKFormat.FP8: 1, IndexKFormat.MXFP4: 2, IndexKFormat.MXFP4_ROT: 2}
@@ -120,19 +120,14 @@ _E2M1_F16_EXACT_ASM = tl.constexpr(_E2M1_F16_EXACT_ASM_TEXT)
 @triton.jit
 def _e2m1_f16(b_d, USE_ASM: tl.constexpr, UNIT: tl.constexpr):
     """uint8 ``[..., C]`` packed e2m1 -> (low nibbles, high nibbles), each ``[..., C]``: the fp16 bit
-    pattern ``sign << 15 | code << 9``, i.e. ``2^-14 * e2m1`` (code 1 an fp16 subnormal); ``UNIT``: times
-    2^14, the e2m1 values themselves (one exact f16x2 multiply per pair; fp32 in the interpreter)."""
-    if USE_ASM:
-        if UNIT:
-            lo, hi = tl.inline_asm_elementwise(asm=_E2M1_F16_EXACT_ASM, constraints="=r,=r,=r,=r,r", args=[b_d],
-                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-        else:
-            lo, hi = tl.inline_asm_elementwise(asm=_E2M1_F16_ASM, constraints="=r,=r,=r,=r,r", args=[b_d],
-                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    pattern ``sign << 15 | code << 9``, i.e. ``2^-14 * e2m1`` (code 1 an fp16 subnormal; the decode
+    scorer's ``_e2m1_split_f16``); ``UNIT``: times 2^14, the e2m1 values themselves (one exact f16x2
+    multiply per pair; fp32 in the interpreter)."""
+    if UNIT and USE_ASM:
+        lo, hi = tl.inline_asm_elementwise(asm=_E2M1_F16_EXACT_ASM, constraints="=r,=r,=r,=r,r", args=[b_d],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     else:
-        x = b_d.to(tl.int32)
-        lo = ((((x & 0x8) << 12) | ((x & 0x7) << 9)).to(tl.int16)).to(tl.float16, bitcast=True)
-        hi = ((((x & 0x80) << 8) | ((x & 0x70) << 5)).to(tl.int16)).to(tl.float16, bitcast=True)
+        lo, hi = _e2m1_split_f16(b_d, USE_ASM)
         if UNIT:
             lo = lo.to(tl.float32) * 16384.0
             hi = hi.to(tl.float32) * 16384.0
