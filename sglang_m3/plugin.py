@@ -114,6 +114,7 @@ OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
 GOMP_SPINCOUNT = "GOMP_SPINCOUNT"
 CPU_SPINCOUNT = "3000"  # libgomp spins ~100,000 per ms: about 30 us of spinning before a thread sleeps
 CPU_OPENMP_WAITS = {OMP_WAIT_POLICY: "PASSIVE", GOMP_SPINCOUNT: CPU_SPINCOUNT}  # a CPU server's, unless either is set
+PREFILL_GRAPH_ENV = "SGLANG_M3_PREFILL_GRAPH"  # "1": keep SGLang's prefill CUDA graph for index-K configs (unverified)
 CPU_START_ENV = "SGLANG_M3_CPU_START"  # "spawn": keep SGLang's spawned children on the CPU too
 
 
@@ -202,23 +203,29 @@ def _turn_off_prefill_graph(prefill_backend, explicit: bool, hf_config: Callable
     """Whether an index-K config's prefill CUDA graph must be turned off (``hf_config()`` is read
     only when a graph is on); ValueError when the user asked for that graph explicitly.
 
-    Why: in a ``breakable`` prefill graph SGLang records this model's sparse attention inside the graph
-    (for attention with index inputs it inserts no break), while our prefill metadata (the block table's
-    width, the scores' width, the scorer's plan) is made on the host from each batch's lengths: a replay
-    would run the captured batch's. ``tc_piecewise`` runs the attention between pieces, but needs the model
-    under ``torch.compile`` and has not run on a GPU with it. So SGLang's CUDA default (``breakable``) is
-    turned off. Decode CUDA graphs are unaffected.
+    Why: SGLang 0.5.16 records attention with index inputs inside a ``breakable`` prefill graph (no
+    break), while our prefill metadata (the block table's width, the scores' width, the scorer's plan)
+    is made on the host from each batch's lengths: a replay would run the captured batch's. SGLang 0.5.23
+    runs every prefill attention eagerly between graph segments with the real batch, where the host plan
+    may well hold, but that has not run on a GPU with this model. So SGLang's CUDA default (``breakable``)
+    is turned off (``docs/design.md``, "Prefill and CUDA graphs"); decode CUDA graphs are unaffected.
+    ``SGLANG_M3_PREFILL_GRAPH=1`` keeps SGLang's prefill graph, to try it: a warning says it is unverified.
     """
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
     if prefill_backend == Backend.DISABLED or _settings(hf_config()) is None:
         return False
+    if os.environ.get(PREFILL_GRAPH_ENV) == "1":
+        logger.warning("MiniMax-M3.1 index-K cache: prefill CUDA graph %r kept (%s=1); not verified on a GPU with "
+                       "this model: compare greedy tokens with the graph off before trusting it",
+                       prefill_backend, PREFILL_GRAPH_ENV)
+        return False
     if explicit:
         raise ValueError(
             f"cuda_graph_config prefill backend {prefill_backend!r}: MiniMax-M3.1 with an index-K cache "
             "runs prefill without a CUDA graph, since its prefill metadata is planned on the host per batch and "
-            "a captured prefill would replay the captured batch's; use --cuda-graph-backend-prefill disabled "
-            "(decode graphs stay on)"
+            "a captured prefill may replay the captured batch's; use --cuda-graph-backend-prefill disabled "
+            f"(decode graphs stay on), or set {PREFILL_GRAPH_ENV}=1 to try the graph (unverified)"
         )
     logger.info("MiniMax-M3.1 index-K cache: prefill CUDA graph %r turned off (decode graphs stay on)", prefill_backend)
     return True

@@ -152,6 +152,23 @@ def test_prefill_cuda_graph_is_off_for_index_k_configs(backend):
     assert _run_prefill_hook(disabled).prefill.backend == "disabled"
 
 
+@pytest.mark.parametrize("explicit", [False, True])
+def test_the_prefill_graph_can_be_kept_on_request_with_a_warning(explicit, monkeypatch, caplog):
+    """``SGLANG_M3_PREFILL_GRAPH=1``: SGLang's prefill graph stays, asked for or not, and a warning says it is
+    unverified; any other value changes nothing."""
+    monkeypatch.setenv("SGLANG_M3_PREFILL_GRAPH", "1")
+    with caplog.at_level("WARNING", logger="sglang_m3.plugin"):
+        assert _run_prefill_hook(_resolved_server_args("mxfp4", "breakable", explicit=explicit)).prefill.backend \
+            == "breakable"
+    assert "prefill CUDA graph 'breakable' kept (SGLANG_M3_PREFILL_GRAPH=1); not verified on a GPU" in caplog.text
+    monkeypatch.setenv("SGLANG_M3_PREFILL_GRAPH", "0")
+    if explicit:
+        with pytest.raises(ValueError, match="SGLANG_M3_PREFILL_GRAPH=1 to try the graph"):
+            _run_prefill_hook(_resolved_server_args("mxfp4", "breakable", explicit=True))
+    else:
+        assert _run_prefill_hook(_resolved_server_args("mxfp4", "breakable", False)).prefill.backend == "disabled"
+
+
 def test_prefill_cuda_graph_hook_is_wired_into_server_args():
     """The hook's target exists in the installed SGLang and runs when it resolves its CUDA-graph config
     (at construction before 0.5.19, at ``resolve_once`` from then on)."""
