@@ -11,6 +11,7 @@ outputs say little; a trained model's answers change token by token.
     # on the GPU machine, with the SGLang bundle in .whl1/ (see run_sglang_h200.sh)
     source lab/gpu/bundle_env.sh && python3 lab/gpu/graph_vs_eager.py --out "$OUT/gve"
     python3 lab/gpu/graph_vs_eager.py --cpu --lengths 640 --samples 2 --out out/gve   # plumbing, CPU
+    python3 lab/gpu/graph_vs_eager.py --prefill-graph breakable --out "$OUT/gve"      # prefill graph too
 
 The bundle (51 MiB) and this checkpoint (31 MB) together exceed one 64 MiB transfer to the GPU
 machine: send the bundle first with the checkpoint left out (``bundle_env.sh`` unpacks it into
@@ -75,6 +76,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--cpu", action="store_true", help="plumbing check on a CPU (no graphs there)")
+    ap.add_argument("--prefill-graph", default="disabled", choices=["disabled", "breakable", "tc_piecewise"],
+                    help="the graph server's prefill CUDA graph; other than disabled it runs with "
+                         "SGLANG_M3_PREFILL_GRAPH=1 (the plugin's unverified opt-in: docs/design.md)")
     ap.add_argument("--dummy-weights", action="store_true",
                     help="SGLang's random weights (for configs without a checkpoint)")
     args = ap.parse_args(argv)
@@ -101,21 +105,24 @@ def main(argv=None) -> dict:
     else:
         base += ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
         graph_bs = sorted({min(2 ** i, len(ids)) for i in range(len(ids).bit_length() + 1)})
-        graph_flags = ["--mem-fraction-static", "0.5", "--cuda-graph-backend-prefill", "disabled",
+        graph_flags = ["--mem-fraction-static", "0.5", "--cuda-graph-backend-prefill", args.prefill_graph,
                        "--cuda-graph-bs", *map(str, graph_bs)]
         eager_flags = ["--mem-fraction-static", "0.96", "--disable-cuda-graph"]
 
     results = {"model": str(args.model.resolve().relative_to(REPO)) if args.model.resolve().is_relative_to(REPO)
                else args.model.name, "lengths": lengths, "samples": args.samples, "gen_tokens": args.gen_tokens,
                "prompt_tokens": [len(x) for x in ids], "targets": [d["target"] for d in docs], "cpu": args.cpu,
+               "prefill_graph": args.prefill_graph,
                "formats": {}}
     for fmt in formats:
         override = ["--json-model-override-args", json.dumps({"index_k_format": fmt})]
         r = results["formats"][fmt] = {}
         servers = {}
         try:
+            graph_env = {} if args.prefill_graph == "disabled" else {"SGLANG_M3_PREFILL_GRAPH": "1"}
             _start(servers, "graph", lambda: Server(f"graph-{fmt}", args.model, base + graph_flags + override,
-                                                    args.out, dummy_weights=args.dummy_weights))
+                                                    args.out, env_extra=graph_env,
+                                                    dummy_weights=args.dummy_weights))
             servers["graph"].wait_log(r"max_total_num_tokens=(\d+)", args.startup_timeout)
             _start(servers, "eager", lambda: Server(f"eager-{fmt}", args.model, base + eager_flags + override,
                                                     args.out, dummy_weights=args.dummy_weights))
