@@ -50,7 +50,8 @@
 # unless <name>.safetensors is there.
 #
 # Env: BUDGET_S (540), AGREE_S (150), RESERVE_S (30: report and packing, and the grace of a round that runs
-# long), FORMATS ("fp8 mxfp4 mxfp4_rot bf16 dense"; a replica such as fp8@2 serves fp8 again as an arm of its
+# long), MIN_STEP_S (60: the least time a step, the served comparison or one agreement format, is started
+# with; the tests lower it), FORMATS ("fp8 mxfp4 mxfp4_rot bf16 dense"; a replica such as fp8@2 serves fp8 again as an arm of its
 # own), MAX_FORMATS (1), LARGE_FORMATS
 # ("fp8 mxfp4"), N_LARGE (1000), N_SMALL (100), TASKS ("m3_niah_single
 # m3_niah_multikey m3_kv_64 m3_vt_value": kv at 64 pairs and vt asking a value, the variants the medium model
@@ -81,6 +82,7 @@ RUN_DIR="${RUN_DIR:-build/accuracy-h200}"
 BUDGET_S="${BUDGET_S:-540}"
 AGREE_S="${AGREE_S:-150}"
 RESERVE_S="${RESERVE_S:-30}"
+MIN_STEP_S="${MIN_STEP_S:-60}"
 CACHE_S="${CACHE_S:-30}"
 [ -n "${CACHE_OUT:-}" ] && RESERVE_S=$(( RESERVE_S + CACHE_S ))
 FORMATS="${FORMATS:-fp8 mxfp4 mxfp4_rot bf16 dense}"
@@ -287,7 +289,7 @@ ACC=("$PYTHON" -m accuracy.run --model "$MODEL" --formats $FORMATS --baseline fp
      --concurrency "$CONCURRENCY" --max-formats "$MAX_FORMATS" --resume --out "$RUN_DIR/acc" "${served_on[@]}")
 acc_s=$(( $(left) - $(agreement_done && echo 0 || echo "$AGREE_S") ))
 acc_rc=0
-if [ "$acc_s" -ge 60 ]; then
+if [ "$acc_s" -ge "$MIN_STEP_S" ]; then
     echo "[$(elapsed)s] m3-accuracy: ${acc_s}s"
     # The runner ends its last round by its budget; a round that runs long is stopped when the reserve (at most
     # 60 s) is spent too, so it ends by BUDGET_S + 30 s: a call made with BUDGET_S=570 keeps its state under the
@@ -308,7 +310,7 @@ AGR=("$PYTHON" -m accuracy.agreement --model "$MODEL" --lengths $AGREE_LENGTHS -
 for f in $AGREE_FORMATS; do
     [ -f "$RUN_DIR/agreement/formats/$f.json" ] && continue
     s=$(left)
-    if [ "$s" -lt 60 ]; then
+    if [ "$s" -lt "$MIN_STEP_S" ]; then
         echo "[$(elapsed)s] agreement: ${s}s left, $f and later formats next call"
         break
     fi
