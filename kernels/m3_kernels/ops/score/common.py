@@ -87,6 +87,21 @@ def _check_block_table(block_table: torch.Tensor) -> int:
     return block_table.shape[0]
 
 
+def _check_rows_per_request(S) -> None:
+    if not isinstance(S, int) or S < 1:
+        raise ValueError(f"S (query rows per request) must be an int >= 1, got {S!r}")
+
+
+def _check_out(out, H: int, rows_name: str, rows: int, max_block: int) -> None:
+    """``out``: None or float32 ``[H, rows, max_block]`` with a contiguous last dim."""
+    if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != (H, rows, max_block)
+                            or out.stride(2) != 1):
+        raise ValueError(
+            f"out must be float32 [H={H}, {rows_name}={rows}, max_block={max_block}] with a contiguous last dim, "
+            f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}"
+        )
+
+
 def _check_heads(H) -> int:
     if isinstance(H, bool) or not isinstance(H, int) or H < 1:
         raise ValueError(f"H (index heads) must be an int >= 1, got {H!r}")
@@ -101,18 +116,12 @@ def check_decode_meta(cache, block_table, seq_lens, S, H, sm_scale, max_block=No
     ``S >= 1`` query rows per request, ``H >= 1`` index heads; ``out fp32 [H, batch*S, max_block]``
     with a contiguous last dim, or None; every tensor on the cache's device.
     """
-    if not isinstance(S, int) or S < 1:
-        raise ValueError(f"S (query rows per request) must be an int >= 1, got {S!r}")
+    _check_rows_per_request(S)
     batch = _check_block_table(block_table)
     _check_int32_vector("seq_lens", seq_lens, batch)
     H = _check_heads(H)
     max_block = _check_max_block(max_block, block_table, out)
-    if out is not None:
-        if out.dtype != torch.float32 or tuple(out.shape) != (H, batch * S, max_block) or out.stride(2) != 1:
-            raise ValueError(
-                f"out must be float32 [H={H}, batch*S={batch * S}, max_block={max_block}] with a contiguous last dim, "
-                f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}"
-            )
+    _check_out(out, H, "batch*S", batch * S, max_block)
     _check_one_device(cache.data, block_table, seq_lens, out)
     check_cp(cp_rank, cp_world)
     return batch, max_block, check_sm_scale(sm_scale)
@@ -124,19 +133,13 @@ def check_decode_args(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, m
     returns ``(format, batch, H, max_block, sm_scale)``: the cache views (``check_index_k_cache``),
     ``check_decode_meta``'s rules and ``q [batch*S, H, 128]`` bf16 | e4m3 (last dim contiguous)."""
     fmt = check_index_k_cache(k_cache, k_scale)
-    if not isinstance(S, int) or S < 1:
-        raise ValueError(f"S (query rows per request) must be an int >= 1, got {S!r}")
+    _check_rows_per_request(S)
     batch = _check_block_table(block_table)
     _check_int32_vector("seq_lens", seq_lens, batch)
     _check_q(q, batch * S)
     H = q.shape[1]
     max_block = _check_max_block(max_block, block_table, out)
-    if out is not None:
-        if out.dtype != torch.float32 or tuple(out.shape) != (H, batch * S, max_block) or out.stride(2) != 1:
-            raise ValueError(
-                f"out must be float32 [H={H}, batch*S={batch * S}, max_block={max_block}] with a contiguous last dim, "
-                f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}"
-            )
+    _check_out(out, H, "batch*S", batch * S, max_block)
     _check_one_device(q, k_cache, block_table, seq_lens, out)
     check_cp(cp_rank, cp_world)
     return fmt, batch, H, max_block, check_sm_scale(sm_scale)
@@ -157,20 +160,12 @@ def check_prefill_meta(cache, block_table, seq_lens, cu_seqlens_q, H, num_tokens
     ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``, the last of them at position ``seq_lens[b] - 1``;
     ``out fp32 [H, num_tokens, max_block]`` (last dim contiguous) or None.
     """
-    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.stride(1) != 1:
-        raise ValueError(f"block_table must be int32 [batch, max_block], got {block_table.dtype} "
-                         f"{tuple(block_table.shape)}")
-    batch = block_table.shape[0]
+    batch = _check_block_table(block_table)
     _check_int32_vector("seq_lens", seq_lens, batch)
     _check_int32_vector("cu_seqlens_q", cu_seqlens_q, batch + 1)
     H = _check_heads(H)
     max_block = _check_max_block(max_block, block_table, out)
-    if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != (H, num_tokens, max_block)
-                            or out.stride(2) != 1):
-        raise ValueError(
-            f"out must be float32 [H={H}, total_new_tokens={num_tokens}, max_block={max_block}] with a contiguous "
-            f"last dim, got {out.dtype} {tuple(out.shape)} strides {out.stride()}"
-        )
+    _check_out(out, H, "total_new_tokens", num_tokens, max_block)
     _check_one_device(cache.data, block_table, seq_lens, cu_seqlens_q, out)
     return batch, max_block, check_sm_scale(sm_scale)
 
@@ -179,20 +174,13 @@ def check_prefill_args(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q,
     """Validate a prefill scoring call given as loose tensors; returns ``(format, batch, H, max_block, sm_scale)``
     (the cache views, ``q [total_new_tokens, H, 128]`` and ``check_prefill_meta``'s rules)."""
     fmt = check_index_k_cache(k_cache, k_scale)
-    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.stride(1) != 1:
-        raise ValueError(f"block_table must be int32 [batch, max_block], got {block_table.dtype} {tuple(block_table.shape)}")
-    batch = block_table.shape[0]
+    batch = _check_block_table(block_table)
     _check_int32_vector("seq_lens", seq_lens, batch)
     _check_int32_vector("cu_seqlens_q", cu_seqlens_q, batch + 1)
     _check_q(q, None)
     H = q.shape[1]
     max_block = _check_max_block(max_block, block_table, out)
-    if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != (H, q.shape[0], max_block)
-                            or out.stride(2) != 1):
-        raise ValueError(
-            f"out must be float32 [H={H}, total_new_tokens={q.shape[0]}, max_block={max_block}] with a contiguous "
-            f"last dim, got {out.dtype} {tuple(out.shape)} strides {out.stride()}"
-        )
+    _check_out(out, H, "total_new_tokens", q.shape[0], max_block)
     _check_one_device(q, k_cache, block_table, seq_lens, cu_seqlens_q, out)
     return fmt, batch, H, max_block, check_sm_scale(sm_scale)
 
