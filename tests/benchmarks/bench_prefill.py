@@ -75,19 +75,26 @@ def make_inputs(gen, fmt, ctx, chunk, sets):
     return out
 
 
-def today(fmt, s, q, k_data, k_scale, out):
-    """Today's portable Triton scorer, planned once (``plan_prefill(backend="triton")``): ``(plan, cache)``."""
+def planned(fmt, s, k_data, k_scale, out, backend=None):
+    """``(plan, cache)``: input set ``s``'s batch planned once over the cache views ``k_data``/``k_scale``;
+    ``backend`` None is the auto choice (as served), ``"triton"`` today's portable scorer."""
     cache = IndexKCache(PEER_FORMATS[fmt], k_data, k_scale)
     plan = plan_prefill(cache, s["bt"], s["seq"], s["cu"], H, SM_SCALE, s["max_block"], out,
-                        cu_seqlens_host=s["cu"].tolist(), seq_lens_host=s["seq"].tolist(), backend="triton")
+                        cu_seqlens_host=s["cu"].tolist(), seq_lens_host=s["seq"].tolist(), backend=backend)
     return plan, cache
+
+
+def bound_scores(fmt, s):
+    """The scores of ``|q|`` and ``|K|`` on input set ``s`` (today's Triton scorer): the error bound's scale."""
+    plan, cache = planned(fmt, s, *abs_index_k(s["k_data"], s["k_scale"]), None, "triton")
+    return score_prefill_triton(plan, q_abs(s["q"]), cache)
 
 
 def arm_call(kind, fmt, s, cfg=None):
     """A closure running one scorer call on input set ``s`` (work maps made once, outside)."""
     f = FORMATS[fmt]
     if kind == "today":
-        plan, cache = today(fmt, s, s["q"], s["k_data"], s["k_scale"], s["out"])
+        plan, cache = planned(fmt, s, s["k_data"], s["k_scale"], s["out"], "triton")
         return lambda: score_prefill_triton(plan, s["q"], cache, s["out"])
     cfg = cfg or {}
     tiles = triton_sm90.prefill_tiles_device(s["cu"], H, triton_sm90.max_prefill_tiles(s["q"].shape[0], 1, H))
@@ -97,9 +104,7 @@ def arm_call(kind, fmt, s, cfg=None):
 
 def ours_with_select(fmt, s):
     """Our layer step on input set ``s``: the planned scorer (auto backend, as served) then the selector."""
-    cache = IndexKCache(PEER_FORMATS[fmt], s["k_data"], s["k_scale"])
-    plan = plan_prefill(cache, s["bt"], s["seq"], s["cu"], H, SM_SCALE, s["max_block"], s["out"],
-                        cu_seqlens_host=s["cu"].tolist(), seq_lens_host=s["seq"].tolist())
+    plan, cache = planned(fmt, s, s["k_data"], s["k_scale"], s["out"])
     return lambda: select_blocks(score_prefill(plan, s["q"], cache, s["out"]), s["n_visible"])
 
 
@@ -131,8 +136,7 @@ def gate_selections(peer, utils, inputs):
             errors.append(f"ours {fmt} + select: {err}")
     s = inputs["bf16"][0]
     want = s["out"].clone()  # our bf16 scores of the peer's keys (the loop above left them there)
-    plan_abs, cache_abs = today("bf16", s, q_abs(s["q"]), *abs_index_k(s["k_data"], s["k_scale"]), None)
-    bound = score_prefill_triton(plan_abs, q_abs(s["q"]), cache_abs)
+    bound = bound_scores("bf16", s)
     call = peer_call(peer, utils, s)
     call()  # autotune outside any graph
     err = selection_error(call(), want, s["n_visible"], 2e-5 * bound, *rule)
@@ -167,11 +171,9 @@ def flops(ctx, chunk):
 def gate_vs_today(fmt, s, cfg):
     """The sm_90 arm against today's Triton scorer on benchmark inputs: both are within 1e-5 * bound of
     the exact score, so within 2e-5 * bound of each other. Returns an error string or ''."""
-    plan, cache = today(fmt, s, s["q"], s["k_data"], s["k_scale"], None)
+    plan, cache = planned(fmt, s, s["k_data"], s["k_scale"], None, "triton")
     want = score_prefill_triton(plan, s["q"], cache)
-    ka, sa = abs_index_k(s["k_data"], s["k_scale"])
-    plan_abs, cache_abs = today(fmt, s, q_abs(s["q"]), ka, sa, None)
-    bound = score_prefill_triton(plan_abs, q_abs(s["q"]), cache_abs)
+    bound = bound_scores(fmt, s)
     s["out"].fill_(float("nan"))
     arm_call("sm90", fmt, s, cfg)()
     got = s["out"]
