@@ -498,4 +498,4 @@ def test_prefill_plan_rejections(device):
         plan([0, 1], [5, 5])
     made = plan([0, 1, 2], [5, 5])
     assert (made.backend, made.H, made.batch, made.num_tokens, made.max_block) == ("triton", 1, 2, 2, 2)
-    assert made.tiles.tolist() == [[0, 0], [1, 1]] and made.tiles.device == torch.device(device)
+    assert made.tiles.tolist() == [[0, 0], [1, 1]] and made.tiles.device == bt.device
