@@ -2,10 +2,11 @@
 tests and the CPU benchmark.
 
 A ``Server`` is ``python -m sglang.launch_server --model-path MODEL ... --host H --port P`` in a session
-(process group) of its own, its output in a log file, on a port the OS hands out. Readiness is polled with
-SGLang's ``sglang.utils.wait_for_http_ready`` on ``/v1/models`` and the server is stopped with SIGTERM to its
-group, then SGLang's ``kill_process_tree`` and SIGKILL to the group for what is left. A start that loses a
-port race (``address already in use`` in its log) is retried on fresh ports.
+(process group) of its own, its output in a log file, on a port the OS hands out and this process has not
+handed out before (``free_port``). Readiness is polled with SGLang's ``sglang.utils.wait_for_http_ready`` on
+``/v1/models`` and the server is stopped with SIGTERM to its group, then SGLang's ``kill_process_tree`` and
+SIGKILL to the group for what is left. A start that loses a port race (``address already in use`` in its log:
+another program took the port between ``free_port`` and the server's bind) is retried on fresh ports.
 
 ``--device cpu`` servers take ``CPU_ARGS`` (``cpu_args``) and ``cpu_env``: the torch_native attention backend,
 a bounded ``--max-total-tokens`` (without it SGLang sizes the KV cache from the free RAM: 21 of 23 GB for
@@ -23,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -68,11 +70,25 @@ def cpu_env(env: dict | None = None) -> dict:
     return server_env(["--device", "cpu"], env)
 
 
+_handed_out: set[tuple[str, int]] = set()  # every (host, port) free_port returned in this process
+_handed_out_lock = threading.Lock()
+FREE_PORT_TRIES = 1000
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port on ``host`` that the OS reports free now (bind to port 0)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port on ``host`` that the OS reports free now (bind to port 0) and that this process has never handed
+    out before: a server started again after a lost port race, or one started beside another that has not bound
+    its port yet, never gets a port already given to a server of this process (the OS may hand back a port it
+    just freed). RuntimeError if ``FREE_PORT_TRIES`` binds find none."""
+    with _handed_out_lock:
+        for _ in range(FREE_PORT_TRIES):
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if (host, port) not in _handed_out:
+                _handed_out.add((host, port))
+                return port
+    raise RuntimeError(f"no port on {host} that this process has not handed out already in {FREE_PORT_TRIES} tries")
 
 
 class Server:

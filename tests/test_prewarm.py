@@ -110,12 +110,20 @@ def test_without_a_launcher_start_is_popen(tmp_path, monkeypatch):
     assert isinstance(handle, subprocess.Popen) and handle.wait(timeout=60) == 6
 
 
+def _wait_until_a_zombie(pid: int, timeout_s: float = 60.0) -> None:
+    """Until ``pid`` has exited and is not reaped (a fixed sleep is too short on a loaded box)."""
+    deadline = time.monotonic() + timeout_s
+    while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, f"{pid} still running after {timeout_s} s"
+        time.sleep(0.05)
+
+
 def test_a_launcher_that_failed_to_import_is_not_waited_for(tmp_path, monkeypatch):
     sock = str(tmp_path / "broken.sock")
     with open(tmp_path / "launcher.log", "w") as log:
         proc = prewarm.launch(sock, log, module="m3_no_such_module")
     monkeypatch.setenv(prewarm.PREWARM_ENV, sock)
-    time.sleep(2)  # it has died by now, unreaped: a zombie whose pid still answers kill(pid, 0)
+    _wait_until_a_zombie(proc.pid)  # died, unreaped: its pid still answers kill(pid, 0)
     t0 = time.monotonic()
     with open(tmp_path / "a.log", "w") as log:
         handle = prewarm.start([sys.executable, "-c", "raise SystemExit(7)"], log=log)
