@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine with the wheel bundle carried (lab/gpu/bundle_env.sh), in phases that fit one call each:
-#   lab/gpu/before_after.sh tests              the product's GPU tests at this tree (the correctness gate)
+#   lab/gpu/before_after.sh tests              the GPU suite at this tree (scripts/run_gpu_tests.sh --tests-only:
+#                                              every gpu-marked test under tests/; the correctness gate; record
+#                                              the result with lab/gpu/gate.py record)
 #   lab/gpu/before_after.sh bench ARM ...      tests/benchmarks/bench_score.py --quick --no-peer per ARM, in order:
 #                                              after* = this tree, before* = the tree unpacked in build/before
 #                                              (git archive REV kernels tests/benchmarks | tar -x -C build/before)
@@ -18,10 +20,7 @@ phase=${1:-tests}
 shift || true
 case "$phase" in
 tests)
-    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-    timeout 480 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/ops/write/test_triton.py \
-        tests/kernels/ops/score tests/kernels/ops/select/test_triton.py tests/kernels/ops/test_pdl.py \
-        tests/sglang_m3/test_sparse_attention.py > "$OUT/pytest_gpu.log" 2>&1
+    OUT=$OUT scripts/run_gpu_tests.sh --tests-only > /dev/null 2>&1
     rc=$?
     grep -E "passed|failed|error" "$OUT/pytest_gpu.log" | tail -n 3
     grep -E "^FAILED|^ERROR" "$OUT/pytest_gpu.log" | head -n 20
