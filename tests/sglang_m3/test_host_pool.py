@@ -1,0 +1,252 @@
+"""Host (HiCache) tier of the index-K pools: page layout per format, write-back and load-back of whole
+pages bit for bit (last partial page included, untouched pages left as they were), flat pages for L3
+storage, the per-format byte count in ``--hicache-size``, and the sidecar class swap."""
+
+import types
+
+import pytest
+import torch
+
+from m3_kernels.formats import MXFP4_PAGE_BYTES, PAGE_SIZE, IndexKCache, IndexKFormat, ScaleRule
+from sglang_m3.config import IndexKSettings
+from sglang_m3.host_pool import (
+    IndexKPoolHost,
+    copy_pages,
+    hicache_stack_counting_index_bytes,
+    index_k_host_pool,
+    kv_share_of_host_bytes,
+    page_regions,
+    slot_pages,
+)
+from sglang_m3.pool import MiniMaxM31SparseKVPool
+
+FORMATS = list(IndexKFormat)
+DEVICE_PAGES = 8  # token-slot pages of the device pool (plus its padding page)
+HOST_PAGES = 6
+SPARSE = (1, 2, 3)
+
+
+def _pool(fmt):
+    return MiniMaxM31SparseKVPool(
+        size=DEVICE_PAGES * PAGE_SIZE, page_size=PAGE_SIZE, dtype=torch.bfloat16, head_num=4, head_dim=128,
+        idx_head_dim=128, dense_layer_ids=[0], sparse_layer_ids=list(SPARSE), device="cpu",
+        settings=IndexKSettings(IndexKFormat(fmt), ScaleRule.RCEIL, 7 if fmt == "mxfp4_rot" else None),
+        disable_value_sparse_layer_ids=list(SPARSE), start_layer=0, end_layer=4,
+    )
+
+
+def _anchor(pages=HOST_PAGES):
+    return types.SimpleNamespace(page_size=PAGE_SIZE, size=pages * PAGE_SIZE, page_num=pages, allocator=None)
+
+
+def _slots(pages):
+    return (torch.tensor(pages, dtype=torch.int64)[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).flatten()
+
+
+def _page_bytes(pool, layer, page):
+    """Every byte page ``page`` of pool-local sparse layer ``layer`` stores, from the cache's own views."""
+    return _cache_page_bytes(pool.index_k_pool.caches[layer], page)
+
+
+def _cache_page_bytes(cache, page):
+    data, scale = cache.views()
+    parts = [data[page].contiguous().view(torch.uint8).flatten()]
+    if scale is not None:
+        parts.append(scale[page].contiguous().flatten())
+    return torch.cat(parts)
+
+
+def _poison(pool, byte):
+    for r in (r for c in pool.index_k_pool.caches for r in page_regions(c)):
+        r.fill_(byte)
+
+
+def _write_random(pool, gen, slots):
+    for layer in SPARSE:
+        k = torch.randn(slots.numel(), 1, 128, generator=gen).to(torch.bfloat16) * 4
+        pool.set_index_k_buffer(types.SimpleNamespace(layer_id=layer), slots, k)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_page_regions_cover_each_page_once_and_alias_the_cache(fmt, gen):
+    cache = _pool(fmt).index_k_pool.caches[0]
+    regions = page_regions(cache)
+    assert all(r.dtype == torch.uint8 and r.shape[0] == cache.num_pages for r in regions)
+    assert sum(r.shape[1] for r in regions) == IndexKFormat(fmt).token_bytes * PAGE_SIZE
+    if IndexKFormat(fmt).is_mxfp4:
+        assert [r.shape[1] for r in regions] == [MXFP4_PAGE_BYTES]  # data then scales, one region
+    # A byte written through the regions lands in the cache's views and nowhere else.
+    page = 3
+    for r in regions:
+        r[page] = torch.randint(0, 256, (r.shape[1],), generator=gen, dtype=torch.uint8)
+    assert torch.equal(_cache_page_bytes(cache, page), torch.cat([r[page] for r in regions]))
+    assert (_cache_page_bytes(cache, page - 1) == 0).all() and (_cache_page_bytes(cache, page + 1) == 0).all()
+
+
+def test_page_regions_of_split_mxfp4_views_are_data_then_scales():
+    cache = IndexKCache.new(3, "mxfp4", "cpu", single_region=False)
+    regions = page_regions(cache)
+    assert [r.shape for r in regions] == [(3, PAGE_SIZE * 64), (3, PAGE_SIZE * 4)]
+    regions[1][2, 5] = 77
+    assert cache.scale_e8m0[2, 1, 1] == 77
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_write_back_then_load_back_is_bit_exact_and_touches_only_the_named_pages(fmt, gen):
+    pool = _pool(fmt)
+    _poison(pool, 0xC3)
+    # Device pages 1, 2, 3 and a last partial page 4 (5 of 128 rows written), slots in a shuffled order.
+    slots = torch.arange(PAGE_SIZE, 4 * PAGE_SIZE + 5)
+    _write_random(pool, gen, slots[torch.randperm(slots.numel(), generator=gen)])
+    host = IndexKPoolHost(pool.index_k_pool, _anchor(), "page_first")
+    assert host.size_per_token == IndexKFormat(fmt).token_bytes * len(SPARSE)
+    for b in host.kv_buffer:
+        b.fill_(0x5A)
+    dev_pages, host_pages = [4, 1, 3, 2], [5, 0, 2, 3]
+    host.backup_from_device_all_layer(pool.index_k_pool, _slots(host_pages), _slots(dev_pages), "direct")
+    for layer in range(len(SPARSE)):
+        for d, h in zip(dev_pages, host_pages):
+            assert torch.equal(torch.cat([r[h] for r in host.host_regions(layer)]), _page_bytes(pool, layer, d))
+        for h in set(range(HOST_PAGES)) - set(host_pages):  # untouched host pages keep their poison
+            assert all((r[h] == 0x5A).all() for r in host.host_regions(layer))
+    originals = {(layer, d): _page_bytes(pool, layer, d).clone() for layer in range(3) for d in dev_pages}
+    _poison(pool, 0x3C)
+    back = [6, 2, 7, 1]  # load to other device pages
+    for layer in range(len(SPARSE)):
+        host.load_to_device_per_layer(pool.index_k_pool, _slots(host_pages), _slots(back), layer, "kernel")
+        for src, dst in zip(dev_pages, back):
+            assert torch.equal(_page_bytes(pool, layer, dst), originals[(layer, src)])
+        for p in set(range(DEVICE_PAGES + 1)) - set(back):  # untouched device pages keep their poison
+            assert (_page_bytes(pool, layer, p) == 0x3C).all()
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp4_rot", "fp8"])
+def test_loaded_back_cache_reads_the_same_keys(fmt, gen):
+    """What a scorer reads (dequantized keys, rotation included) is the same after a round trip."""
+    from m3_kernels.formats import dequantize_index_k
+
+    pool = _pool(fmt)
+    _write_random(pool, gen, torch.arange(PAGE_SIZE, 3 * PAGE_SIZE))
+    cache = pool.index_k_pool.caches[1]
+    before = dequantize_index_k(*cache.views())[1:3].clone()
+    host = IndexKPoolHost(pool.index_k_pool, _anchor(), "layer_first")
+    host.backup_from_device_all_layer(pool.index_k_pool, _slots([0, 4]), _slots([1, 2]), "direct")
+    _poison(pool, 0)
+    host.load_to_device_per_layer(pool.index_k_pool, _slots([0, 4]), _slots([1, 2]), 1, "direct")
+    assert torch.equal(dequantize_index_k(*cache.views())[1:3], before)
+
+
+def test_an_empty_transfer_moves_nothing():
+    pool = _pool("mxfp4")
+    host = IndexKPoolHost(pool.index_k_pool, _anchor(), "page_first")
+    empty = torch.empty(0, dtype=torch.int64)
+    host.backup_from_device_all_layer(pool.index_k_pool, empty, empty, "kernel")
+    host.load_to_device_per_layer(pool.index_k_pool, empty, empty, 0, "kernel")
+    assert all((b == 0).all() for b in host.kv_buffer)
+
+
+@pytest.mark.parametrize("slots,rule", [
+    (torch.arange(PAGE_SIZE - 1), "not a multiple"),
+    (torch.arange(1, PAGE_SIZE + 1), "aligned runs"),
+    (torch.arange(PAGE_SIZE).flip(0), "aligned runs"),
+])
+def test_slot_pages_takes_whole_aligned_pages_only(slots, rule):
+    with pytest.raises(ValueError, match=rule):
+        slot_pages(slots)
+
+
+def test_slot_pages_maps_runs_to_pages():
+    assert slot_pages(_slots([3, 0, 7])).tolist() == [3, 0, 7]
+
+
+def test_copy_pages_wants_one_destination_per_source_page():
+    src = [torch.zeros(2, 4, dtype=torch.uint8)]
+    with pytest.raises(ValueError, match="one entry per page"):
+        copy_pages(src, src, torch.tensor([0, 1]), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_flat_data_page_round_trip_for_storage(fmt, gen):
+    pool = _pool(fmt)
+    _write_random(pool, gen, torch.arange(PAGE_SIZE, 3 * PAGE_SIZE))
+    host = IndexKPoolHost(pool.index_k_pool, _anchor(), "page_first")
+    host.backup_from_device_all_layer(pool.index_k_pool, _slots([1, 3]), _slots([1, 2]), "direct")
+    flat = host.get_data_page(3 * PAGE_SIZE).clone()
+    assert flat.numel() == host.page_bytes() == host.size_per_token * PAGE_SIZE
+    assert host.get_dummy_flat_data_page().shape == flat.shape
+    host.set_from_flat_data_page(4 * PAGE_SIZE, flat)
+    for layer in range(len(SPARSE)):
+        assert torch.equal(torch.cat([r[4] for r in host.host_regions(layer)]), _page_bytes(pool, layer, 2))
+        assert all((r[5] == 0).all() for r in host.host_regions(layer))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        host.get_data_page(PAGE_SIZE + 1)
+    with pytest.raises(ValueError, match="bytes"):
+        host.set_from_flat_data_page(0, flat[:-1])
+
+
+def test_file_storage_round_trips_the_index_pages(tmp_path, gen):
+    """SGLang's file (L3) backend stores and restores the index sidecar's pages through the flat-page API."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig, PoolName, PoolTransfer
+
+    pool = _pool("mxfp4")
+    _write_random(pool, gen, torch.arange(PAGE_SIZE, 3 * PAGE_SIZE))
+    host = IndexKPoolHost(pool.index_k_pool, _anchor(), "page_first")
+    host.backup_from_device_all_layer(pool.index_k_pool, _slots([0, 1]), _slots([1, 2]), "direct")
+    config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                  is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                                  model_name="m3")
+    store = HiCacheFile(config, file_path=str(tmp_path))
+    store.register_mem_host_pool_v2(host, PoolName.INDEXER)
+    put = PoolTransfer(name=PoolName.INDEXER, host_indices=_slots([0, 1]), keys=["a", "b"])
+    assert store.batch_set_v2([put])[PoolName.INDEXER] == [True, True]
+    expected = [torch.cat([r[h] for r in host.host_regions(layer)]).clone() for layer in range(3) for h in (0, 1)]
+    for b in host.kv_buffer:
+        b.fill_(0xEE)
+    got = PoolTransfer(name=PoolName.INDEXER, host_indices=_slots([4, 2]), keys=["a", "b"])
+    assert store.batch_get_v2([got])[PoolName.INDEXER] == [True, True]
+    restored = [torch.cat([r[h] for r in host.host_regions(layer)]) for layer in range(3) for h in (4, 2)]
+    assert all(torch.equal(a, b) for a, b in zip(restored, expected, strict=True))
+
+
+def test_host_bytes_count_the_index_format():
+    for fmt in FORMATS:
+        pool = _pool(fmt)
+        kv = 4 * 2 * 4 * 128 * 2  # 4 layers of bf16 K and V, 4 heads x 128
+        index = len(SPARSE) * IndexKFormat(fmt).token_bytes
+        assert kv_share_of_host_bytes(pool) == pytest.approx(kv / (kv + index))
+
+
+def test_hicache_size_covers_kv_and_index_bytes():
+    pool = _pool("mxfp4")
+    seen = {}
+
+    def original(**kwargs):
+        seen.update(kwargs)
+        return "stack"
+
+    server_args = types.SimpleNamespace(hicache_size=10, hicache_ratio=2.0)
+    assert hicache_stack_counting_index_bytes(original, sparse_pool=pool, server_args=server_args) == "stack"
+    assert seen["server_args"].hicache_size == pytest.approx(10 * kv_share_of_host_bytes(pool))
+    assert server_args.hicache_size == 10  # the server's own arguments are left alone
+    # Ratio sizing (slots) and SGLang's own pool pass through unchanged.
+    ratio = types.SimpleNamespace(hicache_size=0, hicache_ratio=2.0)
+    hicache_stack_counting_index_bytes(original, sparse_pool=pool, server_args=ratio)
+    assert seen["server_args"] is ratio
+    hicache_stack_counting_index_bytes(original, sparse_pool=object(), server_args=server_args)
+    assert seen["server_args"] is server_args
+
+
+def test_the_sidecar_is_ours_for_our_pool_only():
+    pool = _pool("fp8")
+    host = index_k_host_pool(lambda *a, **k: "sglang's", pool.index_k_pool, _anchor(), "page_first",
+                             allocator_type=None)
+    assert isinstance(host, IndexKPoolHost)
+    assert index_k_host_pool(lambda *a, **k: "sglang's", object(), _anchor(), "page_first") == "sglang's"
+
+
+def test_host_pages_must_be_the_index_page():
+    pool = _pool("bf16")
+    anchor = _anchor()
+    anchor.page_size = 64
+    with pytest.raises(ValueError, match="pages of 128"):
+        IndexKPoolHost(pool.index_k_pool, anchor, "page_first")
