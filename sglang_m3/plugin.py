@@ -33,7 +33,8 @@ supported release); "M3.1" means a MiniMax-M3.1 index-K launch, where each row e
 | ``TokenizerManager._send_one_request`` | before | < 0.5.20 | workaround W3 (notes the samples' rids) |
 | ``Engine._launch_detokenizer_subprocesses`` | around | < 0.5.22 | M3.1: the detokenizer loads plugins |
 | ``PagedTokenToKVPoolAllocator.alloc_extend`` / ``_decode`` | around | < 0.5.22 | M3.1 pool, off CUDA: torch |
-| ``http_server.server_info`` | around | | M3.1: ``/get_server_info`` adds ``m3_index_k`` (``server_info``) |
+| ``http_server.server_info`` / ``model_info`` | around | | M3.1: the server and model info add ``m3_index_k`` (``server_info``) |
+| ``http_server.launch_server`` | before | | M3.1: ``/server_info`` and ``/model_info`` answer through those two |
 
 plus an SGLang model-override provider that defaults ``--page-size`` to 128 for an M3.1 config.
 
@@ -114,7 +115,7 @@ OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
 GOMP_SPINCOUNT = "GOMP_SPINCOUNT"
 CPU_SPINCOUNT = "3000"  # libgomp spins ~100,000 per ms: about 30 us of spinning before a thread sleeps
 CPU_OPENMP_WAITS = {OMP_WAIT_POLICY: "PASSIVE", GOMP_SPINCOUNT: CPU_SPINCOUNT}  # a CPU server's, unless either is set
-PREFILL_GRAPH_ENV = "SGLANG_M3_PREFILL_GRAPH"  # "1": keep SGLang's prefill CUDA graph for index-K configs (unverified)
+PREFILL_GRAPH_ENV = "SGLANG_M3_PREFILL_GRAPH"  # "1": keep SGLang's breakable prefill graph for index-K configs
 CPU_START_ENV = "SGLANG_M3_CPU_START"  # "spawn": keep SGLang's spawned children on the CPU too
 
 
@@ -203,19 +204,23 @@ def _turn_off_prefill_graph(prefill_backend, explicit: bool, hf_config: Callable
     """Whether an index-K config's prefill CUDA graph must be turned off (``hf_config()`` is read
     only when a graph is on); ValueError when the user asked for that graph explicitly.
 
-    Why: SGLang 0.5.16 records attention with index inputs inside a ``breakable`` prefill graph (no
-    break), while our prefill metadata (the block table's width, the scores' width, the scorer's plan)
-    is made on the host from each batch's lengths: a replay would run the captured batch's. SGLang 0.5.23
-    runs every prefill attention eagerly between graph segments with the real batch, where the host plan
-    may well hold, but that has not run on a GPU with this model. So SGLang's CUDA default (``breakable``)
-    is turned off (``docs/design.md``, "Prefill and CUDA graphs"); decode CUDA graphs are unaffected.
-    ``SGLANG_M3_PREFILL_GRAPH=1`` keeps SGLang's prefill graph, to try it: a warning says it is unverified.
+    Why: our prefill metadata (block table, offsets, the scorer's plan) is made on the host per batch, so
+    prefill attention must run eagerly between graph segments: SGLang 0.5.23's ``breakable`` graph does so,
+    and on 0.5.16 the backend ends the segment itself (``backend``, module docstring); ``full`` and
+    ``tc_piecewise`` do not. Greedy tokens with the graph against without it have not been compared on a GPU,
+    so SGLang's CUDA default is still turned off (``docs/design.md``, "Prefill and CUDA graphs"); decode
+    CUDA graphs are unaffected. ``SGLANG_M3_PREFILL_GRAPH=1`` keeps a ``breakable`` prefill graph, with a
+    warning; it refuses any other prefill graph.
     """
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
     if prefill_backend == Backend.DISABLED or _settings(hf_config()) is None:
         return False
     if os.environ.get(PREFILL_GRAPH_ENV) == "1":
+        if prefill_backend != Backend.BREAKABLE:
+            raise ValueError(f"cuda_graph_config prefill backend {prefill_backend!r} with {PREFILL_GRAPH_ENV}=1: "
+                             "MiniMax-M3.1's host-planned prefill attention runs only in the 'breakable' prefill "
+                             "graph (eagerly between segments); use --cuda-graph-backend-prefill breakable or disabled")
         logger.warning("MiniMax-M3.1 index-K cache: prefill CUDA graph %r kept (%s=1); not verified on a GPU with "
                        "this model: compare greedy tokens with the graph off before trusting it",
                        prefill_backend, PREFILL_GRAPH_ENV)
@@ -537,6 +542,8 @@ def hook_table() -> tuple[Hook, ...]:
         Hook(f"{allocator}.alloc_extend", cpu_alloc.alloc_extend, "AROUND", until=ALLOCATOR_OFF_TRITON),
         Hook(f"{allocator}.alloc_decode", cpu_alloc.alloc_decode, "AROUND", until=ALLOCATOR_OFF_TRITON),
         Hook("sglang.srt.entrypoints.http_server.server_info", server_info.add_index_k_info, "AROUND"),
+        Hook("sglang.srt.entrypoints.http_server.model_info", server_info.add_index_k_info, "AROUND"),
+        Hook("sglang.srt.entrypoints.http_server.launch_server", server_info.route_index_k_info, "BEFORE"),
     )
 
 

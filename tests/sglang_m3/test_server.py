@@ -68,13 +68,14 @@ def test_generate_and_completions(mxfp4):
     assert isinstance(body["choices"][0]["text"], str)
 
 
-def test_server_info_says_which_index_k_cache_it_serves(mxfp4):
-    """``/get_server_info`` names the format the config resolves to (the model's config.json, no override),
-    which SGLang's own answer does not (sglang_m3.server_info)."""
+@pytest.mark.parametrize("path", ["/server_info", "/model_info", "/get_server_info", "/get_model_info"])
+def test_server_info_says_which_index_k_cache_it_serves(mxfp4, path):
+    """The server and model info, under SGLang's current and deprecated names, name the format the config resolves
+    to (the model's config.json, no override), which SGLang's own answers do not (sglang_m3.server_info)."""
     import json
     import urllib.request
 
-    with urllib.request.urlopen(mxfp4.url + "/get_server_info", timeout=60) as r:
+    with urllib.request.urlopen(mxfp4.url + path, timeout=60) as r:
         info = json.loads(r.read())
     assert info["model_path"].endswith("minimax-m3.1-tiny")
     index_k = info["m3_index_k"]

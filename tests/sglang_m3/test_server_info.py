@@ -1,5 +1,5 @@
-"""``/get_server_info``'s ``m3_index_k`` (sglang_m3.server_info): what an index-K config reports, and nothing
-added for any other model (the served answer is SGLang's, unchanged)."""
+"""The server and model info's ``m3_index_k`` (sglang_m3.server_info): what an index-K config reports, nothing
+added for any other model (the served answer is SGLang's, unchanged), and the routes that answer it."""
 
 import asyncio
 import json
@@ -69,9 +69,72 @@ def test_the_hook_adds_the_key_for_index_k_models_only(index_k, monkeypatch):
         assert answer == sglang_answer
 
 
-def test_the_plugin_registers_it_around_what_get_server_info_awaits():
-    rows = [row for row in plugin.hook_table() if row.target == TARGET]
+@pytest.mark.parametrize("name", ["server_info", "model_info"])
+def test_the_plugin_registers_it_around_the_server_and_model_info(name):
+    target = f"sglang.srt.entrypoints.http_server.{name}"
+    rows = [row for row in plugin.hook_table() if row.target == target]
     assert len(rows) == 1 and rows[0].hook is server_info.add_index_k_info and rows[0].kind == "AROUND"
     from sglang.srt.entrypoints import http_server
 
-    assert hasattr(http_server, "server_info")  # the target exists in this SGLang
+    assert hasattr(http_server, name)  # the target exists in this SGLang
+
+
+def _app():
+    """A FastAPI app with SGLang's two info routes bound at import, as SGLang binds them, and a third route."""
+    from fastapi import FastAPI
+
+    app, module = FastAPI(), SimpleNamespace()
+
+    async def server_info():
+        return {"who": "sglang"}
+
+    async def model_info():
+        return {"who": "sglang model"}
+
+    async def health():
+        return {"ok": True}
+
+    module.server_info, module.model_info = server_info, model_info
+    app.get("/server_info")(server_info)
+    app.get("/model_info")(model_info)
+    app.get("/health")(health)
+    return app, module
+
+
+def test_the_info_routes_answer_through_the_hooked_functions():
+    from fastapi.testclient import TestClient
+
+    app, module = _app()
+    client = TestClient(app)
+    assert client.get("/server_info").json() == {"who": "sglang"}
+    assert sorted(server_info.rebind_info_routes(app, module)) == ["/model_info", "/server_info"]
+    originals = module.server_info, module.model_info
+
+    async def hooked_server():
+        return {**await originals[0](), "m3_index_k": {"format": "fp8"}}
+
+    async def hooked_model():
+        return {**await originals[1](), "m3_index_k": {"format": "fp8"}}
+
+    module.server_info, module.model_info = hooked_server, hooked_model  # as SGLang's hook registry does, later
+    assert client.get("/server_info").json() == {"who": "sglang", "m3_index_k": {"format": "fp8"}}
+    assert client.get("/model_info").json() == {"who": "sglang model", "m3_index_k": {"format": "fp8"}}
+    assert client.get("/health").json() == {"ok": True}
+    assert client.post("/server_info").status_code == 405  # GET only, as before
+
+
+def test_the_routes_are_rebound_for_an_index_k_launch_only(monkeypatch):
+    from sglang.srt.entrypoints import http_server
+
+    calls = []
+    monkeypatch.setattr(server_info, "rebind_info_routes", lambda app, module: calls.append((app, module)))
+    server_info.route_index_k_info(SimpleNamespace(model_path=str(REPO / "configs" / "msa-small")))
+    assert calls == [(http_server.app, http_server)]
+    server_info.route_index_k_info(SimpleNamespace(model_path=str(REPO / "configs" / "msa-small"),
+                                                   index_k_format=None, json_model_override_args=None))
+    assert len(calls) == 2
+    calls.clear()
+    server_info.route_index_k_info(SimpleNamespace(model_path=str(REPO / "tests")))  # no config.json: not ours
+    assert calls == []
+    rows = [row for row in plugin.hook_table() if row.target == "sglang.srt.entrypoints.http_server.launch_server"]
+    assert len(rows) == 1 and rows[0].hook is server_info.route_index_k_info and rows[0].kind == "BEFORE"
