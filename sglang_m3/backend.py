@@ -25,6 +25,14 @@ each replay rewrites its rows in-graph (``block_table``, ``seq_lens``, ``n_visib
 ``init_forward_metadata_in_graph``; ``scores`` written by the scorer up to each row's last visible
 block, the columns past it left stale and masked by ``n_visible``). Larger batches, and eager mode,
 get fresh buffers.
+
+Prefill in SGLang's ``breakable`` prefill CUDA graph: the prefill metadata (block table cut to the widest
+request, offsets, the scorer's plan and work map) is made on the host per batch, so prefill attention must
+never be replayed from a recording. SGLang 0.5.23 already runs it eagerly between graph segments. SGLang 0.5.16
+calls it inside the segment being captured; ``forward_extend`` then ends the segment and runs the attention
+eagerly (SGLang's ``eager_on_graph``), at capture and at every replay, reading the live batch from SGLang's
+prefill context and the plan ``init_forward_metadata`` made for it just before the replay. Any other graph
+recording a prefill attention (``full``) is refused with a message naming the prefill-graph flag.
 """
 
 import itertools
@@ -264,8 +272,32 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
         return select_blocks(scores, n_visible, self.topk_blocks, self.local_blocks, self.init_blocks)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, *, idx_q, idx_k, idx_v, **kwargs):
+        if _recorded_in_graph():  # SGLang 0.5.16's breakable prefill graph records this call (module docstring)
+            return self._extend_between_segments(q, k, v, layer, idx_q, idx_k, idx_v)
+        return self._extend(q, k, v, layer, forward_batch, forward_batch.out_cache_loc, idx_q, idx_k, idx_v)
+
+    def _extend_between_segments(self, q, k, v, layer, idx_q, idx_k, idx_v):
+        """Capture of a breakable prefill graph: end the segment here and run this attention eagerly, now
+        and at every replay (``_breakable_extend``), into an output the next segment reads."""
+        from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import (
+            eager_on_graph,
+            is_in_breakable_cuda_graph,
+        )
+
+        if not is_in_breakable_cuda_graph():
+            raise RuntimeError(
+                "MiniMax-M3.1 index-K cache: a CUDA graph is recording prefill attention outside SGLang's "
+                "breakable prefill graph; its metadata is planned on the host per batch, so only the breakable "
+                "graph (which runs attention eagerly between segments) can hold it: use "
+                "--cuda-graph-backend-prefill breakable or disabled"
+            )
+        out = q.new_empty(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+        eager_on_graph(True)(_breakable_extend)(self, q, k, v, out, layer, idx_q, idx_k, idx_v)
+        return None, out
+
+    def _extend(self, q, k, v, layer, forward_batch, out_cache_loc, idx_q, idx_k, idx_v):
         meta = self._extend_meta
-        self.kv_pool.set_fused_kv_index_buffer(layer, forward_batch.out_cache_loc, k, v, idx_k, idx_v)
+        self.kv_pool.set_fused_kv_index_buffer(layer, out_cache_loc, k, v, idx_k, idx_v)
         k_cache, v_cache = self.kv_pool.get_kv_buffer(layer.layer_id)
         cache = self.kv_pool.get_index_k_buffer(layer.layer_id)
 
@@ -298,3 +330,25 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
         if self.recorder is not None:
             self.recorder.record("decode", layer.layer_id, meta.seq_lens - 1, meta.n_visible, selected, scores)
         return None, o.reshape(q.shape[0], -1)
+
+
+def _recorded_in_graph() -> bool:
+    """Whether a CUDA graph is recording on the current stream (a prefill attention call being captured)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _breakable_extend(backend, q, k, v, out, layer, idx_q, idx_k, idx_v) -> None:
+    """One prefill attention between two segments of SGLang's breakable prefill graph, run at capture and
+    at every replay with the same tensors (static addresses the segment before refills). It reads the live
+    batch from SGLang's prefill context and the plan ``init_forward_metadata`` made for it before the
+    replay, runs the real tokens only (K/V and index K stored for them alone), and zeroes the padded rows."""
+    from sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph.context_manager import (
+        get_tc_piecewise_forward_context,
+    )
+
+    forward_batch = get_tc_piecewise_forward_context().forward_batch
+    n = backend._extend_meta.num_tokens
+    _, o = backend._extend(q[:n], k[:n], v[:n], layer, forward_batch, forward_batch.out_cache_loc[:n],
+                           idx_q[:n], idx_k[:n], None if idx_v is None else idx_v[:n])
+    out[:n].copy_(o)
+    out[n:].zero_()

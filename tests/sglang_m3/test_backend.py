@@ -376,3 +376,179 @@ def test_a_decode_step_checks_its_metadata_once_for_all_layers(monkeypatch, gen)
                                    idx_k=idx_k, idx_v=None)[1] for i in layer_ids]
     assert counts == {"meta": 1, "cache": 0}
     assert all(torch.isfinite(o.float()).all() for o in outs)
+
+
+# ---- prefill in SGLang's breakable CUDA graph: capture and replay of the eager break, reproduced on the CPU
+
+GRAPH_LAYER = SimpleNamespace(layer_id=1, scaling=128**-0.5, tp_q_head_num=16, v_head_dim=128)
+
+
+class _SegmentLog:
+    """SGLang's ``BreakableCUDAGraphCapture`` as ``eager_on_graph`` sees it: ends and begins segments, keeps the
+    eager functions a replay calls between them."""
+
+    def __init__(self):
+        self.events, self.cuda_graph = [], SimpleNamespace(_break_fns=[])
+
+    def _end_current_segment(self):
+        self.events.append("end")
+
+    def _begin_new_segment(self):
+        self.events.append("begin")
+
+
+def _extend_batch(req_to_token, reqs, prefixes, news, positions=None, out_cache_loc=None):
+    seq = torch.tensor([p + n for p, n in zip(prefixes, news)])
+    locs = torch.cat([req_to_token[r, p:p + n] for r, p, n in zip(reqs, prefixes, news)]).long()
+    pos = torch.cat([torch.arange(p, p + n) for p, n in zip(prefixes, news)])
+    return SimpleNamespace(forward_mode=ForwardMode.EXTEND, seq_lens=seq, seq_lens_cpu=seq,
+                           extend_seq_lens=torch.tensor(news), extend_seq_lens_cpu=list(news),
+                           extend_prefix_lens=torch.tensor(prefixes), req_pool_indices=torch.tensor(reqs),
+                           out_cache_loc=locs if out_cache_loc is None else out_cache_loc,
+                           positions=pos if positions is None else positions)
+
+
+def _pool_bytes(backend):
+    pool = backend.kv_pool
+    kv = [t.view(torch.uint8).clone() for i in range(4) for t in pool.get_kv_buffer(i)]
+    idx = [c.data.view(torch.uint8).clone() for c in pool.index_k_pool.caches]
+    return kv + idx
+
+
+@RUNNER_STAND_IN
+def test_breakable_prefill_graph_replays_equal_eager_prefills(monkeypatch, gen):
+    """SGLang 0.5.16 records a prefill attention with index inputs inside its breakable graph. Captured
+    once at a token bucket (SGLang's dummy batch: one request, no prefix), the attention must run eagerly
+    between segments, and each replay (new batch shapes: one request, two with a prefix hit, fewer tokens
+    than the bucket with garbage in the padded rows) must give the eager prefill's output bit for bit,
+    zeros in the padded rows, and the same pool bytes (nothing stored for padded rows)."""
+    import sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph as bcg
+    import sglang_m3.backend as backend_module
+    from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import context as bcg_context
+    from sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph import context_manager as pcg
+
+    monkeypatch.setattr(bcg, "_weak_ref_if_tensor", lambda x: x)  # CUDA-only in SGLang; identity keeps the address
+    graph, req_to_token = _real_backend(monkeypatch)
+    eager, _ = _real_backend(monkeypatch)
+    bucket = 3 * PAGE_SIZE + 1
+    static = [t.clone() for t in _inputs(bucket, gen)]  # the graph's input buffers: same storage across replays
+    static_positions = torch.zeros(bucket, dtype=torch.int64)
+    static_locs = torch.zeros(bucket, dtype=torch.int64)
+
+    def run_static(backend, batch, record):
+        n = sum(batch.extend_seq_lens_cpu)
+        static_positions[:n], static_positions[n:] = batch.positions, 0
+        static_locs[:n], static_locs[n:] = batch.out_cache_loc, 0  # SGLang's padding slot
+        static_batch = SimpleNamespace(**{**vars(batch), "positions": static_positions, "out_cache_loc": static_locs})
+        backend.init_forward_metadata_out_graph(batch)
+        with pcg.set_tc_piecewise_forward_context(static_batch, [], None, [], []):
+            if record is None:
+                return backend.forward_extend(*static[:3], GRAPH_LAYER, static_batch, idx_q=static[3],
+                                              idx_k=static[4], idx_v=None)[1]
+            capture_token = bcg._current_capture_var.set(record)
+            monkeypatch.setattr(backend_module, "_recorded_in_graph", lambda: True)
+            try:
+                with bcg_context.enable_breakable_cuda_graph():
+                    return backend.forward_extend(*static[:3], GRAPH_LAYER, static_batch, idx_q=static[3],
+                                                  idx_k=static[4], idx_v=None)[1]
+            finally:
+                monkeypatch.setattr(backend_module, "_recorded_in_graph", lambda: False)
+                bcg._current_capture_var.reset(capture_token)
+
+    # Capture on SGLang's dummy batch; the eager backend does the same forward so the pools share a history.
+    capture = _SegmentLog()
+    dummy = _extend_batch(req_to_token, [0], [0], [bucket])
+    graph_out = run_static(graph, dummy, capture)
+    assert capture.events == ["end", "begin"] and len(capture.cuda_graph._break_fns) == 1
+    torch.testing.assert_close(graph_out, run_static(eager, dummy, None), rtol=0, atol=0)
+    (replay_break,) = capture.cuda_graph._break_fns
+
+    batches = [([1], [0], [2 * PAGE_SIZE + 7]),  # one request, fewer tokens than the bucket
+               ([0, 1], [0, 2 * PAGE_SIZE + 7], [PAGE_SIZE - 1, PAGE_SIZE + 2]),  # two, the second a prefix hit
+               ([0], [PAGE_SIZE - 1], [1])]  # one token
+    for reqs, prefixes, news in batches:
+        batch = _extend_batch(req_to_token, reqs, prefixes, news)
+        n = sum(news)
+        fresh = _inputs(n, gen)
+        for buf, t in zip(static, fresh):
+            buf[:n] = t
+            buf[n:] = torch.randn(buf[n:].shape, generator=gen).bfloat16() * 1e3  # stale rows of earlier batches
+        eager.init_forward_metadata_out_graph(batch)  # eager serving: no padded rows at all
+        want = eager.forward_extend(*[t[:n] for t in static[:3]], GRAPH_LAYER, batch, idx_q=static[3][:n],
+                                    idx_k=static[4][:n], idx_v=None)[1]
+        # Replay: SGLang refreshes the metadata out of graph for the live batch, then calls the recorded break.
+        static_positions[:n], static_locs[:n] = batch.positions, batch.out_cache_loc
+        static_positions[n:], static_locs[n:] = 0, 0
+        graph.init_forward_metadata_out_graph(batch)
+        graph_out.fill_(float("nan"))  # poisoned: every row must be written
+        live = SimpleNamespace(**{**vars(batch), "positions": static_positions, "out_cache_loc": static_locs})
+        with pcg.set_tc_piecewise_forward_context(live, [], None, [], []):
+            replay_break()
+        torch.testing.assert_close(graph_out[:n], want, rtol=0, atol=0)
+        assert torch.equal(graph_out[n:], torch.zeros_like(graph_out[n:]))
+        for got, ref in zip(_pool_bytes(graph), _pool_bytes(eager)):
+            assert torch.equal(got, ref)
+
+
+@RUNNER_STAND_IN
+def test_a_prefill_recorded_outside_the_breakable_graph_is_refused(monkeypatch, gen):
+    """A graph that records prefill attention without SGLang's eager breaks (``full``) would replay a stale
+    host plan: refused at capture, naming the prefill-graph flag."""
+    import sglang_m3.backend as backend_module
+
+    backend, req_to_token = _real_backend(monkeypatch)
+    q, k, v, idx_q, idx_k = _inputs(PAGE_SIZE, gen)
+    batch = _extend_batch(req_to_token, [0], [0], [PAGE_SIZE])
+    backend.init_forward_metadata_out_graph(batch)
+    monkeypatch.setattr(backend_module, "_recorded_in_graph", lambda: True)
+    with pytest.raises(RuntimeError, match=r"outside SGLang's breakable prefill graph.*--cuda-graph-backend-prefill"):
+        backend.forward_extend(q, k, v, GRAPH_LAYER, batch, idx_q=idx_q, idx_k=idx_k, idx_v=None)
+
+
+# ---- the prefill CUDA graph on a GPU: greedy tokens with the graph against without
+
+MEDIUM_MODEL = Path(__file__).resolve().parents[2] / "configs" / "msa-medium"
+
+
+def _generate_batch(url, prompts, max_new_tokens):
+    import urllib.request
+
+    body = json.dumps({"input_ids": prompts, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens,
+                                                                 "ignore_eos": True}}).encode()
+    request = urllib.request.Request(f"{url}/generate", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return [r["output_ids"] for r in json.loads(response.read())]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_prefill_graph_gives_the_greedy_tokens_of_eager_prefill(fmt, tmp_path):
+    """A server keeping SGLang's breakable prefill graph (``SGLANG_M3_PREFILL_GRAPH=1``) and one without it
+    (the default) give the same greedy tokens for batches the graph replays (one request; three of mixed
+    lengths; the same three again, a radix-cache prefix hit), and the graph server's log shows replays."""
+    import os
+    import re
+
+    from sglang_m3.server import Server
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    weights = MEDIUM_MODEL / "model-00001-of-00001.safetensors"
+    load = [] if weights.exists() and weights.stat().st_size > 1 << 20 else ["--load-format", "dummy"]
+    vocab = json.loads((MEDIUM_MODEL / "config.json").read_text())["vocab_size"]
+    g = torch.Generator().manual_seed(56)
+    prompts = [torch.randint(100, vocab - 100, (n,), generator=g).tolist() for n in (1, 300, 1500, 4000)]
+    batches = [prompts[2:3], prompts[:3], prompts[1:4], prompts[1:4]]
+    args = ["--index-k-format", fmt, "--attention-backend", "triton", "--mem-fraction-static", "0.35",
+            "--context-length", "8192", *load]
+    outputs, logs = {}, {}
+    for name, extra, env in (("eager", [], {}),
+                             ("graph", ["--cuda-graph-backend-prefill", "breakable"], {"SGLANG_M3_PREFILL_GRAPH": "1"})):
+        log = tmp_path / f"{name}.log"
+        with Server(MEDIUM_MODEL, [*args, *extra], log, env={**os.environ, **env}, timeout_s=900) as server:
+            outputs[name] = [_generate_batch(server.url, b, 24) for b in batches]
+        logs[name] = log.read_text()
+    replays = re.findall(r"Prefill batch.*cuda graph: True", logs["graph"])
+    assert replays, "the graph server never replayed a prefill graph: " + logs["graph"][-3000:]
+    assert not re.findall(r"Prefill batch.*cuda graph: True", logs["eager"])
+    assert outputs["graph"] == outputs["eager"]

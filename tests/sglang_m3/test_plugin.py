@@ -169,6 +169,15 @@ def test_the_prefill_graph_can_be_kept_on_request_with_a_warning(explicit, monke
         assert _run_prefill_hook(_resolved_server_args("mxfp4", "breakable", False)).prefill.backend == "disabled"
 
 
+@pytest.mark.parametrize("backend", ["full", "tc_piecewise"])
+def test_the_prefill_graph_kept_on_request_must_be_breakable(backend, monkeypatch):
+    """``SGLANG_M3_PREFILL_GRAPH=1`` keeps only the ``breakable`` graph, where prefill attention runs eagerly
+    between segments; a graph that would record it (``full``) or is unverified with it is refused in one line."""
+    monkeypatch.setenv("SGLANG_M3_PREFILL_GRAPH", "1")
+    with pytest.raises(ValueError, match=rf"prefill backend '{backend}' with SGLANG_M3_PREFILL_GRAPH=1.*'breakable'"):
+        _run_prefill_hook(_resolved_server_args("mxfp4", backend, explicit=True))
+
+
 def test_prefill_cuda_graph_hook_is_wired_into_server_args():
     """The hook's target exists in the installed SGLang and runs when it resolves its CUDA-graph config
     (at construction before 0.5.19, at ``resolve_once`` from then on)."""
