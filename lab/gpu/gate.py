@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 LOG = ROOT / "lab" / "logs" / "gpu-gate.md"
 GATED = ("kernels", "sglang_m3")
-SUITE_FILES = ("kernels", "sglang_m3", "accuracy", "tests", "scripts", "conftest.py", "pyproject.toml",
+SUITE_FILES = ("kernels", "sglang_m3", "accuracy", "tests", "examples", "scripts", "conftest.py", "pyproject.toml",
                "lab/gpu", "configs/minimax-m3.1", "configs/minimax-m3.1-tiny")
 HEADER = ("| date | commit | kernels tree | sglang_m3 tree | machine | passed | failed | skipped | result |\n"
           "|---|---|---|---|---|---|---|---|---|\n")
