@@ -11,8 +11,10 @@ page ``h // 128``, row ``h % 128``, exactly as on the device, so a page moves as
 scales together) and every format round-trips bit for bit.
 
 SGLang's radix tree, controller, host allocator and storage (L3) code stay in charge; the plugin only
-swaps the sidecar class (``index_k_host_pool``) and counts the index bytes in ``--hicache-size``
-(``hicache_stack_counting_index_bytes``).
+puts ``KOnlyPoolHost`` in the place of SGLang's sidecar class (it makes an ``IndexKPoolHost`` for our pool
+and is SGLang's class for any other) and counts the index bytes in ``--hicache-size``
+(``hicache_stack_counting_index_bytes``). This module imports the pools lazily: the plugin loads it in
+every SGLang process.
 """
 
 import copy
@@ -23,8 +25,7 @@ import torch
 
 from m3_kernels.formats import MXFP4_PAGE_BYTES, MXFP4_PAGE_DATA_BYTES, PAGE_SIZE, IndexKCache
 from sglang.srt.mem_cache.pool_host.base import HICACHE_HOST_MEMORY_RESERVE_BYTES, HostKVCache
-
-from .pool import IndexKPool, MiniMaxM31SparseKVPool
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKOnlyPoolHost
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class IndexKPoolHost(HostKVCache):
     - ``get_data_page`` / ``set_from_flat_data_page``: one host page of every layer as flat bytes (L3 storage).
     """
 
-    def __init__(self, device_pool: IndexKPool, anchor_host, layout: str, pin_memory: bool | None = None,
+    def __init__(self, device_pool, anchor_host, layout: str, pin_memory: bool | None = None,
                  device: str = "cpu", allocator_type=None):
         if anchor_host.page_size != PAGE_SIZE:
             raise ValueError(f"the index-K host pool needs HiCache pages of {PAGE_SIZE} slots, "
@@ -126,7 +127,7 @@ class IndexKPoolHost(HostKVCache):
 
     # ---- layout ------------------------------------------------------------------------------
 
-    def _device_regions(self, device_pool: IndexKPool, layer: int) -> list[torch.Tensor]:
+    def _device_regions(self, device_pool, layer: int) -> list[torch.Tensor]:
         return page_regions(device_pool.caches[layer])
 
     def get_size_per_token(self) -> int:
@@ -202,15 +203,22 @@ class IndexKPoolHost(HostKVCache):
 
 # ---- SGLang hooks ----------------------------------------------------------------------------
 
-def index_k_host_pool(original, device_pool, anchor_host, layout, *args, **kwargs):
-    """Stands in for SGLang's ``MHATokenToKOnlyPoolHost`` in its M3 HiCache stack: an ``IndexKPoolHost`` for
-    our paged pool, SGLang's own class for anything else."""
-    if isinstance(device_pool, IndexKPool):
-        return IndexKPoolHost(device_pool, anchor_host, layout)
-    return original(device_pool, anchor_host, layout, *args, **kwargs)
+class KOnlyPoolHost(MHATokenToKOnlyPoolHost):
+    """SGLang's ``MHATokenToKOnlyPoolHost`` (the plugin puts this class in its place), except that for our
+    paged ``IndexKPool`` construction returns an ``IndexKPoolHost``; any other pool gets SGLang's host pool
+    unchanged. SGLang's M3 stack calls ``(device_pool, anchor_host, layout, allocator_type=...)``."""
+
+    def __new__(cls, device_pool, *args, **kwargs):
+        from .pool import IndexKPool
+
+        if isinstance(device_pool, IndexKPool):
+            anchor_host = args[0] if args else kwargs["anchor_host"]
+            layout = args[1] if len(args) > 1 else kwargs["layout"]
+            return IndexKPoolHost(device_pool, anchor_host, layout)
+        return super().__new__(cls)
 
 
-def kv_share_of_host_bytes(sparse_pool: MiniMaxM31SparseKVPool) -> float:
+def kv_share_of_host_bytes(sparse_pool) -> float:
     """The K/V's share of a host slot's bytes (K/V of every local layer plus the index key of every local
     sparse layer in the pool's format)."""
     main = sparse_pool.main_pool
@@ -223,9 +231,44 @@ def hicache_stack_counting_index_bytes(original, *args, **kwargs):
     """Around SGLang's ``build_minimax_sparse_hicache_stack``: for our pool, ``--hicache-size`` GB covers the
     K/V and the index-K host buffers together (SGLang sizes the K/V host pool from it alone and adds the
     index sidecar on top); ``--hicache-ratio`` already counts slots, the same for both."""
+    from .pool import MiniMaxM31SparseKVPool
+
     sparse_pool, server_args = kwargs.get("sparse_pool"), kwargs.get("server_args")
     if isinstance(sparse_pool, MiniMaxM31SparseKVPool) and server_args is not None and server_args.hicache_size > 0:
         scaled = copy.copy(server_args)
         scaled.hicache_size = server_args.hicache_size * kv_share_of_host_bytes(sparse_pool)
         kwargs["server_args"] = scaled
     return original(*args, **kwargs)
+
+
+STORAGE_BACKENDS = (None, "file")  # L3 backends whose index-K pages go through the flat-page API above
+
+
+def check_hicache_launch(server_args) -> None:
+    """NotImplementedError, one line naming the flag, for a HiCache launch the index-K host tier does not
+    cover: ``--device cpu`` (SGLang's K/V host pool pins its buffer with ``cudaHostRegister`` and copies
+    with CUDA-only ``sgl_kernel`` ops, for every model), an L3 backend other than ``file`` (zero-copy
+    backends address host pages by pointer and layout, which the paged index pool does not describe), or
+    an SGLang whose M3 HiCache stack is built without ``server_args`` (after 0.5.16; not verified here)."""
+    import inspect
+
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
+
+    if getattr(server_args, "device", None) == "cpu":
+        raise NotImplementedError(
+            "--enable-hierarchical-cache with --device cpu: SGLang's HiCache K/V host pool needs CUDA (it pins "
+            "host memory with cudaHostRegister and copies with sgl_kernel); launch without "
+            "--enable-hierarchical-cache"
+        )
+    backend = getattr(server_args, "hicache_storage_backend", None)
+    if backend not in STORAGE_BACKENDS:
+        raise NotImplementedError(
+            f"--hicache-storage-backend {backend}: the MiniMax-M3.1 index-K pages go to L3 storage through the "
+            "file backend only; launch with --hicache-storage-backend file or without it"
+        )
+    stack = getattr(hybrid_pool_assembler, "build_minimax_sparse_hicache_stack", None)
+    if stack is None or "server_args" not in inspect.signature(stack).parameters:
+        raise NotImplementedError(
+            "--enable-hierarchical-cache: the MiniMax-M3.1 index-K host tier is built for SGLang 0.5.16's M3 "
+            "HiCache stack, which this SGLang release has changed; launch without --enable-hierarchical-cache"
+        )

@@ -13,7 +13,7 @@ from sglang_m3.host_pool import (
     IndexKPoolHost,
     copy_pages,
     hicache_stack_counting_index_bytes,
-    index_k_host_pool,
+    KOnlyPoolHost,
     kv_share_of_host_bytes,
     page_regions,
     slot_pages,
@@ -236,12 +236,17 @@ def test_hicache_size_covers_kv_and_index_bytes():
     assert seen["server_args"] is server_args
 
 
-def test_the_sidecar_is_ours_for_our_pool_only():
+def test_the_sidecar_class_makes_ours_for_our_pool_and_sglangs_otherwise():
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKOnlyPoolHost
+
     pool = _pool("fp8")
-    host = index_k_host_pool(lambda *a, **k: "sglang's", pool.index_k_pool, _anchor(), "page_first",
-                             allocator_type=None)
-    assert isinstance(host, IndexKPoolHost)
-    assert index_k_host_pool(lambda *a, **k: "sglang's", object(), _anchor(), "page_first") == "sglang's"
+    host = KOnlyPoolHost(pool.index_k_pool, _anchor(), "page_first", allocator_type="default")
+    assert type(host) is IndexKPoolHost and host.layout == "page_first"
+    assert type(KOnlyPoolHost(pool.index_k_pool, anchor_host=_anchor(), layout="layer_first")) is IndexKPoolHost
+    # Any other pool: SGLang's own class runs (its __init__ reads the device pool's attributes).
+    assert issubclass(KOnlyPoolHost, MHATokenToKOnlyPoolHost)
+    with pytest.raises(AttributeError, match="store_dtype"):
+        KOnlyPoolHost(object(), _anchor(), "page_first")
 
 
 def test_host_pages_must_be_the_index_page():
@@ -250,3 +255,38 @@ def test_host_pages_must_be_the_index_page():
     anchor.page_size = 64
     with pytest.raises(ValueError, match="pages of 128"):
         IndexKPoolHost(pool.index_k_pool, anchor, "page_first")
+
+
+@pytest.mark.parametrize("backend", [None, "file"])
+def test_a_hicache_launch_with_file_storage_or_none_passes(backend):
+    from sglang_m3.host_pool import check_hicache_launch
+
+    check_hicache_launch(types.SimpleNamespace(hicache_storage_backend=backend))
+
+
+def test_a_cpu_launch_is_refused_in_one_line():
+    """SGLang's own K/V host pool cannot start without CUDA (seen: ``torch.cuda.cudart()`` raises in its
+    ``cudaHostRegister`` on a CPU server), so the launch stops at the pool with one line instead."""
+    from sglang_m3.host_pool import check_hicache_launch
+
+    with pytest.raises(NotImplementedError, match="--enable-hierarchical-cache with --device cpu") as e:
+        check_hicache_launch(types.SimpleNamespace(hicache_storage_backend=None, device="cpu"))
+    assert "\n" not in str(e.value)
+
+
+def test_other_storage_backends_are_refused_in_one_line():
+    from sglang_m3.host_pool import check_hicache_launch
+
+    with pytest.raises(NotImplementedError, match="--hicache-storage-backend mooncake") as e:
+        check_hicache_launch(types.SimpleNamespace(hicache_storage_backend="mooncake"))
+    assert "\n" not in str(e.value)
+
+
+def test_a_changed_hicache_stack_is_refused(monkeypatch):
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
+
+    from sglang_m3.host_pool import check_hicache_launch
+
+    monkeypatch.setattr(hybrid_pool_assembler, "build_minimax_sparse_hicache_stack", lambda *, params: None)
+    with pytest.raises(NotImplementedError, match="--enable-hierarchical-cache"):
+        check_hicache_launch(types.SimpleNamespace(hicache_storage_backend=None))
