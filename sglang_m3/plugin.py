@@ -25,6 +25,8 @@ supported release); "M3.1" means a MiniMax-M3.1 index-K launch, where each row e
 | ``ModelConfig.__init__`` | after | | M3.1: validate the format at start-up (naming the choices) |
 | ``get_model_architecture`` | around | | M3.1: serve ``MiniMaxM3SparseForCausalLM`` with this package's class |
 | ``KVCacheConfigurator._build_minimax_sparse_kv_pool`` | around | | M3.1: build ``MiniMaxM31SparseKVPool`` |
+| ``hybrid_pool_assembler.MHATokenToKOnlyPoolHost`` | replace | | M3.1 pool: its HiCache host tier (``host_pool``) |
+| ``hybrid_pool_assembler.build_minimax_sparse_hicache_stack`` | around | | M3.1: ``--hicache-size`` counts the index bytes |
 | ``DefaultPoolConfigurator._compute_cell_size`` | around | | M3.1: budget the format's bytes (capacity grows with it) |
 | ``attn_backend_wrapper`` | around | | M3.1: dense + ``MiniMaxM31SparseAttnBackend``; CPU dense decode, extend |
 | ``TokenizerManager._validate_one_request`` | before | | workaround W1 |
@@ -313,14 +315,13 @@ def _build_index_k_pool(original, kvc, *, max_total_num_tokens: int):
     settings = _settings(kvc.model_config.hf_config)
     if settings is None:
         return original(kvc, max_total_num_tokens=max_total_num_tokens)
-    for flag in ("enable_hierarchical_cache", "enable_hisparse"):
-        if setting(kvc.server_args, flag, False):
-            # SGLang's host copy of the index cache assumes one [slots, 1, 128] row per token slot;
-            # the paged index layout (and MXFP4's per-page scales) would be copied wrongly.
-            raise NotImplementedError(
-                f"{flag}: the MiniMax-M3.1 index-K cache has no host (HiCache) copy; "
-                f"launch without --{flag.replace('_', '-')}"
-            )
+    if setting(kvc.server_args, "enable_hisparse", False):
+        raise NotImplementedError("enable_hisparse: the MiniMax-M3.1 index-K cache has no hierarchical sparse "
+                                  "(HiSparse) host path; launch without --enable-hisparse")
+    if setting(kvc.server_args, "enable_hierarchical_cache", False):
+        from .host_pool import check_hicache_launch  # the host tier: sglang_m3.host_pool
+
+        check_hicache_launch(kvc.server_args)
     from sglang.srt.configs.model_config import (
         get_minimax_sparse_attention_config,
         get_minimax_sparse_disable_value_layer_ids,
@@ -511,11 +512,12 @@ class Hook(NamedTuple):
 
 def hook_table() -> tuple[Hook, ...]:
     """Every hooked SGLang target (see the module docstring), for every supported release."""
-    from . import cpu_alloc, server_info
+    from . import cpu_alloc, host_pool, server_info
 
     server_args = "sglang.srt.server_args.ServerArgs"
     tokenizer_manager = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
     allocator = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator"
+    assembler = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"
     return (
         Hook(f"{server_args}.add_cli_args", _add_index_k_format_flag, "AFTER"),
         Hook(f"{server_args}.from_cli_args", _fold_index_k_format_flag, "BEFORE"),
@@ -528,6 +530,8 @@ def hook_table() -> tuple[Hook, ...]:
         Hook("sglang.srt.model_loader.utils.get_model_architecture", _model_architecture, "AROUND"),
         Hook("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_minimax_sparse_kv_pool",
              _build_index_k_pool, "AROUND"),
+        Hook(f"{assembler}.MHATokenToKOnlyPoolHost", host_pool.KOnlyPoolHost, "REPLACE"),
+        Hook(f"{assembler}.build_minimax_sparse_hicache_stack", host_pool.hicache_stack_counting_index_bytes, "AROUND"),
         Hook("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
              _index_k_cell_size, "AROUND"),
         Hook("sglang.srt.layers.attention.attention_registry.attn_backend_wrapper", _attn_backend, "AROUND"),

@@ -28,13 +28,19 @@ def _unreachable(*args, **kwargs):
     raise AssertionError("SGLang's own pool builder must not run for an index-K config")
 
 
-@pytest.mark.parametrize("flag", ["enable_hierarchical_cache", "enable_hisparse"])
-def test_host_cache_copies_are_refused_before_any_pool_is_built(flag):
+@pytest.mark.parametrize("flags,message", [
+    ({"enable_hisparse": True}, "enable_hisparse: .*launch without --enable-hisparse"),
+    ({"enable_hierarchical_cache": True, "device": "cpu"}, "--enable-hierarchical-cache with --device cpu"),
+    ({"enable_hierarchical_cache": True, "device": "cuda", "hicache_storage_backend": "nixl"},
+     "--hicache-storage-backend nixl"),
+])
+def test_host_cache_launches_the_host_tier_does_not_cover_are_refused_before_any_pool_is_built(flags, message):
     hf_config = MiniMaxM31Config(sparse_attention_config={"sparse_index_dim": 128}, index_k_format="mxfp4")
     kvc = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config),
-                          server_args=SimpleNamespace(**{flag: True}, page_size=128))
-    with pytest.raises(NotImplementedError, match=f"{flag}: .*launch without --{flag.replace('_', '-')}"):
+                          server_args=SimpleNamespace(**flags, page_size=128))
+    with pytest.raises(NotImplementedError, match=message) as e:
         _build_index_k_pool(_unreachable, kvc, max_total_num_tokens=1024)
+    assert "\n" not in str(e.value)
 
 
 def test_the_pool_hook_builds_the_k_only_index_pool_of_the_tiny_config(monkeypatch):
