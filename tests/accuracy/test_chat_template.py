@@ -4,15 +4,19 @@ sends the model exactly what ``/v1/completions`` sends for that text (``m3-accur
 ``local-chat-completions`` then score the same prompts)."""
 
 import json
+import shlex
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from sglang_m3.server import Server, cpu_args
+from sglang_m3.server import LAUNCHER, Server
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINED = [ROOT / "configs" / "msa-small", ROOT / "configs" / "msa-medium"]
+# README.md's CPU launch line, served below as written (tests/test_docs.py checks that the README shows this line).
+README_CPU_LAUNCH = ("python -m sglang.launch_server --model-path configs/msa-small --device cpu "
+                     "--attention-backend torch_native --max-total-tokens 16384")
 PROMPT = ("The special number for \"copper kettle\" is 4817.\n\nQuestion: what is the special number for "
           "\"copper kettle\" in the chronicle above?\nAnswer:")
 
@@ -42,7 +46,9 @@ def _post(url: str, path: str, payload: dict) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_chat_completions_serve_the_completion_prompt(tmp_path):
-    with Server(TRAINED[0], [*cpu_args(8192), "--log-level", "warning"], tmp_path / "server.log") as s:
+    python, m, launcher, model_flag, model, *args = shlex.split(README_CPU_LAUNCH)
+    assert (python, m, launcher, model_flag) == ("python", "-m", LAUNCHER, "--model-path")
+    with Server(model, args, tmp_path / "server.log", cwd=ROOT) as s:  # the README's line, from the repository root
         greedy = {"model": "default", "max_tokens": 8, "temperature": 0}
         chat = _post(s.url, "/v1/chat/completions", {**greedy, "messages": [{"role": "user", "content": PROMPT}]})
         plain = _post(s.url, "/v1/completions", {**greedy, "prompt": PROMPT})
