@@ -235,8 +235,8 @@ def hicache_stack_counting_index_bytes(original, *args, **kwargs):
 
     sparse_pool, server_args = kwargs.get("sparse_pool"), kwargs.get("server_args")
     if isinstance(sparse_pool, MiniMaxM31SparseKVPool) and server_args is not None and server_args.hicache_size > 0:
-        scaled = copy.copy(server_args)
-        scaled.hicache_size = server_args.hicache_size * kv_share_of_host_bytes(sparse_pool)
+        scaled = copy.copy(server_args)  # private to this call: set past ServerArgs' resolved-field guard
+        object.__setattr__(scaled, "hicache_size", server_args.hicache_size * kv_share_of_host_bytes(sparse_pool))
         kwargs["server_args"] = scaled
     return original(*args, **kwargs)
 

@@ -236,6 +236,25 @@ def test_hicache_size_covers_kv_and_index_bytes():
     assert seen["server_args"] is server_args
 
 
+class _ResolvedArgs:
+    """Like SGLang's resolved ServerArgs under its strict harness: a plain assignment to a field raises."""
+
+    def __init__(self, hicache_size):
+        object.__setattr__(self, "hicache_size", hicache_size)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"server_args.{name} assigned after resolution")
+
+
+def test_hicache_size_is_scaled_on_a_private_copy_of_resolved_server_args():
+    pool = _pool("fp8")
+    seen = {}
+    resolved = _ResolvedArgs(hicache_size=4)
+    hicache_stack_counting_index_bytes(lambda **kw: seen.update(kw), sparse_pool=pool, server_args=resolved)
+    assert seen["server_args"].hicache_size == pytest.approx(4 * kv_share_of_host_bytes(pool))
+    assert resolved.hicache_size == 4
+
+
 def test_the_sidecar_class_makes_ours_for_our_pool_and_sglangs_otherwise():
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKOnlyPoolHost
 
@@ -290,3 +309,63 @@ def test_a_changed_hicache_stack_is_refused(monkeypatch):
     monkeypatch.setattr(hybrid_pool_assembler, "build_minimax_sparse_hicache_stack", lambda *, params: None)
     with pytest.raises(NotImplementedError, match="--enable-hierarchical-cache"):
         check_hicache_launch(types.SimpleNamespace(hicache_storage_backend=None))
+
+
+# ---- on a GPU: a real server per format ------------------------------------------------------
+
+GPU_DEVICE_SLOTS = 4096  # a small device pool, so that later prompts evict the first one's prefix to the host
+
+
+def _gpu_server(fmt, log_path):
+    from pathlib import Path
+
+    from sglang_m3.server import Server
+
+    repo = Path(__file__).resolve().parents[2]
+    args = ["--index-k-format", fmt, "--attention-backend", "triton", "--sampling-backend", "pytorch",
+            "--grammar-backend", "none", "--skip-tokenizer-init", "--enable-hierarchical-cache",
+            "--max-total-tokens", str(GPU_DEVICE_SLOTS), "--chunked-prefill-size", "1024",
+            "--max-running-requests", "4", "--disable-cuda-graph", "--mem-fraction-static", "0.3"]
+    return Server(repo / "configs" / "msa-small", args, log_path, cwd=repo, timeout_s=600).start().wait_ready()
+
+
+def _generate(server, input_ids, max_new_tokens=8):
+    import json
+    import urllib.request
+
+    payload = {"input_ids": input_ids,
+               "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+    req = urllib.request.Request(server.url + "/generate", data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        body = json.loads(r.read())
+    meta = body["meta_info"]
+    details = meta.get("cached_tokens_details") or {"device": meta.get("cached_tokens", 0), "host": 0}
+    return body["output_ids"], details
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_prefix_loaded_back_from_the_host_gives_the_cold_tokens_on_cuda(fmt, tmp_path):
+    """configs/msa-small (trained weights) with HiCache and a 4,096-slot device pool: a 1,500-token prompt
+    cold, again at once (a device prefix hit), then after 4,500 tokens of other prompts pushed its pages
+    to the host, again (a host hit: pages loaded back, index-K pages with them): the same greedy tokens
+    all three times."""
+    gen = torch.Generator().manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
+    prompt = torch.randint(3, 2048, (1500,), generator=gen).tolist()
+    fillers = [torch.randint(3, 2048, (1500,), generator=gen).tolist() for _ in range(3)]
+    server = _gpu_server(fmt, tmp_path / f"{fmt}.log")
+    try:
+        cold, cold_cached = _generate(server, prompt)
+        assert cold_cached["device"] + cold_cached["host"] == 0
+        device_hit, device_cached = _generate(server, prompt)
+        assert device_cached["device"] >= (len(prompt) // PAGE_SIZE) * PAGE_SIZE - PAGE_SIZE
+        for filler in fillers:
+            _generate(server, filler, max_new_tokens=1)
+        host_hit, host_cached = _generate(server, prompt)
+        assert host_cached["host"] >= PAGE_SIZE, (host_cached, server.log_tail())
+        assert device_hit == cold, "device prefix hit"
+        assert host_hit == cold, f"host prefix hit ({host_cached})"
+    finally:
+        server.stop()
