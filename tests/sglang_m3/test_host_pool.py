@@ -316,7 +316,7 @@ def test_a_changed_hicache_stack_is_refused(monkeypatch):
 GPU_DEVICE_SLOTS = 4096  # a small device pool, so that later prompts evict the first one's prefix to the host
 
 
-def _gpu_server(fmt, log_path):
+def _gpu_server(fmt, log_path, *extra, env=None):
     from pathlib import Path
 
     from sglang_m3.server import Server
@@ -325,8 +325,9 @@ def _gpu_server(fmt, log_path):
     args = ["--index-k-format", fmt, "--attention-backend", "triton", "--sampling-backend", "pytorch",
             "--grammar-backend", "none", "--skip-tokenizer-init", "--enable-hierarchical-cache",
             "--max-total-tokens", str(GPU_DEVICE_SLOTS), "--chunked-prefill-size", "1024",
-            "--max-running-requests", "4", "--disable-cuda-graph", "--mem-fraction-static", "0.3"]
-    return Server(repo / "configs" / "msa-small", args, log_path, cwd=repo, timeout_s=600).start().wait_ready()
+            "--max-running-requests", "4", "--disable-cuda-graph", "--mem-fraction-static", "0.3", *extra]
+    server = Server(repo / "configs" / "msa-small", args, log_path, cwd=repo, env=env, timeout_s=600)
+    return server.start().wait_ready()
 
 
 def _generate(server, input_ids, max_new_tokens=8):
@@ -367,5 +368,34 @@ def test_a_prefix_loaded_back_from_the_host_gives_the_cold_tokens_on_cuda(fmt, t
         assert host_cached["host"] >= PAGE_SIZE, (host_cached, server.log_tail())
         assert device_hit == cold, "device prefix hit"
         assert host_hit == cold, f"host prefix hit ({host_cached})"
+    finally:
+        server.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_prefix_restored_from_file_storage_gives_the_cold_tokens_on_cuda(tmp_path):
+    """The same with SGLang's file (L3) backend, MXFP4: after ``/flush_cache`` empties the device and host
+    tiers, the prompt's pages (K/V and index-K, each its own file) come back from the files."""
+    import json
+    import os
+    import time
+    import urllib.request
+
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    prompt = torch.randint(3, 2048, (1500,), generator=gen).tolist()
+    env = dict(os.environ, SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=str(tmp_path / "l3"))
+    server = _gpu_server("mxfp4", tmp_path / "mxfp4-file.log", "--hicache-storage-backend", "file",
+                         "--hicache-storage-prefetch-policy", "wait_complete", env=env)
+    try:
+        cold, _ = _generate(server, prompt)
+        time.sleep(5)  # host -> file write-back runs on SGLang's storage thread
+        stored = sorted(p.name for p in (tmp_path / "l3").iterdir())
+        assert any("INDEXER" in name or "indexer" in name for name in stored), stored[:10]
+        with urllib.request.urlopen(urllib.request.Request(server.url + "/flush_cache", data=b"{}"), timeout=60) as r:
+            assert r.status == 200, json.loads(r.read() or b"{}")
+        restored, cached = _generate(server, prompt)
+        assert cached.get("storage", 0) >= PAGE_SIZE, (cached, server.log_tail())
+        assert restored == cold
     finally:
         server.stop()
