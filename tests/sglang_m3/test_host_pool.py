@@ -311,6 +311,62 @@ def test_a_changed_hicache_stack_is_refused(monkeypatch):
         check_hicache_launch(types.SimpleNamespace(hicache_storage_backend=None))
 
 
+class _AnchorHost:
+    """The K/V host pool's part in SGLang's ``HostPoolGroup``: owns the slots; its copies are recorded only."""
+
+    layout, page_size, device = "page_first", PAGE_SIZE, "cpu"
+    size, page_num, allocator = HOST_PAGES * PAGE_SIZE, HOST_PAGES, None
+
+    def __init__(self):
+        self.calls = []
+
+    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
+        self.calls.append(("backup", None))
+
+    def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend):
+        self.calls.append(("load", layer_id))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4_rot"])
+def test_sglangs_host_pool_group_drives_the_index_sidecar_by_the_kv_slots(fmt, gen):
+    """SGLang's ``HostPoolGroup`` and ``build_pool_entry`` wired as its M3 stack wires them (the index entry's
+    layer mapping from ``index_k_layer_id_mapping``, a sidecar transfer taking the K/V slots): write-back then
+    load-back over all main layers (the dense one skipped) restores every sparse layer's pages bit for bit."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_pool_entry
+    from sglang.srt.mem_cache.memory_pool_host import HostPoolGroup
+
+    pool = _pool(fmt)
+    _poison(pool, 0x11)
+    _write_random(pool, gen, torch.arange(2 * PAGE_SIZE, 5 * PAGE_SIZE))
+    anchor = _AnchorHost()
+    index_host = KOnlyPoolHost(pool.index_k_pool, anchor, "page_first", allocator_type="default")
+    layers = pool.main_pool.layer_num
+    group = HostPoolGroup([
+        build_pool_entry(name=PoolName.KV, host_pool=anchor, device_pool=pool.main_pool,
+                         layer_mapping={i: i for i in range(layers)}, transfer_layer_num=layers, is_anchor=True),
+        build_pool_entry(name=PoolName.INDEXER, host_pool=index_host, device_pool=pool.index_k_pool,
+                         layer_mapping=dict(pool.index_k_layer_id_mapping), transfer_layer_num=layers),
+    ])
+    kv_host, kv_device = _slots([4, 1, 0]), _slots([2, 3, 4])
+
+    def sidecar(device_indices):
+        return [PoolTransfer(name=PoolName.INDEXER, host_indices=kv_host, device_indices=device_indices,
+                             indices_from_pool=PoolName.KV)]
+
+    group.backup_from_device_all_layer(pool.main_pool, kv_host, kv_device, "kernel", pool_transfers=sidecar(kv_device))
+    before = {(layer, p): _page_bytes(pool, layer, p).clone() for layer in range(3) for p in (2, 3, 4)}
+    _poison(pool, 0x22)
+    back = _slots([7, 5, 6])
+    for layer_id in range(layers):
+        group.load_to_device_per_layer(pool.main_pool, kv_host, back, layer_id, "kernel", pool_transfers=sidecar(back))
+    for layer in range(3):
+        for src, dst in zip((2, 3, 4), (7, 5, 6)):
+            assert torch.equal(_page_bytes(pool, layer, dst), before[(layer, src)])
+        assert (_page_bytes(pool, layer, 2) == 0x22).all()
+    assert anchor.calls == [("backup", None)] + [("load", i) for i in range(layers)]
+
+
 # ---- on a GPU: a real server per format ------------------------------------------------------
 
 GPU_DEVICE_SLOTS = 4096  # a small device pool, so that later prompts evict the first one's prefix to the host
