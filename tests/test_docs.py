@@ -194,6 +194,7 @@ def test_a_wrong_command_is_caught(argv, message):
 TOP = {"kernels", "sglang_m3", "accuracy", "configs", "tests", "docs", "lab", "scripts", "examples", ".ci"}
 ALIASES = {"m3_kernels": "kernels/m3_kernels"}  # how the docs name the kernel package's files
 SUFFIXES = (".py", ".sh", ".md", ".json", ".jsonl", ".cuh", ".yaml", ".txt", ".log", ".png", ".tgz", ".toml")
+OUTPUT_FLAGS = {"--out", "--output", "--output_path", "-o", "-w"}  # what follows is written by the command
 PACKAGES = {"accuracy": "accuracy", "sglang_m3": "sglang_m3", "m3_kernels": "kernels/m3_kernels",
             "training": "lab/training"}
 
@@ -234,7 +235,8 @@ def named_paths(doc: Path) -> list[tuple[str, Path]]:
     words = re.findall(r"`([^`\n]+)`", text)
     for info, body in fenced_blocks(text):
         if info.strip() in SHELLS:
-            words += body.split()
+            shell = body.split()
+            words += [w for i, w in enumerate(shell) if i == 0 or shell[i - 1] not in OUTPUT_FLAGS]
     for span in words:
         for word in span.split():
             for variant in expand_braces(word):
@@ -270,7 +272,7 @@ def test_every_path_a_doc_names_exists(doc):
 def test_the_path_check_catches_what_it_should(tmp_path):
     doc = tmp_path / "doc.md"
     doc.write_text("Run `scripts/run_mx_variant_h200.sh`, read [x](no/such.md), see `lab/data/none_{a,b}.json`;\n"
-                   "```bash\npython -m accuracy.nothing && tests/benchmarks/bench_mx_modes.py\n```\n"
+                   "```bash\npython -m accuracy.nothing && tests/benchmarks/bench_mx_modes.py --out lab/data/new\n```\n"
                    "Fine: `sglang/srt/server_args.py`, `lab/gpu/`, `lab/data/bench_write_h200_2026-12-01.{md,json}`, "
                    "`m3_kernels/ops/pdl.py`, `lab/data/accuracy_h200_<date>_q4_call<N>.log`, `out/acc`.\n")
     written = {w for w, path in named_paths(doc) if not exists(path)}
