@@ -542,8 +542,8 @@ def test_prefill_graph_gives_the_greedy_tokens_of_eager_prefill(fmt, tmp_path):
     args = ["--index-k-format", fmt, "--attention-backend", "triton", "--mem-fraction-static", "0.35",
             "--context-length", "8192", *load]
     outputs, logs = {}, {}
-    for name, extra, env in (("eager", [], {}),
-                             ("graph", ["--cuda-graph-backend-prefill", "breakable"], {"SGLANG_M3_PREFILL_GRAPH": "1"})):
+    graph = ["--cuda-graph-backend-prefill", "breakable"]
+    for name, extra, env in (("eager", [], {}), ("graph", graph, {"SGLANG_M3_PREFILL_GRAPH": "1"})):
         log = tmp_path / f"{name}.log"
         with Server(MEDIUM_MODEL, [*args, *extra], log, env={**os.environ, **env}, timeout_s=900) as server:
             outputs[name] = [_generate_batch(server.url, b, 24) for b in batches]

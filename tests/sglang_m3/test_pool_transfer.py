@@ -102,9 +102,10 @@ def _check_transfer(fmt, device, gen):
     dst_loc = (dst_pages[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).flatten()[:tokens]
     for s_cache, d_cache in zip(src.index_k_pool.caches, dst.index_k_pool.caches):
         for s_view, d_view in zip(s_cache.views(), d_cache.views()):
-            if s_view is not None:
-                flat = lambda v: v.reshape(-1, *v.shape[2:])  # noqa: E731  [slots, ...]
-                assert torch.equal(flat(d_view.view(torch.uint8))[dst_loc.to(device)], flat(s_view.view(torch.uint8))[loc])
+            if s_view is not None:  # [slots, ...] bytes
+                d_slots, s_slots = (b.reshape(-1, *b.shape[2:]) for b in (d_view.view(torch.uint8),
+                                                                          s_view.view(torch.uint8)))
+                assert torch.equal(d_slots[dst_loc.to(device)], s_slots[loc])
 
 
 @pytest.mark.parametrize("fmt", [f.value for f in IndexKFormat])
