@@ -138,7 +138,7 @@ class RetrofitLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention: str = "dense", index_k_format: str | None = None,
                 kl_rows: torch.Tensor | None = None, logit_rows: torch.Tensor | None = None,
-                probe_rows: torch.Tensor | None = None, probe_formats=()):
+                probe_rows: torch.Tensor | None = None, probe_formats=(), layer_hook=None):
         """Logits and auxiliaries.
 
         Args:
@@ -151,6 +151,8 @@ class RetrofitLM(nn.Module):
                 each of ``probe_formats`` from this run's own index q/k, and report the overlap with
                 this run's selection (``aux["probe"][layer][fmt]`` = (hits, total) over rows and heads)
                 and the dense attention mass the selection keeps (``aux["kept"][layer]``).
+            layer_hook: called as ``layer_hook(i, x, q, k)`` on each sparse layer with its input ``x`` and
+                its RoPE'd ``q [B, Hq, T, d]``, ``k [B, Hkv, T, d]`` (training caches them).
         Returns:
             ``(logits fp32, aux)`` with ``aux["index_kl"]`` (mean over sparse layers, or None),
             ``aux["kl"]`` per layer, ``aux["probe"]``, ``aux["kept"]``.
@@ -178,6 +180,8 @@ class RetrofitLM(nn.Module):
             v = attn.v_proj(x).view(B, T, self.hkv, self.d)
             q, k, v = (t.to(v.dtype).transpose(1, 2) for t in (q, k, v))
             sparse_layer = str(i) in self.index
+            if sparse_layer and layer_hook is not None:
+                layer_hook(i, x, q, k)
             need_index = sparse_layer and (attention == "sparse" or kl_rows is not None)
             if need_index:
                 with torch.set_grad_enabled(torch.is_grad_enabled() and kl_rows is not None):

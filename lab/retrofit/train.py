@@ -23,7 +23,6 @@ import torch
 from m3_kernels.formats import INDEX_DIM, PAGE_SIZE, TOPK_BLOCKS
 from m3_kernels.ops.select import visible_blocks
 from training.model import (
-    apply_rope,
     block_kl,
     row_block_attention,
     row_block_scores,
@@ -47,28 +46,13 @@ def collect(model: RetrofitLM, ids: torch.Tensor, rows: torch.Tensor):
     """Dense run of ``ids [1, T]``: per sparse layer ``(x bf16 [1, T, hidden], target fp32 [1, Hkv, R, nb])``
     with ``target`` the block attention mass at ``rows [1, R]`` averaged over each KV head's query heads."""
     out = {}
-    hooks = []
+    g = model.hq // model.hkv
 
-    def grab(i):
-        def hook(module, args):
-            x = args[0]
-            attn = model.hf.model.layers[i].self_attn
-            B, T, _ = x.shape
-            cos, sin = rope_cos_sin(torch.arange(T, device=x.device), model.d, model.theta)
-            q = apply_rope(attn.q_proj(x).float().view(B, T, model.hq, model.d), cos, sin).transpose(1, 2)
-            k = apply_rope(attn.k_proj(x).float().view(B, T, model.hkv, model.d), cos, sin).transpose(1, 2)
-            mass = row_block_attention(q, k, rows, PAGE_SIZE, model.d**-0.5)
-            g = model.hq // model.hkv
-            out[i] = (x.to(torch.bfloat16), mass.view(B, model.hkv, g, rows.shape[1], -1).mean(2))
-        return hook
+    def keep(i, x, q, k):
+        mass = row_block_attention(q, k, rows, PAGE_SIZE, model.d**-0.5)
+        out[i] = (x.to(torch.bfloat16), mass.view(x.shape[0], model.hkv, g, rows.shape[1], -1).mean(2))
 
-    for i in model.sparse_ids:
-        hooks.append(model.hf.model.layers[i].self_attn.q_proj.register_forward_pre_hook(grab(i)))
-    try:
-        model(ids)
-    finally:
-        for h in hooks:
-            h.remove()
+    model(ids, logit_rows=rows[:, :1], layer_hook=keep)
     return out
 
 

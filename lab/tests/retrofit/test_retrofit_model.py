@@ -138,3 +138,20 @@ def test_task_prompts_score_the_answer_digits():
         answer = "".join(tok.id_to_token(s.input_ids[r + 1]) for r in rows)
         assert len(s.input_ids) <= 1500 and rows[-1] + 3 == len(s.input_ids)  # the final "." is not scored
         assert answer.strip() and not answer.endswith(".")
+
+
+def test_cached_training_loss_is_the_forward_kl(seed, gen):
+    from retrofit.train import collect, index_loss
+
+    model = RetrofitLM(tiny_llama(seed), dense_layers=1, seed=seed)
+    T = (TOPK_BLOCKS + 2) * PAGE_SIZE
+    ids = torch.randint(0, 97, (1, T), generator=gen)
+    rows = torch.tensor([[PAGE_SIZE, TOPK_BLOCKS * PAGE_SIZE + 3, T - 1]])
+    with torch.no_grad():
+        _, aux = model(ids, kl_rows=rows, logit_rows=rows)
+        cached = collect(model, ids, rows)
+        loss, kept = index_loss(model, cached, rows)
+    assert sorted(cached) == model.sparse_ids
+    # The cache holds the layer inputs in bf16: close to the forward's fp32 KL, not bit-equal.
+    torch.testing.assert_close(loss, aux["index_kl"], rtol=0.05, atol=1e-3)
+    assert 0 < kept <= 1 + 1e-5  # two rows see more than 16 blocks
