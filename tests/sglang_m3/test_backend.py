@@ -521,11 +521,11 @@ def _generate_batch(url, prompts, max_new_tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
-def test_prefill_graph_gives_the_greedy_tokens_of_eager_prefill(fmt, tmp_path):
+def test_prefill_graph_gives_the_greedy_tokens_of_eager_prefill(tmp_path):
     """A server keeping SGLang's breakable prefill graph (``SGLANG_M3_PREFILL_GRAPH=1``) and one without it
     (the default) give the same greedy tokens for batches the graph replays (one request; three of mixed
-    lengths; the same three again, a radix-cache prefix hit), and the graph server's log shows replays."""
+    lengths; the same three again, a radix-cache prefix hit), and the graph server's log shows replays. One
+    format (MXFP4, the default): the eager break around prefill attention does not depend on it."""
     import os
     import re
 
@@ -539,7 +539,7 @@ def test_prefill_graph_gives_the_greedy_tokens_of_eager_prefill(fmt, tmp_path):
     g = torch.Generator().manual_seed(56)
     prompts = [torch.randint(100, vocab - 100, (n,), generator=g).tolist() for n in (1, 300, 1500, 4000)]
     batches = [prompts[2:3], prompts[:3], prompts[1:4], prompts[1:4]]
-    args = ["--index-k-format", fmt, "--attention-backend", "triton", "--mem-fraction-static", "0.35",
+    args = ["--index-k-format", "mxfp4", "--attention-backend", "triton", "--mem-fraction-static", "0.35",
             "--context-length", "8192", *load]
     outputs, logs = {}, {}
     graph = ["--cuda-graph-backend-prefill", "breakable"]
