@@ -207,20 +207,28 @@ def worker_threads(cpus: int, workers: int) -> int:
 
 def score_decode_views(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
                        cp_world=1, backend=None):
-    """``ops.score.score_decode_once`` over loose views (``IndexKCache.of(k_cache, k_scale)``, the storage
-    format): the tests' and benchmarks' one-call form, in the references' argument order."""
+    """``ops.score.plan_decode`` and ``score_decode`` in one call over loose views (``IndexKCache.of(k_cache,
+    k_scale)``, the storage format; ``H`` read off ``q``): the tests' and benchmarks' one-call form, in the
+    references' argument order. A server plans once per batch instead."""
     from .formats import IndexKCache
-    from .ops.score import score_decode_once
+    from .ops.score import DecodeBatch, plan_decode, score_decode
 
-    return score_decode_once(q, IndexKCache.of(k_cache, k_scale), block_table, seq_lens, S, sm_scale, max_block, out,
-                             cp_rank, cp_world, backend)
+    cache = IndexKCache.of(k_cache, k_scale)
+    H = q.shape[1] if q.dim() == 3 else 1  # a q of another rank is refused by the run's check
+    plan = plan_decode(cache, DecodeBatch(block_table, seq_lens, S, H, sm_scale, max_block, out, cp_rank, cp_world),
+                       backend)
+    return score_decode(plan, q, cache)
 
 
 def score_prefill_views(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None, out=None,
                         backend=None):
-    """``ops.score.score_prefill_once`` over loose views, as ``score_decode_views``."""
+    """``ops.score.plan_prefill`` and ``score_prefill`` in one call over loose views (lengths read back: one
+    sync each), as ``score_decode_views``."""
     from .formats import IndexKCache
-    from .ops.score import score_prefill_once
+    from .ops.score import PrefillBatch, plan_prefill, score_prefill
 
-    return score_prefill_once(q, IndexKCache.of(k_cache, k_scale), block_table, seq_lens, cu_seqlens_q, sm_scale,
-                              max_block, out, backend)
+    cache = IndexKCache.of(k_cache, k_scale)
+    H = q.shape[1] if q.dim() == 3 else 1
+    plan = plan_prefill(cache, PrefillBatch(block_table, seq_lens, cu_seqlens_q, H, sm_scale, max_block, out),
+                        backend)
+    return score_prefill(plan, q, cache)

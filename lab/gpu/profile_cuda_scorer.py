@@ -14,7 +14,7 @@ import math
 import torch
 
 from m3_kernels.formats import INDEX_DIM, MXFP4_PAGE_BYTES, PAGE_SIZE, IndexKCache, mxfp4_page_views
-from m3_kernels.ops.score import plan_decode, score_decode
+from m3_kernels.ops.score import DecodeBatch, plan_decode, score_decode
 
 
 def main():
@@ -34,7 +34,7 @@ def main():
     q = torch.randn(args.batch * args.S, args.H, INDEX_DIM, device="cuda").bfloat16()
     out = torch.empty(args.H, args.batch * args.S, npg, device="cuda")
     cache = IndexKCache("mxfp4", k_data, k_scale)
-    plan = plan_decode(cache, bt, seq, args.S, args.H, 0.1, npg, out, backend="cuda")
+    plan = plan_decode(cache, DecodeBatch(bt, seq, args.S, args.H, 0.1, npg, out), backend="cuda")
     for _ in range(5):
         score_decode(plan, q, cache, out)
     torch.cuda.synchronize()

@@ -3,7 +3,7 @@
     python lab/scripts/sass_report.py [--variants fp8,mxfp4,mxfp4_per_group] [--q bf16|e4m3] [--dump DIR]
     python lab/scripts/sass_report.py --writer
 
-Compiles ``_score_kernel`` for an sm_90 target (Triton's bundled ptxas), as ``score_decode_triton``
+Compiles ``_score_kernel`` for an sm_90 target (Triton's bundled ptxas), as the Triton backend's ``run``
 launches it for the benchmark's S4 H1 decode cells (4 query vectors per tile, padded to 16, 16 pages
 per program, 2 pipeline stages, 4 warps, preallocated output), disassembles it with the bundled
 ``cuobjdump`` and prints, per variant, one row per page loop: instructions per thread in the loop
@@ -34,7 +34,7 @@ from triton.compiler import ASTSource
 
 from m3_kernels.formats import MXFP4_INPUT_MAX
 from m3_kernels.ops.pdl import have_triton_gdc
-from m3_kernels.ops.score import triton as score_triton
+from m3_kernels.ops.score.backends import triton as score_triton
 from m3_kernels.ops.write import triton as write_triton
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -56,14 +56,14 @@ def compile_variant(fmt_code, q_fp8=False, nq=16, rows=4, heads=1, pp=16, num_st
     q_type = "*fp8e4nv" if q_fp8 else "*bf16"
     k_type = "*u8" if fmt_code == 2 else "*fp8e4nv"
     sig = dict(q_ptr=q_type, k_ptr=k_type, s_ptr="*u8" if fmt_code == 2 else "constexpr", bt_ptr="*i32",
-               seq_ptr="*i32", cu_ptr="constexpr", tile_ptr="constexpr", out_ptr="*fp32", n_cols="i32", S="i32",
-               cp_rank="i32", cp_world="i32", sm_scale="fp32", stride_q_r="i32", stride_q_h="i32",
+               seq_ptr="*i32", cu_ptr="constexpr", tile_ptr="constexpr", out_ptr="*fp32", n_cols="i32", n_pages="i32",
+               S="i32", cp_rank="i32", cp_world="i32", sm_scale="fp32", stride_q_r="i32", stride_q_h="i32",
                stride_k_page="i32", stride_s_page="i32", stride_bt="i32", stride_o_h="i32", stride_o_r="i32")
     const = dict(cu_ptr=None, tile_ptr=None, FMT=fmt_code, Q_FP8=q_fp8, H=heads, ROWS=rows, NQ=nq, PP=pp,
                  PREFILL=False, FILL_TAIL=False, NUM_STAGES=num_stages, USE_ASM=True,
                  USE_PDL=have_triton_gdc())  # as launched on sm_90 (ops.pdl.use_pdl)
     const.update(score_triton._static_constexprs(), INTERPRET=False)
-    nv = max(4, triton.next_power_of_2(rows * heads))  # as score_triton._launch
+    nv = max(4, triton.next_power_of_2(rows * heads))  # as score_triton.run
     const.update(NV=nv, MX_STACK=nv <= score_triton._MX_STACK_MAX_NV)
     const.update(overrides or {})
     if fmt_code != 2:

@@ -1,5 +1,5 @@
 """Prefill block-scorer benchmark on one sm_90 GPU: the sm_90 scorer (``triton_sm90``) against today's
-portable Triton scorer (``triton.score_prefill_triton``), fp8 and MXFP4 index caches.
+portable Triton scorer (``backends.triton``), fp8 and MXFP4 index caches.
 
     python tests/benchmarks/bench_prefill.py [--out DIR] [--ctx 8192,16384,...] [--chunk 8192] [--sweep]
 
@@ -39,9 +39,8 @@ import torch
 
 from bench_score import import_peer
 from m3_kernels.formats import INIT_BLOCKS, LOCAL_BLOCKS, PAGE_SIZE, TOPK_BLOCKS, IndexKCache, IndexKFormat
-from m3_kernels.ops.score import plan_prefill, score_prefill, triton_sm90
+from m3_kernels.ops.score import PrefillBatch, plan_prefill, score_prefill
 from m3_kernels.ops.score.naive import score_prefill_ref
-from m3_kernels.ops.score.triton import score_prefill_triton
 from m3_kernels.ops.select import select_blocks, visible_blocks
 from m3_kernels.testing import (abs_index_k, assert_scores_close, capture_graph, make_q, q_abs, random_cache,
                                 selection_error)
@@ -79,27 +78,24 @@ def planned(fmt, s, k_data, k_scale, out, backend=None):
     """``(plan, cache)``: input set ``s``'s batch planned once over the cache views ``k_data``/``k_scale``;
     ``backend`` None is the auto choice (as served), ``"triton"`` today's portable scorer."""
     cache = IndexKCache(PEER_FORMATS[fmt], k_data, k_scale)
-    plan = plan_prefill(cache, s["bt"], s["seq"], s["cu"], H, SM_SCALE, s["max_block"], out,
-                        cu_seqlens_host=s["cu"].tolist(), seq_lens_host=s["seq"].tolist(), backend=backend)
+    plan = plan_prefill(cache, PrefillBatch(s["bt"], s["seq"], s["cu"], H, SM_SCALE, s["max_block"], out,
+                                            cu_seqlens_host=s["cu"].tolist(), seq_lens_host=s["seq"].tolist()),
+                        backend=backend)
     return plan, cache
 
 
 def bound_scores(fmt, s):
     """The scores of ``|q|`` and ``|K|`` on input set ``s`` (today's Triton scorer): the error bound's scale."""
     plan, cache = planned(fmt, s, *abs_index_k(s["k_data"], s["k_scale"]), None, "triton")
-    return score_prefill_triton(plan, q_abs(s["q"]), cache)
+    return score_prefill(plan, q_abs(s["q"]), cache)
 
 
 def arm_call(kind, fmt, s, cfg=None):
-    """A closure running one scorer call on input set ``s`` (work maps made once, outside)."""
-    f = FORMATS[fmt]
-    if kind == "today":
-        plan, cache = planned(fmt, s, s["k_data"], s["k_scale"], s["out"], "triton")
-        return lambda: score_prefill_triton(plan, s["q"], cache, s["out"])
+    """A closure running one scorer call on input set ``s`` (plans and work maps made once, outside; the plan's
+    bound run, so no host check is timed)."""
     cfg = cfg or {}
-    tiles = triton_sm90.prefill_tiles_device(s["cu"], H, triton_sm90.max_prefill_tiles(s["q"].shape[0], 1, H))
-    return lambda: triton_sm90.score_prefill_sm90(s["q"], s["k_data"], s["k_scale"], f, s["bt"], s["seq"], s["cu"],
-                                                  SM_SCALE, s["max_block"], s["out"], tiles=tiles, **cfg)
+    plan, cache = planned(fmt, s, s["k_data"], s["k_scale"], s["out"], "triton" if kind == "today" else "triton_sm90")
+    return lambda: plan.run(plan, s["q"], cache, s["out"], **cfg)
 
 
 def ours_with_select(fmt, s):
@@ -172,7 +168,7 @@ def gate_vs_today(fmt, s, cfg):
     """The sm_90 arm against today's Triton scorer on benchmark inputs: both are within 1e-5 * bound of
     the exact score, so within 2e-5 * bound of each other. Returns an error string or ''."""
     plan, cache = planned(fmt, s, s["k_data"], s["k_scale"], None, "triton")
-    want = score_prefill_triton(plan, s["q"], cache)
+    want = score_prefill(plan, s["q"], cache)
     bound = bound_scores(fmt, s)
     s["out"].fill_(float("nan"))
     arm_call("sm90", fmt, s, cfg)()
@@ -195,7 +191,9 @@ def gate_vs_oracle(gen, fmt, cfg):
     seq = torch.tensor([p + n for p, n in zip(prefix, new)], dtype=torch.int32, device="cuda")
     cu = torch.tensor([0, new[0], sum(new)], dtype=torch.int32, device="cuda")
     q = make_q(gen, sum(new), H, torch.bfloat16, "cuda")
-    got = triton_sm90.score_prefill_sm90(q, k_data, k_scale, FORMATS[fmt], bt, seq, cu, SM_SCALE, mb, **(cfg or {}))
+    cache = IndexKCache(FORMATS[fmt], k_data, k_scale)
+    plan = plan_prefill(cache, PrefillBatch(bt, seq, cu, H, SM_SCALE, mb), backend="triton_sm90")
+    got = plan.run(plan, q, cache, torch.empty(H, sum(new), mb, device="cuda"), **(cfg or {}))
     kc, ks = k_data.cpu(), (k_scale.cpu() if k_scale is not None else None)
     args = (bt.cpu(), seq.cpu(), cu.cpu(), SM_SCALE, mb)
     try:

@@ -39,10 +39,10 @@ from m3_kernels.formats import (
     IndexKFormat,
     mxfp4_page_views,
 )
-from m3_kernels.ops.score import plan_decode
+from m3_kernels.ops.score import DecodeBatch, plan_decode
 from m3_kernels.ops.score.backends import cuda as cuda_backend
+from m3_kernels.ops.score.backends import triton as triton_backend
 from m3_kernels.ops.score.naive import score_decode_ref
-from m3_kernels.ops.score.triton import score_decode_triton
 from m3_kernels.ops.select.triton import select_blocks_triton
 from m3_kernels.ops.write.triton import write_index_k_triton
 
@@ -201,14 +201,15 @@ def bench_cell(pools, peer, S, H, B, ctx, copy_gbs, sm_scale=0.088, peer_max_bat
         cache = pools.cache(fmt)
         backend = "cuda" if kernel in ("cuda", "base") else "triton"
         if kernel != "none" and (r, fmt, backend) not in plans:  # planned (validated) once, outside the graph
-            plans[r, fmt, backend] = plan_decode(cache, bts[r], seq, S, H, sm_scale, npg, outs[r], backend=backend)
+            plans[r, fmt, backend] = plan_decode(cache, DecodeBatch(bts[r], seq, S, H, sm_scale, npg, outs[r]),
+                                                 backend=backend)
 
         def f():
             if kernel in ("cuda", "base"):  # the baseline build is launched as the current one is
-                cuda_backend.score_decode(plans[r, fmt, backend], qq, cache, outs[r],
-                                          module=base if kernel == "base" else None, pdl=pdl)
+                cuda_backend.run(plans[r, fmt, backend], qq, cache, outs[r], module=base if kernel == "base" else None,
+                                 pdl=pdl)
             elif kernel == "triton":
-                score_decode_triton(plans[r, fmt, backend], qq, cache, outs[r], pdl=pdl)
+                triton_backend.run(plans[r, fmt, backend], qq, cache, outs[r], pdl=pdl)
             if with_select:
                 select_blocks_triton(outs[r], nvis, TOPK_BLOCKS, 1, 0, out=sel[r], pdl=pdl, num_warps=sel_warps)
 

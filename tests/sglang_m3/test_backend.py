@@ -105,8 +105,9 @@ def test_extend_plan_block_table_and_offsets(gen, monkeypatch):
     # request covered by exactly one tile of that request.
     plan = meta.plan
     assert plan.backend == "triton" and plan.block_table is meta.block_table and plan.max_block == 3
-    assert (plan.H, plan.batch, plan.num_tokens) == (2, 5, 456) and plan.tiles.device == req_to_token.device
-    covered = [(b, r) for b, r0 in plan.tiles.tolist() for r in range(r0, min(r0 + plan.rows, 456))
+    tiles, rows_per_tile = plan.work
+    assert (plan.H, plan.batch, plan.rows) == (2, 5, 456) and tiles.device == req_to_token.device
+    covered = [(b, r) for b, r0 in tiles.tolist() for r in range(r0, min(r0 + rows_per_tile, 456))
                if r < meta.cu_seqlens_q[b + 1]]
     assert sorted(covered) == [(b, r) for b in range(5) for r in range(int(meta.cu_seqlens_q[b]),
                                                                         int(meta.cu_seqlens_q[b + 1]))]
@@ -351,19 +352,17 @@ def test_a_decode_step_checks_its_metadata_once_for_all_layers(monkeypatch, gen)
     checked once (at plan) and the caches not at all (they were checked when the pool made them)."""
     import m3_kernels.ops.score as score_module
     from m3_kernels.formats import cache as cache_module
-    from m3_kernels.ops.score import common as common_module
 
     backend, req_to_token = _real_backend(monkeypatch)
     seq_len = 3 * PAGE_SIZE + 7
     inputs = _inputs(seq_len, gen)
     _extend(backend, req_to_token, 0, 0, seq_len - 1, [t[:-1] for t in inputs])
     counts = {"meta": 0, "cache": 0}
-    check_meta, check_cache = score_module.check_decode_meta, cache_module.check_index_k_cache
-    monkeypatch.setattr(score_module, "check_decode_meta",
+    check_meta, check_cache = score_module.check_batch, cache_module.check_index_k_cache
+    monkeypatch.setattr(score_module, "check_batch",
                         lambda *a: counts.__setitem__("meta", counts["meta"] + 1) or check_meta(*a))
-    for module in (cache_module, common_module):  # the cache's own check, and the loose-view one of the old calls
-        monkeypatch.setattr(module, "check_index_k_cache",
-                            lambda *a: counts.__setitem__("cache", counts["cache"] + 1) or check_cache(*a))
+    monkeypatch.setattr(cache_module, "check_index_k_cache",  # the cache's own check
+                        lambda *a: counts.__setitem__("cache", counts["cache"] + 1) or check_cache(*a))
     batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, seq_lens=torch.tensor([seq_len]),
                             req_pool_indices=torch.tensor([0]),
                             out_cache_loc=req_to_token[0, seq_len - 1:seq_len].long())

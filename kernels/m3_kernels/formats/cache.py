@@ -43,6 +43,9 @@ class IndexKCache:
         fmt = parse_format(self.fmt)
         object.__setattr__(self, "fmt", fmt)
         object.__setattr__(self, "scale_rule", parse_scale_rule(self.scale_rule))
+        seed = self.sign_seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+            raise ValueError(f"sign_seed must be None or an int in [0, 2^63), got {seed!r} ({type(seed).__name__})")
         stored = check_index_k_cache(self.data, self.scale_e8m0)
         if stored is not self.storage:
             raise ValueError(f"fmt {fmt.value!r} does not match the cache's storage ({stored.value})")

@@ -62,6 +62,8 @@ def prepare_index_q(q: torch.Tensor, fmt, sign_seed: int | None = None) -> torch
     unchanged otherwise. ``q [..., 128]``; the dtype is kept. A rotated format takes a bf16 (or
     fp32) Q only: rotate before any fp8 cast (ValueError otherwise)."""
     fmt = parse_format(fmt)
+    if q.dim() < 1 or q.shape[-1] != INDEX_DIM:
+        raise ValueError(f"q must be [..., {INDEX_DIM}] (the index head dim), got {tuple(q.shape)}")
     if not fmt.is_rotated:
         return q
     if q.dtype not in (torch.bfloat16, torch.float32):

@@ -54,7 +54,7 @@ def test_cuda_scorer_waits_before_its_first_global_read():
 def test_triton_kernels_wait_first():
     """Each Triton kernel launched with PDL waits before anything else it does."""
     root = pathlib.Path(pdl.__file__).parent
-    for rel in ("score/triton.py", "select/triton.py"):
+    for rel in ("score/backends/triton.py", "select/triton.py"):
         src = (root / rel).read_text()
         assert src.count("if USE_PDL:\n        tl.extra.cuda.gdc_wait()\n        tl.extra.cuda.gdc_launch_dependents()") == 1, rel
 

@@ -1,19 +1,26 @@
 """Argument rules of the block scorers, shared by every backend (torch, Triton, CUDA, FlyDSL, aiter).
 
-``check_decode_meta`` / ``check_prefill_meta`` check one batch's metadata against an ``IndexKCache``
-(the plans call them once per batch); ``check_decode_args`` / ``check_prefill_args`` check a call given
-as loose tensors (the ROCm backends' own entry points and the CPU scorers' public functions).
+Two checks: ``check_batch`` (a plan's, once per batch: the metadata against an ``IndexKCache``) and
+``check_run`` (each run's, on the host without a sync: q, ``out`` and the cache against the plan).
+``check_decode_args`` / ``check_prefill_args`` put a call given as loose tensors (the float64 oracles')
+through ``check_batch``. Every rule raises ValueError naming the argument and the rule it broke (a cache
+that is not an ``IndexKCache``: TypeError).
 
-``check_decode_args`` raises ValueError naming the argument and the rule it broke;
-``decode_supported`` answers the same question with ``(ok, reason)`` and never raises.
+Values held on the device are checked where that costs nothing, on host tensors; on a GPU only under
+``M3_SCORE_DEBUG=1``: decode ``seq_lens >= 0`` and prefill's host lengths equal to the device ones. Page
+ids outside the cache are not an error: every backend scores such a page -inf (the kernels never read
+outside the cache); ``M3_SCORE_DEBUG=1`` reports them as ValueError at plan time.
 """
 
 import math
 import operator
+import os
 
 import torch
 
-from ...formats import FP8_DTYPE, INDEX_DIM, IndexKFormat, check_index_k_cache
+from ...formats import FP8_DTYPE, INDEX_DIM, PAGE_SIZE, VIEW_ALIGN_BYTES, IndexKCache
+
+ENV_DEBUG = "M3_SCORE_DEBUG"  # "1": the plans also check values held on a GPU (one sync each)
 
 Q_DTYPES = (torch.bfloat16, FP8_DTYPE)
 
@@ -46,7 +53,7 @@ def _check_q(q: torch.Tensor, rows: int | None) -> None:
     if q.dim() != 3 or q.shape[2] != INDEX_DIM or q.shape[1] < 1:
         raise ValueError(f"q must be [rows, H >= 1, {INDEX_DIM}], got {tuple(q.shape)}")
     if rows is not None and q.shape[0] != rows:
-        raise ValueError(f"q must have batch*S = {rows} rows, got {q.shape[0]}")
+        raise ValueError(f"q must have {rows} rows (batch*S, or the new tokens), got {q.shape[0]}")
     if q.stride(2) != 1:
         raise ValueError(f"q must be contiguous in its last dim, got strides {q.stride()}")
 
@@ -88,7 +95,7 @@ def _check_block_table(block_table: torch.Tensor) -> int:
 
 
 def _check_rows_per_request(S) -> None:
-    if not isinstance(S, int) or S < 1:
+    if isinstance(S, bool) or not isinstance(S, int) or S < 1:
         raise ValueError(f"S (query rows per request) must be an int >= 1, got {S!r}")
 
 
@@ -108,91 +115,177 @@ def _check_heads(H) -> int:
     return H
 
 
-def check_decode_meta(cache, block_table, seq_lens, S, H, sm_scale, max_block=None, out=None, cp_rank=0, cp_world=1):
-    """Validate one decode batch's metadata against ``cache`` (an ``IndexKCache``, validated when made);
-    returns ``(batch, max_block, sm_scale)``. ``decode.plan_decode`` calls it once per batch.
+def check_cache(cache):
+    """``cache`` must be an ``IndexKCache`` (TypeError naming the argument otherwise)."""
+    if not isinstance(cache, IndexKCache):
+        raise TypeError(f"cache must be an IndexKCache (m3_kernels.formats), got a {type(cache).__name__}")
+    return cache
+
+
+def check_batch(cache, batch):
+    """Validate one batch (a ``DecodeBatch`` or ``PrefillBatch``) against ``cache`` (an ``IndexKCache``, whose
+    views were validated when it was made): the scorers' one plan-time check. Returns ``(batch_size, max_block,
+    sm_scale, num_tokens)`` (``num_tokens``: prefill's new tokens, decode's ``batch*S``).
 
     ``block_table int32 [batch, >= max_block]`` (last dim contiguous); ``seq_lens int32 [batch]``;
-    ``S >= 1`` query rows per request, ``H >= 1`` index heads; ``out fp32 [H, batch*S, max_block]``
-    with a contiguous last dim, or None; every tensor on the cache's device.
+    decode: ``S >= 1`` query rows per request; prefill: ``cu_seqlens_q int32 [batch + 1]`` (request b's new
+    tokens are q rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``, the last at position ``seq_lens[b] - 1``) and its
+    host copies; ``H >= 1`` index heads; ``out fp32 [H, rows, max_block]`` (last dim contiguous) or None; every
+    tensor on the cache's device; a cache of at least one page when anything is read.
+
+    Values on the device (page ids, lengths) are checked where that costs nothing, i.e. when the tensors are
+    on the host, and on a GPU only under ``M3_SCORE_DEBUG=1`` (``debug``), since reading them back syncs.
     """
-    _check_rows_per_request(S)
-    batch = _check_block_table(block_table)
-    _check_int32_vector("seq_lens", seq_lens, batch)
-    H = _check_heads(H)
-    max_block = _check_max_block(max_block, block_table, out)
-    _check_out(out, H, "batch*S", batch * S, max_block)
-    _check_one_device(cache.data, block_table, seq_lens, out)
-    check_cp(cp_rank, cp_world)
-    return batch, max_block, check_sm_scale(sm_scale)
+    check_cache(cache)
+    decode = hasattr(batch, "S")
+    if decode:
+        _check_rows_per_request(batch.S)
+    n = _check_block_table(batch.block_table)
+    _check_int32_vector("seq_lens", batch.seq_lens, n)
+    H = _check_heads(batch.H)
+    max_block = _check_max_block(batch.max_block, batch.block_table, batch.out)
+    if decode:
+        rows = n * batch.S
+        _check_out(batch.out, H, "batch*S", rows, max_block)
+        _check_one_device(cache.data, batch.block_table, batch.seq_lens, batch.out)
+        check_cp(batch.cp_rank, batch.cp_world)
+    else:
+        _check_int32_vector("cu_seqlens_q", batch.cu_seqlens_q, n + 1)
+        cu, lens = _prefill_host_lengths(batch)
+        rows = cu[-1] if cu else 0
+        _check_out(batch.out, H, "total_new_tokens", rows, max_block)
+        _check_one_device(cache.data, batch.block_table, batch.seq_lens, batch.cu_seqlens_q, batch.out)
+    if not decode:
+        check_prefill_offsets(cu, lens, rows)
+    if batch.seq_lens.device.type == "cpu" or debug():
+        _check_lengths(batch, decode)
+    if max_block and n and cache.num_pages < 1:
+        raise ValueError("cache must hold at least one page (the kernels read pages of it)")
+    sm_scale = check_sm_scale(batch.sm_scale)
+    if debug():
+        _check_page_ids(cache, batch, n, max_block, decode)
+    return n, max_block, sm_scale, rows
+
+
+def _prefill_host_lengths(batch) -> tuple[list[int], list[int]]:
+    """``(cu_seqlens_q, seq_lens)`` as host lists: the batch's host copies, else read back (one sync each)."""
+    cu = batch.cu_seqlens_q.tolist() if batch.cu_seqlens_host is None else batch.cu_seqlens_host
+    lens = batch.seq_lens.tolist() if batch.seq_lens_host is None else batch.seq_lens_host
+    return [int(x) for x in cu], [int(x) for x in lens]
+
+
+def _check_lengths(batch, decode: bool) -> None:
+    """The length rules on device values (one read-back): decode ``seq_lens >= 0``; prefill host lengths equal
+    to the device ones."""
+    lens = batch.seq_lens.tolist()
+    if decode:
+        neg = [b for b, x in enumerate(lens) if x < 0]
+        if neg:
+            raise ValueError(f"seq_lens must be >= 0, got {lens[neg[0]]} at [{neg[0]}]")
+    else:
+        cu = batch.cu_seqlens_q.tolist()
+        if batch.cu_seqlens_host is not None and [int(x) for x in batch.cu_seqlens_host] != cu:
+            raise ValueError(f"cu_seqlens_host must equal cu_seqlens_q, got {list(batch.cu_seqlens_host)} and {cu}")
+        if batch.seq_lens_host is not None and [int(x) for x in batch.seq_lens_host] != lens:
+            raise ValueError(f"seq_lens_host must equal seq_lens, got {list(batch.seq_lens_host)} and {lens}")
+
+
+def _check_page_ids(cache, batch, n: int, max_block: int, decode: bool) -> None:
+    """Every visible page id inside the cache (the debug report of ids the backends score -inf)."""
+    last = [x - 1 for x in batch.seq_lens.tolist()]
+    cp_rank, cp_world = (batch.cp_rank, batch.cp_world) if decode else (0, 1)
+    table = batch.block_table.tolist()
+    for b in range(n):
+        n_global = last[b] // PAGE_SIZE + 1 if last[b] >= 0 else 0
+        n_local = min(max_block, max(0, (n_global - cp_rank + cp_world - 1) // cp_world))
+        if any(not 0 <= p < cache.num_pages for p in table[b][:n_local]):
+            raise ValueError(f"block_table[{b}] holds page ids outside [0, {cache.num_pages}) among its {n_local} "
+                             f"visible pages")
+
+
+def debug() -> bool:
+    """``M3_SCORE_DEBUG=1``: the plans also check the values on a GPU (page ids, lengths), one sync each."""
+    return os.environ.get(ENV_DEBUG, "0") == "1"
+
+
+def check_run(plan, q, cache, out):
+    """The run's host check (no device sync, a few attribute reads): ``q [rows, H, 128]`` bf16 | e4m3 with a
+    contiguous last dim, ``cache`` an ``IndexKCache`` of the plan's storage format and page count, ``out``
+    None or the plan's shape, all on the plan's device. Returns the output buffer: ``out``, else the plan's,
+    else a fresh one (``new_out``)."""
+    check_cache(cache)
+    _check_q(q, plan.rows)
+    if q.shape[1] != plan.H:
+        raise ValueError(f"q must have H = {plan.H} heads (the plan's), got {q.shape[1]}")
+    if cache.storage is not plan.fmt or cache.num_pages != plan.num_pages or cache.device != plan.device:
+        raise ValueError(f"cache must be a {plan.fmt.value} cache on {plan.device} (the plan's), and cache must "
+                         f"hold {plan.num_pages} pages as the plan's, got {cache!r}")
+    if q.device != plan.device:
+        raise ValueError(f"q must be on {plan.device} (the plan's), got {q.device}")
+    if out is None:
+        return plan.out if plan.out is not None else new_out(plan)
+    _check_out(out, plan.H, "rows", plan.rows, plan.max_block)
+    if out.device != plan.device:
+        raise ValueError(f"out must be on {plan.device} (the plan's), got {out.device}")
+    return out
+
+
+def new_out(plan) -> torch.Tensor:
+    """A fresh output buffer ``fp32 [H, rows, max_block]``: decode's filled with -inf (a decode run writes
+    up to each request's last visible page only); prefill's left empty (every column is written)."""
+    shape = (plan.H, plan.rows, plan.max_block)
+    if plan.op == "decode":
+        return torch.full(shape, float("-inf"), dtype=torch.float32, device=plan.device)
+    return torch.empty(shape, dtype=torch.float32, device=plan.device)
+
+
+def q_aligned(q) -> bool:
+    """Q's base address and row/head strides are 16-byte aligned (the CUDA, FlyDSL and aiter kernels read Q
+    rows in 16-byte vectors)."""
+    es = q.element_size()
+    return not (q.data_ptr() % VIEW_ALIGN_BYTES or (q.stride(0) * es) % VIEW_ALIGN_BYTES
+                or (q.stride(1) * es) % VIEW_ALIGN_BYTES)
+
+
+def aligned_q(q):
+    """``q``, or a contiguous copy of it where ``q_aligned`` does not hold (one copy per run)."""
+    return q if q_aligned(q) else q.clone(memory_format=torch.contiguous_format)
 
 
 def check_decode_args(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
                       cp_world=1):
-    """Validate a decode scoring call given as loose tensors (the ROCm backends' own entry points);
-    returns ``(format, batch, H, max_block, sm_scale)``: the cache views (``check_index_k_cache``),
-    ``check_decode_meta``'s rules and ``q [batch*S, H, 128]`` bf16 | e4m3 (last dim contiguous)."""
-    fmt = check_index_k_cache(k_cache, k_scale)
-    _check_rows_per_request(S)
-    batch = _check_block_table(block_table)
-    _check_int32_vector("seq_lens", seq_lens, batch)
-    _check_q(q, batch * S)
-    H = q.shape[1]
-    max_block = _check_max_block(max_block, block_table, out)
-    _check_out(out, H, "batch*S", batch * S, max_block)
-    _check_one_device(q, k_cache, block_table, seq_lens, out)
-    check_cp(cp_rank, cp_world)
-    return fmt, batch, H, max_block, check_sm_scale(sm_scale)
+    """The float64 oracles' check of a decode call given as loose tensors (``naive.score_decode_ref``): the
+    cache views (``IndexKCache.of``), ``check_batch`` and ``q [batch*S, H, 128]``. Returns ``(batch, H,
+    max_block, sm_scale)``."""
+    from . import DecodeBatch
 
-
-def check_decode_q(q, rows: int, H: int) -> None:
-    """``q [rows, H, 128]`` bf16 | e4m3, last dim contiguous (for callers that check a Q against a plan)."""
+    _check_q(q, None)
+    cache = IndexKCache.of(k_cache, k_scale)
+    n, max_block, sm_scale, rows = check_batch(cache, DecodeBatch(block_table, seq_lens, S, q.shape[1], sm_scale,
+                                                                  max_block, out, cp_rank, cp_world))
     _check_q(q, rows)
-    if q.shape[1] != H:
-        raise ValueError(f"q must have H = {H} heads (the plan's), got {q.shape[1]}")
-
-
-def check_prefill_meta(cache, block_table, seq_lens, cu_seqlens_q, H, num_tokens, sm_scale, max_block=None,
-                       out=None):
-    """Validate one prefill batch's metadata against ``cache``; returns ``(batch, max_block, sm_scale)``.
-
-    ``cu_seqlens_q int32 [batch + 1]``: request b's new tokens are q rows
-    ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``, the last of them at position ``seq_lens[b] - 1``;
-    ``out fp32 [H, num_tokens, max_block]`` (last dim contiguous) or None.
-    """
-    batch = _check_block_table(block_table)
-    _check_int32_vector("seq_lens", seq_lens, batch)
-    _check_int32_vector("cu_seqlens_q", cu_seqlens_q, batch + 1)
-    H = _check_heads(H)
-    max_block = _check_max_block(max_block, block_table, out)
-    _check_out(out, H, "total_new_tokens", num_tokens, max_block)
-    _check_one_device(cache.data, block_table, seq_lens, cu_seqlens_q, out)
-    return batch, max_block, check_sm_scale(sm_scale)
+    _check_one_device(q, k_cache)
+    return n, q.shape[1], max_block, sm_scale
 
 
 def check_prefill_args(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None, out=None):
-    """Validate a prefill scoring call given as loose tensors; returns ``(format, batch, H, max_block, sm_scale)``
-    (the cache views, ``q [total_new_tokens, H, 128]`` and ``check_prefill_meta``'s rules)."""
-    fmt = check_index_k_cache(k_cache, k_scale)
-    batch = _check_block_table(block_table)
-    _check_int32_vector("seq_lens", seq_lens, batch)
-    _check_int32_vector("cu_seqlens_q", cu_seqlens_q, batch + 1)
+    """The oracles' check of a prefill call as loose tensors (lengths read back: one sync each), as
+    ``check_decode_args``; ``cu_seqlens_q`` must rise from 0 to ``q.shape[0]``."""
+    from . import PrefillBatch
+
     _check_q(q, None)
-    H = q.shape[1]
-    max_block = _check_max_block(max_block, block_table, out)
-    _check_out(out, H, "total_new_tokens", q.shape[0], max_block)
-    _check_one_device(q, k_cache, block_table, seq_lens, cu_seqlens_q, out)
-    return fmt, batch, H, max_block, check_sm_scale(sm_scale)
-
-
-def check_prefill_lengths(q, seq_lens, cu_seqlens_q) -> None:
-    """Host check (one sync) that ``cu_seqlens_q`` rises from 0 to ``q.shape[0]`` and that no request
-    has more new tokens than its ``seq_lens`` entry."""
-    check_prefill_offsets(cu_seqlens_q.tolist(), seq_lens.tolist(), q.shape[0])
+    cache = IndexKCache.of(k_cache, k_scale)
+    n, max_block, sm_scale, rows = check_batch(cache, PrefillBatch(block_table, seq_lens, cu_seqlens_q, q.shape[1],
+                                                                   sm_scale, max_block, out))
+    if rows != q.shape[0]:
+        raise ValueError(f"cu_seqlens_q must rise from 0 to q.shape[0] = {q.shape[0]}, got {cu_seqlens_q.tolist()}")
+    _check_one_device(q, k_cache)
+    return n, q.shape[1], max_block, sm_scale
 
 
 def check_prefill_offsets(cu: list[int], lens: list[int], total_new_tokens: int) -> None:
-    """``check_prefill_lengths`` on host copies: ``cu`` (``cu_seqlens_q``), ``lens`` (``seq_lens``)."""
+    """Host lengths of a prefill batch: ``cu`` (``cu_seqlens_q``) rises from 0 to ``total_new_tokens`` and no
+    request has more new tokens than its ``lens`` (``seq_lens``) entry."""
     if len(cu) != len(lens) + 1:
         raise ValueError(f"cu_seqlens_q must have len(seq_lens) + 1 = {len(lens) + 1} entries, got {len(cu)}")
     if cu[0] != 0 or cu[-1] != total_new_tokens or any(a > b for a, b in zip(cu, cu[1:])):
@@ -211,11 +304,5 @@ def supported(check, *args, **kwargs):
     return True, ""
 
 
-def decode_supported(*args, **kwargs):
-    """Same arguments as ``check_decode_args``; ``(ok, reason)``, never raises."""
-    return supported(check_decode_args, *args, **kwargs)
-
-
-__all__ = ["IndexKFormat", "check_decode_args", "check_decode_meta", "check_decode_q", "check_prefill_args",
-           "check_prefill_meta", "check_prefill_lengths", "check_prefill_offsets",
-           "check_sm_scale", "decode_supported", "supported"]
+__all__ = ["ENV_DEBUG", "aligned_q", "check_batch", "check_cache", "check_decode_args", "check_prefill_args",
+           "check_prefill_offsets", "check_run", "check_sm_scale", "debug", "new_out", "q_aligned", "supported"]

@@ -10,7 +10,10 @@ index head h::
                    over tokens t of page p with  (p * cp_world + cp_rank) * 128 + t <= pos_r
 
 A page with no visible token is -inf; every column of ``out`` is written (columns past a row's
-last visible page read -inf). Context parallel: rank ``cp_rank`` of ``cp_world`` stores global
+last visible page read -inf). A page id outside the cache (``< 0`` or ``>= num_pages``) names no keys:
+the page scores -inf (nothing is read; ``M3_SCORE_DEBUG=1`` makes the plans report such ids). A query
+vector ``q[r, h]`` holding a NaN or an Inf scores NaN on every page with a token visible to row r
+(-inf on the others), whatever K holds: the same scores, hence the same selection, on every backend. Context parallel: rank ``cp_rank`` of ``cp_world`` stores global
 block ``p * cp_world + cp_rank`` at local column ``p``. K is dequantized exactly and q is taken
 as stored (bf16 or e4m3), so the float64 result is the exact score rounded once.
 """
@@ -18,7 +21,8 @@ as stored (bf16 or e4m3), so the float64 result is the exact score rounded once.
 import torch
 
 from ...formats import PAGE_SIZE, dequantize_index_k
-from .common import check_decode_args, check_prefill_args, check_prefill_lengths
+from .backends.torch import finite_or_nan
+from .common import check_decode_args, check_prefill_args
 
 _ROW_CHUNK = 256  # query rows scored at once (bounds the [H, rows, pages, 128] temporary)
 
@@ -37,6 +41,7 @@ def _score_request(q, k_cache, k_scale, pages, positions, global_blocks, sm_scal
         return out
     k = _dequantize_pages(k_cache, k_scale, pages.long(), dtype)  # [P, 128, 128]
     token_pos = global_blocks.long()[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE, device=q.device)  # [P, 128]
+    q = finite_or_nan(q)
     for r0 in range(0, rows, _ROW_CHUNK):
         qc = q[r0 : r0 + _ROW_CHUNK].to(dtype)  # [R, H, 128]
         dots = torch.einsum("rhd,ptd->hrpt", qc, k)
@@ -56,11 +61,12 @@ def _score_rows(q, k_cache, k_scale, block_table, row_ranges, positions, max_blo
         # Local pages holding any token at or before the last row's position.
         n_global = last_pos // PAGE_SIZE + 1 if last_pos >= 0 else 0
         n_local = min(max_block, max(0, (n_global - cp_rank + cp_world - 1) // cp_world))
-        pages = block_table[b, :n_local]
-        if n_local and (int(pages.min()) < 0 or int(pages.max()) >= k_cache.shape[0]):
-            raise ValueError(f"block_table[{b}] holds page ids outside [0, {k_cache.shape[0]}) among its {n_local} visible pages")
+        pages = block_table[b, :n_local].long()
+        inside = (pages >= 0) & (pages < k_cache.shape[0])  # a page outside the cache scores -inf
         global_blocks = torch.arange(n_local, device=q.device) * cp_world + cp_rank
-        out[:, r0:r1, :n_local] = _score_request(q[r0:r1], k_cache, k_scale, pages, positions[r0:r1], global_blocks, sm_scale, dtype)
+        scores = _score_request(q[r0:r1], k_cache, k_scale, pages[inside], positions[r0:r1], global_blocks[inside],
+                                sm_scale, dtype)
+        out[:, r0:r1, :n_local][:, :, inside] = scores
     return out
 
 
@@ -80,7 +86,7 @@ def score_decode_ref(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, ma
     Returns:
         ``[H, batch*S, max_block]`` in ``dtype``.
     """
-    _, batch, _, max_block, sm_scale = check_decode_args(
+    batch, _, max_block, sm_scale = check_decode_args(
         q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, None, cp_rank, cp_world
     )
     seq = seq_lens.long()
@@ -101,10 +107,9 @@ def score_prefill_ref(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, 
     Returns:
         ``[H, total_new_tokens, max_block]`` in ``dtype``.
     """
-    _, batch, _, max_block, sm_scale = check_prefill_args(
+    batch, _, max_block, sm_scale = check_prefill_args(
         q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block
     )
-    check_prefill_lengths(q, seq_lens, cu_seqlens_q)
     cu = cu_seqlens_q.tolist()
     positions = torch.empty(q.shape[0], dtype=torch.long, device=q.device)
     for b in range(batch):

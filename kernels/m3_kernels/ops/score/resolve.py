@@ -49,7 +49,7 @@ def requested_backend(backend: str | None = None) -> str:
 def _sm90_prefill_available(device: torch.device) -> tuple[bool, str]:
     """Whether the sm_90 prefill scorer (``triton_sm90``) runs on ``device``: NVIDIA compute capability 9.x (or the
     CPU under ``TRITON_INTERPRET=1``, for the tests)."""
-    from .triton_sm90 import device_ok
+    from .backends.triton_sm90 import device_ok
 
     return device_ok(device)
 

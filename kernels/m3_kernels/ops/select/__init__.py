@@ -12,6 +12,9 @@ from .naive import visible_blocks  # noqa: F401
 
 def check_select_params(topk, local_blocks, init_blocks) -> None:
     """ValueError naming the rule the selection parameters broke (a server checks them at start-up)."""
+    for name, value in (("topk", topk), ("local_blocks", local_blocks), ("init_blocks", init_blocks)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if not (0 <= init_blocks and 1 <= local_blocks and init_blocks + local_blocks <= topk):
         raise ValueError(
             f"need init_blocks >= 0, local_blocks >= 1 and init_blocks + local_blocks <= topk, "

@@ -17,7 +17,9 @@ def write_index_k(cache, k, loc, check_loc=True):
     current stream is capturing a CUDA graph, and when False: the kernel then skips out-of-range
     slots instead of raising. The CPU path always checks.
     """
-    check_write_rows(k, loc, cache.data)
+    from ..score.common import check_cache
+
+    check_write_rows(k, loc, check_cache(cache).data)
     if k.device.type != "cuda":
         from .naive import write_rows
 

@@ -7,10 +7,29 @@ import pytest
 import torch
 
 from m3_kernels.formats import FP8_DTYPE, PAGE_SIZE, alloc_index_k_cache, dequantize_index_k
-from m3_kernels.ops.score.cpu import dequantize_pages, score_decode_cpu, score_prefill_cpu
+from m3_kernels.formats import IndexKCache
+from m3_kernels.ops.score import DecodeBatch, PrefillBatch, plan_decode, plan_prefill, score_decode, score_prefill
+from m3_kernels.ops.score.backends.torch import dequantize_pages
 from m3_kernels.ops.score.naive import score_decode_ref, score_prefill_ref
 
 from .test_naive import build_cache, make_q
+
+
+def score_decode_cpu(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
+                     cp_world=1):
+    """The torch backend's decode plan and run over loose views."""
+    cache = IndexKCache.of(k_cache, k_scale)
+    batch = DecodeBatch(block_table, seq_lens, S, q.shape[1], sm_scale, max_block, out, cp_rank, cp_world)
+    return score_decode(plan_decode(cache, batch, backend="torch"), q, cache)
+
+
+def score_prefill_cpu(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None, out=None,
+                      skip_rows_seeing=0):
+    """The torch backend's prefill plan and run over loose views."""
+    cache = IndexKCache.of(k_cache, k_scale)
+    batch = PrefillBatch(block_table, seq_lens, cu_seqlens_q, q.shape[1], sm_scale, max_block, out,
+                         skip_rows_seeing=skip_rows_seeing)
+    return score_prefill(plan_prefill(cache, batch, backend="torch"), q, cache)
 
 # fp32 dot products of 128 terms against the exactly rounded float64 score: |q|.|k| * 128 * 2^-24 bounds the
 # error; with unit-scale inputs 1e-4 relative (plus 1e-4 absolute near zero) leaves a wide margin.
@@ -92,12 +111,14 @@ def test_decode_writes_every_column_of_out(gen):
     assert_close_scores(out, score_decode_ref(q, k_cache, k_scale, block_table, seq, 1, 0.5))
 
 
-def test_decode_rejects_a_visible_page_outside_the_cache(gen):
+def test_decode_scores_a_visible_page_outside_the_cache_minus_inf(gen):
     k_cache, k_scale = build_cache(gen, "fp8", 2)
     block_table = torch.tensor([[0, 1], [1, 5]], dtype=torch.int32)
     q = make_q(gen, 2, 1, torch.bfloat16)
-    with pytest.raises(ValueError, match=r"block_table\[1\] holds page ids outside \[0, 2\)"):
-        score_decode_cpu(q, k_cache, k_scale, block_table, torch.tensor([200, 129], dtype=torch.int32), 1, 1.0)
+    seq = torch.tensor([200, 129], dtype=torch.int32)
+    got = score_decode_cpu(q, k_cache, k_scale, block_table, seq, 1, 1.0)
+    assert torch.isfinite(got[:, :, :2].flatten()[:3]).all() and got[0, 1, 1] == float("-inf")
+    assert_close_scores(got, score_decode_ref(q, k_cache, k_scale, block_table, seq, 1, 1.0))
     with pytest.raises(ValueError, match="sm_scale"):
         score_decode_cpu(q, k_cache, k_scale, block_table, torch.tensor([1, 1], dtype=torch.int32), 1, math.nan)
 
@@ -107,7 +128,7 @@ def test_prefill_matches_reference(gen, fmt, monkeypatch):
     """A cached prefix (its first tile starts inside a page), an empty request and a long one whose tiles see up to
     5 pages in key chunks of 2 (shrunk from the default so that the last chunk is partial and the own page is the
     first or the second page of a chunk)."""
-    import m3_kernels.ops.score.cpu as cpu
+    import m3_kernels.ops.score.backends.torch as cpu
 
     monkeypatch.setattr(cpu, "_KEY_PAGES", 2)
     seq_lens, new = [270, 40, 601], [70, 0, 601]

@@ -1,4 +1,5 @@
-"""Plan and run: a decode plan checks a batch once; a run per layer checks nothing and scores as the oracle.
+"""Plan and run: a plan checks a batch once; a run per layer checks q, out and the cache against the plan on the
+host (no cache-view or metadata check) and scores as the oracle.
 
 Triton cases run in the interpreter on a CPU-only machine (``TRITON_INTERPRET=1``, set here)."""
 
@@ -13,7 +14,15 @@ if not torch.cuda.is_available():
 import m3_kernels.ops.score as score_module  # noqa: E402
 from m3_kernels.formats import PAGE_SIZE, IndexKCache  # noqa: E402
 from m3_kernels.formats import cache as cache_module  # noqa: E402
-from m3_kernels.ops.score import common, plan_decode, plan_prefill, score_decode, score_prefill  # noqa: E402
+from m3_kernels.ops.score import (  # noqa: E402
+    DecodeBatch,
+    PrefillBatch,
+    common,
+    plan_decode,
+    plan_prefill,
+    score_decode,
+    score_prefill,
+)
 from m3_kernels.ops.score.naive import score_decode_ref, score_prefill_ref  # noqa: E402
 from m3_kernels.testing import (  # noqa: E402
     abs_index_k,
@@ -34,7 +43,7 @@ def _on_cpu_only():
 
 def _count_checks(monkeypatch):
     """Count every metadata check and every cache-view check, wherever it is called from."""
-    counts = {"meta": 0, "views": 0, "loose": 0}
+    counts = {"meta": 0, "views": 0, "loose": 0, "run": 0}
 
     def counted(key, fn):
         def wrapper(*a, **k):
@@ -42,10 +51,9 @@ def _count_checks(monkeypatch):
             return fn(*a, **k)
         return wrapper
 
-    monkeypatch.setattr(score_module, "check_decode_meta", counted("meta", score_module.check_decode_meta))
-    monkeypatch.setattr(score_module, "check_prefill_meta", counted("meta", score_module.check_prefill_meta))
+    monkeypatch.setattr(score_module, "check_batch", counted("meta", score_module.check_batch))
+    monkeypatch.setattr(score_module, "check_run", counted("run", score_module.check_run))
     monkeypatch.setattr(cache_module, "check_index_k_cache", counted("views", cache_module.check_index_k_cache))
-    monkeypatch.setattr(common, "check_index_k_cache", counted("views", common.check_index_k_cache))
     monkeypatch.setattr(common, "check_decode_args", counted("loose", common.check_decode_args))
     monkeypatch.setattr(common, "check_prefill_args", counted("loose", common.check_prefill_args))
     return counts
@@ -67,7 +75,7 @@ def test_a_multi_layer_decode_step_checks_once(gen, monkeypatch, backend, fmt):
     never again after they were made, and every layer's scores match the float64 oracle."""
     if backend == "triton":
         _on_cpu_only()
-        triton_module("m3_kernels.ops.score.triton", "_score_kernel")
+        triton_module("m3_kernels.ops.score.backends.triton", "_score_kernel")
     S, H, lens, max_block = 1, 2, [1, 129, 300], 3
     batch = len(lens)
     pages = batch * max_block + 1
@@ -76,15 +84,15 @@ def test_a_multi_layer_decode_step_checks_once(gen, monkeypatch, backend, fmt):
     seq = torch.tensor(lens, dtype=torch.int32)
     out = torch.full((H, batch * S, max_block), float("nan"))
     counts = _count_checks(monkeypatch)
-    plan = plan_decode(caches[0], block_table, seq, S, H, 0.125, max_block, out, backend=backend)
-    assert counts == {"meta": 1, "views": 0, "loose": 0}
+    plan = plan_decode(caches[0], DecodeBatch(block_table, seq, S, H, 0.125, max_block, out), backend=backend)
+    assert counts == {"meta": 1, "views": 0, "loose": 0, "run": 0}
     qs, scores = [], []
     for cache in caches:  # the step: one run per layer
         qs.append(make_q(gen, batch * S, H, torch.bfloat16, "cpu"))
         got = score_decode(plan, cache.prepare_q(qs[-1]), cache, out)
         assert got is out
         scores.append(got.clone())
-    assert counts == {"meta": 1, "views": 0, "loose": 0}
+    assert counts == {"meta": 1, "views": 0, "loose": 0, "run": LAYERS}
     written = torch.arange(max_block)[None, None] < torch.tensor([(n - 1) // PAGE_SIZE + 1 for n in lens])[
         None, :, None]
     for cache, q, got in zip(caches, qs, scores):  # the oracle (which checks its own arguments)
@@ -98,7 +106,7 @@ def test_a_multi_layer_decode_step_checks_once(gen, monkeypatch, backend, fmt):
 def test_a_multi_layer_prefill_checks_once(gen, monkeypatch, backend):
     if backend == "triton":
         _on_cpu_only()
-        triton_module("m3_kernels.ops.score.triton", "_score_kernel")
+        triton_module("m3_kernels.ops.score.backends.triton", "_score_kernel")
     H, new, prefix, max_block = 2, [3, 130], [0, 127], 3
     batch = len(new)
     pages = batch * max_block + 1
@@ -107,12 +115,12 @@ def test_a_multi_layer_prefill_checks_once(gen, monkeypatch, backend):
     seq = torch.tensor([p + n for p, n in zip(prefix, new)], dtype=torch.int32)
     cu = torch.tensor([0, 3, 133], dtype=torch.int32)
     counts = _count_checks(monkeypatch)
-    plan = plan_prefill(caches[0], block_table, seq, cu, H, 0.25, max_block, cu_seqlens_host=cu.tolist(),
-                        seq_lens_host=seq.tolist(), backend=backend)
-    assert plan.backend == backend and counts == {"meta": 1, "views": 0, "loose": 0}
+    plan = plan_prefill(caches[0], PrefillBatch(block_table, seq, cu, H, 0.25, max_block, cu_seqlens_host=cu.tolist(),
+                                                seq_lens_host=seq.tolist()), backend=backend)
+    assert plan.backend == backend and counts == {"meta": 1, "views": 0, "loose": 0, "run": 0}
     qs = [make_q(gen, sum(new), H, torch.bfloat16, "cpu") for _ in caches]
     scores = [score_prefill(plan, q, cache) for q, cache in zip(qs, caches)]
-    assert counts == {"meta": 1, "views": 0, "loose": 0}
+    assert counts == {"meta": 1, "views": 0, "loose": 0, "run": LAYERS}
     for cache, q, got in zip(caches, qs, scores):
         args = (block_table, seq, cu, 0.25, max_block)
         assert_scores_close(got, score_prefill_ref(q, *cache.views(), *args),
@@ -120,10 +128,8 @@ def test_a_multi_layer_prefill_checks_once(gen, monkeypatch, backend):
 
 
 def _meta(cache, **change):
-    args = dict(block_table=torch.zeros(2, 2, dtype=torch.int32), seq_lens=torch.full((2,), 5, dtype=torch.int32),
-                S=1, H=1, sm_scale=0.5)
-    args.update(change)
-    return args
+    return DecodeBatch(torch.zeros(2, 2, dtype=torch.int32), torch.full((2,), 5, dtype=torch.int32), 1, 1,
+                       0.5)._replace(**change)
 
 
 PLAN_REJECTIONS = {  # today's messages, now raised by the plan
@@ -145,27 +151,28 @@ def test_the_plan_rejects_bad_metadata_with_todays_messages(name):
     cache = IndexKCache.new(4, "mxfp4")
     change, match = PLAN_REJECTIONS[name]
     with pytest.raises(ValueError, match=match):
-        plan_decode(cache, **_meta(cache, **change), backend="torch")
+        plan_decode(cache, _meta(cache, **change), backend="torch")
 
 
 def test_a_backend_that_cannot_take_the_cache_is_refused_at_plan_time():
     cache = IndexKCache.new(2, "fp8")
     meta = _meta(cache)
     with pytest.raises(ValueError, match="the CUDA scorer reads MXFP4 caches only, got a fp8 cache"):
-        plan_decode(cache, **meta, backend="cuda")
+        plan_decode(cache, meta, backend="cuda")
     with pytest.raises(ValueError, match="aiter's .* reads MXFP4 caches only"):
-        plan_decode(cache, **meta, backend="aiter")
+        plan_decode(cache, meta, backend="aiter")
     mx = IndexKCache.new(2, "mxfp4")
     with pytest.raises(ValueError, match=r"S \* H <= 32"):
-        plan_decode(mx, **_meta(mx, H=33), backend="cuda")
+        plan_decode(mx, _meta(mx, H=33), backend="cuda")
 
 
 def test_the_plan_records_the_geometry_and_the_work_map():
     cache = IndexKCache.new(4, "mxfp4")
     out = torch.empty(3, 4, 2)
-    plan = plan_decode(cache, torch.zeros(2, 5, dtype=torch.int32), torch.ones(2, dtype=torch.int32), 2, 3, 0.5,
-                       out=out, backend="triton")
+    plan = plan_decode(cache, DecodeBatch(torch.zeros(2, 5, dtype=torch.int32), torch.ones(2, dtype=torch.int32), 2, 3,
+                                          0.5, out=out), backend="triton")
     assert (plan.backend, plan.S, plan.H, plan.batch, plan.max_block, plan.sm_scale) == ("triton", 2, 3, 2, 2, 0.5)
-    assert plan.out is out and plan.fmt.value == "mxfp4" and plan.pages_per_program == 1
-    auto = plan_decode(cache, torch.zeros(2, 5, dtype=torch.int32), torch.ones(2, dtype=torch.int32), 2, 3, 0.5)
+    assert plan.out is out and plan.fmt.value == "mxfp4" and plan.work == 1 and plan.num_pages == 4
+    auto = plan_decode(cache, DecodeBatch(torch.zeros(2, 5, dtype=torch.int32), torch.ones(2, dtype=torch.int32), 2, 3,
+                                          0.5))
     assert auto.backend == "torch" and auto.max_block == 5  # on the CPU; max_block from the block table

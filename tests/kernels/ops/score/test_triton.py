@@ -25,7 +25,8 @@ from m3_kernels.formats import (  # noqa: E402
 )
 from m3_kernels.formats import IndexKCache  # noqa: E402
 from m3_kernels.ops.score import (  # noqa: E402
-    decode_supported,
+    DecodeBatch,
+    PrefillBatch,
     plan_decode,
     plan_prefill,
     score_decode,
@@ -55,7 +56,7 @@ def _on(device):
 
 
 def _kernels():
-    return triton_module("m3_kernels.ops.score.triton", "_score_kernel")
+    return triton_module("m3_kernels.ops.score.backends.triton", "_score_kernel")
 
 
 def check_decode(gen, device, fmt, q_dtype, S, H, seq_lens, max_block, cp=(0, 1), prealloc=False, single=True,
@@ -285,7 +286,7 @@ def test_cuda_graph_capture_and_replay(gen, fmt):
     q = torch.zeros(batch * S, H, 128, dtype=torch.bfloat16, device="cuda")
     out = torch.empty(H, batch * S, mb, device="cuda")
     cache = IndexKCache.of(k_cache, k_scale)
-    plan = plan_decode(cache, bt, seq, S, H, 0.5, mb, out, backend="triton")  # once, as the server at capture
+    plan = plan_decode(cache, DecodeBatch(bt, seq, S, H, 0.5, mb, out), backend="triton")  # once, at capture
 
     def run():
         score_decode(plan, q, cache, out)
@@ -321,8 +322,8 @@ def check_prefill(gen, device, fmt, q_dtype, H, new, prefix, max_block, single=T
     out = torch.full((H, sum(new), max_block), float("nan"), device=device) if prealloc else None
     if planned:  # the plan made from host lists, as the SGLang backend does per batch, then one run
         cache = IndexKCache.of(k_cache, k_scale)
-        plan = plan_prefill(cache, bt, seq, cu, H, 0.25, max_block, out, cu_seqlens_host=cu.tolist(),
-                            seq_lens_host=seq.tolist(), backend="triton")
+        plan = plan_prefill(cache, PrefillBatch(bt, seq, cu, H, 0.25, max_block, out, cu_seqlens_host=cu.tolist(),
+                                                seq_lens_host=seq.tolist()), backend="triton")
         got = score_prefill(plan, q, cache)
     else:  # lengths read back from the device by the plan
         got = score_prefill_views(q, k_cache, k_scale, bt, seq, cu, 0.25, max_block, out, backend="triton")
@@ -410,6 +411,17 @@ def _apply(args, change, device):
     return args
 
 
+def decode_supported(**args):
+    """``(ok, reason)`` of the shared rules on a decode call given as loose tensors."""
+    from m3_kernels.ops.score.common import check_decode_args
+
+    try:
+        check_decode_args(**args)
+    except ValueError as e:
+        return False, str(e)
+    return True, ""
+
+
 @pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("name", list(REJECTIONS))
 def test_rejections_raise_and_supported_says_no(device, name):
@@ -431,7 +443,7 @@ def test_supported_accepts_valid_inputs(device):
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
-def test_score_and_select_decode_matches_the_two_references(gen, device):
+def test_score_and_select_decode_matches_the_two_references(gen, device, monkeypatch):
     device = _on(device)
     _kernels()
     from m3_kernels.ops.score import score_and_select_decode
@@ -444,18 +456,20 @@ def test_score_and_select_decode_matches_the_two_references(gen, device):
     seq = torch.tensor([3, 2100, 3000], dtype=torch.int32, device=device)
     q = make_q(gen, batch * S, H, torch.bfloat16, device)
     cache = IndexKCache.of(k_cache, k_scale)
-    scores, blocks = score_and_select_decode(plan_decode(cache, bt, seq, S, H, 0.5, backend="triton"), q, cache)
+    scores, blocks = score_and_select_decode(plan_decode(cache, DecodeBatch(bt, seq, S, H, 0.5), backend="triton"), q,
+                                             cache)
     pos = (seq.cpu().long()[:, None] - S + torch.arange(S)).flatten()
     want = select_blocks_ref(scores.cpu(), visible_blocks(pos, PAGE_SIZE))
     assert torch.equal(blocks.cpu(), want)
-    # max_block below the blocks a row sees (17 and 24 here): selection ranks the columns scored
-    plan = plan_decode(cache, bt, seq, S, H, 0.5, max_block=10, backend="triton")
-    scores, blocks = score_and_select_decode(plan, q, cache)
-    assert scores.shape[-1] == 10
-    assert torch.equal(blocks.cpu(), select_blocks_ref(scores.cpu(), visible_blocks(pos, PAGE_SIZE).clamp(max=10)))
+    # max_block below the blocks a row sees (17 and 24 here) would drop the row's own block: refused (on a GPU,
+    # where the lengths stay on the device, under M3_SCORE_DEBUG=1)
+    monkeypatch.setenv("M3_SCORE_DEBUG", "1")
+    plan = plan_decode(cache, DecodeBatch(bt, seq, S, H, 0.5, max_block=10), backend="triton")
+    with pytest.raises(ValueError, match="max_block = 10 must hold every visible block: request 1 sees 17"):
+        score_and_select_decode(plan, q, cache)
     with pytest.raises(ValueError, match="cp_world"):
-        score_and_select_decode(plan_decode(cache, bt, seq, S, H, 0.5, cp_rank=0, cp_world=2, backend="triton"), q,
-                                cache)
+        score_and_select_decode(plan_decode(cache, DecodeBatch(bt, seq, S, H, 0.5, cp_rank=0, cp_world=2),
+                                            backend="triton"), q, cache)
 
 
 def _prefill_args(device):
@@ -487,7 +501,7 @@ def test_prefill_plan_rejections(device):
     cache = IndexKCache.of(k_cache, k_scale)
 
     def plan(cu_host, lens_host):
-        return plan_prefill(cache, bt, seq, cu, 1, sm, cu_seqlens_host=cu_host, seq_lens_host=lens_host,
+        return plan_prefill(cache, PrefillBatch(bt, seq, cu, 1, sm, cu_seqlens_host=cu_host, seq_lens_host=lens_host),
                             backend="triton")
 
     with pytest.raises(ValueError, match="cu_seqlens_q must rise"):
@@ -497,5 +511,5 @@ def test_prefill_plan_rejections(device):
     with pytest.raises(ValueError, match="len.seq_lens. . 1 = 3 entries"):
         plan([0, 1], [5, 5])
     made = plan([0, 1, 2], [5, 5])
-    assert (made.backend, made.H, made.batch, made.num_tokens, made.max_block) == ("triton", 1, 2, 2, 2)
-    assert made.tiles.tolist() == [[0, 0], [1, 1]] and made.tiles.device == bt.device
+    assert (made.backend, made.H, made.batch, made.rows, made.max_block) == ("triton", 1, 2, 2, 2)
+    assert made.work[0].tolist() == [[0, 0], [1, 1]] and made.work[0].device == bt.device

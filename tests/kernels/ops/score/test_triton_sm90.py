@@ -9,6 +9,7 @@ Tolerance as ``test_triton.py``: ``|got - ref| <= 1e-5 * bound`` (``bound``: the
 ``|K|``), the -inf pattern equal, no NaN.
 """
 
+import dataclasses
 import os
 import random
 
@@ -45,7 +46,34 @@ def _on(device):
 
 
 def _mod():
-    return triton_module("m3_kernels.ops.score.triton_sm90", "_prefill_sm90_kernel")
+    return triton_module("m3_kernels.ops.score.backends.triton_sm90", "_prefill_sm90_kernel")
+
+
+def score_prefill_sm90(q, k_data, k_scale, fmt, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None,
+                       out=None, tiles=None, **launch):
+    """The sm_90 scorer through its plan and run over loose views (``fmt``: the cache's format name), with the
+    run's launch overrides (``DEFAULT_LAUNCH``'s keys) and, for the work-map tests, ``tiles`` in place of the
+    plan's device map."""
+    from m3_kernels.formats import IndexKCache
+    from m3_kernels.ops.score import PrefillBatch, plan_prefill
+    from m3_kernels.ops.score.common import check_run
+
+    cache = IndexKCache(fmt, k_data, k_scale)
+    H = q.shape[1] if q.dim() == 3 else 1
+    plan = plan_prefill(cache, PrefillBatch(block_table, seq_lens, cu_seqlens_q, H, sm_scale, max_block, out),
+                        backend="triton_sm90")
+    if tiles is not None:
+        plan = dataclasses.replace(plan, work=tiles)
+    return plan.run(plan, q, cache, check_run(plan, q, cache, out), **launch)
+
+
+def supported(**args):
+    """``(ok, reason)`` of ``score_prefill_sm90(fmt="mxfp4", **args)``'s checks."""
+    try:
+        score_prefill_sm90(fmt="mxfp4", **args)
+    except (ValueError, NotImplementedError) as e:
+        return False, str(e)
+    return True, ""
 
 
 def _cache(gen, fmt, pages, device, single=True, scale_range=(122, 127)):
@@ -66,7 +94,7 @@ def check_prefill(gen, device, fmt, q_dtype, H, new, prefix, max_block=None, sin
     """Score a batch (``new`` tokens after ``prefix`` cached ones per request) and compare with the
     reference. ``tiles``: "device" (``prefill_tiles_device``, padded), "host" (``prefill_tiles_host``
     as a tensor) or None (built inside, with the host length check)."""
-    mod = _mod()
+    _mod()
     batch = len(new)
     need = [(p + n + PAGE_SIZE - 1) // PAGE_SIZE for p, n in zip(prefix, new)]
     max_block = max_block or max(max(need), 1)
@@ -86,7 +114,7 @@ def check_prefill(gen, device, fmt, q_dtype, H, new, prefix, max_block=None, sin
         t = torch.tensor(mod.prefill_tiles_host(cu_list, H), dtype=torch.int32).reshape(-1, 2).to(device)
     else:
         t = None
-    got = mod.score_prefill_sm90(q, k_cache, k_scale, fmt, bt, seq, cu, 0.25, max_block, out, tiles=t, **launch)
+    got = score_prefill_sm90(q, k_cache, k_scale, fmt, bt, seq, cu, 0.25, max_block, out, tiles=t, **launch)
     if prealloc:
         assert got.data_ptr() == out.data_ptr()
     kc, ks = k_cache.cpu(), (k_scale.cpu() if k_scale is not None else None)
@@ -110,7 +138,7 @@ def _random_batch(rng):
 def test_device_work_map_equals_the_host_plan(device):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    mod = _mod()
+    _mod()
     seed = random.SystemRandom().randrange(2**31)
     rng = random.Random(seed)
     for _ in range(200):
@@ -127,7 +155,7 @@ def test_device_work_map_equals_the_host_plan(device):
 
 
 def test_tile_rows_and_bound():
-    mod = _mod()
+    _mod()
     assert [mod.tile_rows(h) for h in (1, 3, 4, 8, 512)] == [256, 85, 64, 32, 1]
     # The bound is reached: every request one token past a tile.
     rows = mod.tile_rows(4)
@@ -154,7 +182,7 @@ def test_prefill_small(gen, fmt, launch):
 def check_causal_edges(gen, device, H):
     """Positive q and a bf16 cache whose keys grow along each page (positive, token t scaled by t + 1):
     every row's page max is its LAST visible token, so a mask off by one token changes every score."""
-    mod = _mod()
+    _mod()
     new, prefix = [3, 2, 5, 130, 1], [126, 127, 0, 129, 255]
     batch, max_block = len(new), 3
     pages = batch * max_block + 1
@@ -164,7 +192,7 @@ def check_causal_edges(gen, device, H):
     seq = torch.tensor([p + n for p, n in zip(prefix, new)], dtype=torch.int32, device=device)
     cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32, device=device)
     q = (torch.rand(sum(new), H, 128, generator=gen) + 0.5).to(torch.bfloat16).to(device)
-    got = mod.score_prefill_sm90(q, k_cache, None, "bf16", bt, seq, cu, 1.0, max_block)
+    got = score_prefill_sm90(q, k_cache, None, "bf16", bt, seq, cu, 1.0, max_block)
     args = (bt.cpu(), seq.cpu(), cu.cpu(), 1.0, max_block)
     ref = score_prefill_ref(q.cpu(), k_cache.cpu(), None, *args)
     assert_scores_close(got, ref, ref.abs())
@@ -207,12 +235,12 @@ def test_compiles_for_sm90(fmt, mx_join, tn):
         pytest.skip("CPU-only check; a GPU run compiles it for real")
     k_ty = {0: "*bf16", 1: "*fp8e4nv", 2: "*u8"}[fmt]
     sig = {"q_ptr": "*bf16", "k_ptr": k_ty, "s_ptr": "*u8", "bt_ptr": "*i32", "seq_ptr": "*i32", "cu_ptr": "*i32",
-           "tile_ptr": "*i32", "out_ptr": "*fp32", "n_cols": "i32", "post_scale": "fp32", "stride_q_r": "i32",
+           "tile_ptr": "*i32", "out_ptr": "*fp32", "n_cols": "i32", "n_pages": "i32", "post_scale": "fp32", "stride_q_r": "i32",
            "stride_q_h": "i32", "stride_k_page": "i32", "stride_s_page": "i32", "stride_bt": "i32",
            "stride_o_h": "i32", "stride_o_r": "i32"}
     const = dict(FMT=fmt, H=4, ROWS=64, BM=256, PP=32, TN=tn, MX_JOIN=mx_join, NUM_STAGES=3, USE_ASM=True,
                  INTERPRET=False, D=128, T=PAGE_SIZE, DATA_BYTES=64, SCALE_BYTES=4)
-    facts = compile_sm90("m3_kernels.ops.score.triton_sm90", "_prefill_sm90_kernel", sig, const, num_warps=8)
+    facts = compile_sm90("m3_kernels.ops.score.backends.triton_sm90", "_prefill_sm90_kernel", sig, const, num_warps=8)
     assert facts["sass_bytes"] > 0
 
 
@@ -285,7 +313,7 @@ def test_prefill_mxfp4_scale_ranges_gpu(gen, scale_range, q_scale, mx_join):
 def test_prefill_device_map_under_graph_replay_gpu(gen, fmt):
     """Map and scorer captured once in a CUDA graph with padded buffers, replayed with other lengths."""
     _on("cuda")
-    mod = _mod()
+    _mod()
     H, mb, batch, total = 4, 16, 3, 600
     pages = batch * mb + 1
     k_cache, k_scale = random_cache(gen, fmt, pages, "cuda")
@@ -298,7 +326,7 @@ def test_prefill_device_map_under_graph_replay_gpu(gen, fmt):
 
     def run():
         tiles = mod.prefill_tiles_device(cu, H, max_tiles)
-        mod.score_prefill_sm90(q, k_cache, k_scale, fmt, bt, seq, cu, 0.5, mb, out, tiles=tiles)
+        score_prefill_sm90(q, k_cache, k_scale, fmt, bt, seq, cu, 0.5, mb, out, tiles=tiles)
 
     graph = capture_graph(run)
     for new, prefix in (([200, 0, 400], [10, 5, 1000]), ([1, 599, 0], [2000, 0, 0]), ([64, 65, 471], [0, 63, 129])):
@@ -376,40 +404,38 @@ def _apply(args, change, device):
 @pytest.mark.parametrize("name", list(REJECTIONS))
 def test_rejections_raise_and_supported_says_no(device, name):
     device = _on(device)
-    mod = _mod()
+    _mod()
     change, match = REJECTIONS[name]
     args = _apply(_args(device), change, device)
-    ok, reason = mod.supported(**args)
+    ok, reason = supported(**args)
     assert not ok and match in reason
     with pytest.raises(ValueError, match=match):
-        mod.score_prefill_sm90(fmt="mxfp4", **args)
+        score_prefill_sm90(fmt="mxfp4", **args)
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
 def test_supported_accepts_valid_inputs_and_other_rejections(device):
     device = _on(device)
-    mod = _mod()
+    _mod()
     args = _args(device)
-    assert mod.supported(**args) == (True, "")
+    assert supported(**args) == (True, "")
     with pytest.raises(ValueError, match="does not match the cache"):
-        mod.score_prefill_sm90(fmt="fp8", **args)
+        score_prefill_sm90(fmt="fp8", **args)
     with pytest.raises(ValueError, match="request 1 has 3 new tokens but seq_lens"):
         bad = dict(args, q=torch.zeros(4, 1, 128, dtype=torch.bfloat16, device=device),
                    seq_lens=torch.tensor([5, 2], dtype=torch.int32, device=device),
                    cu_seqlens_q=torch.tensor([0, 1, 4], dtype=torch.int32, device=device))
-        mod.score_prefill_sm90(fmt="mxfp4", **bad)
-    with pytest.raises(ValueError, match="tiles must be"):
-        mod.score_prefill_sm90(fmt="mxfp4", tiles=torch.zeros(2, 2, dtype=torch.int64, device=device), **args)
+        score_prefill_sm90(fmt="mxfp4", **bad)
     with pytest.raises(TypeError, match="unknown launch settings"):
-        mod.score_prefill_sm90(fmt="mxfp4", warps=4, **args)
+        score_prefill_sm90(fmt="mxfp4", warps=4, **args)
     with pytest.raises(ValueError, match="need tn in"):
-        mod.score_prefill_sm90(fmt="mxfp4", tn=32, **args)
+        score_prefill_sm90(fmt="mxfp4", tn=32, **args)
 
 
 def test_supported_refuses_the_cpu_without_the_interpreter(monkeypatch):
-    mod = _mod()
+    _mod()
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    ok, reason = mod.supported(**_args("cpu"))
+    ok, reason = supported(**_args("cpu"))
     assert not ok and "NVIDIA CUDA" in reason
 
 
@@ -423,7 +449,7 @@ def test_plan_then_run_equals_the_checked_entry_and_the_oracle(gen, device, fmt)
     kernel with nothing checked: bit for bit the checked entry's scores, within the oracle's bound, every
     column of a poisoned ``out`` written."""
     from m3_kernels.formats import IndexKCache
-    from m3_kernels.ops.score import plan_prefill, score_prefill
+    from m3_kernels.ops.score import PrefillBatch, plan_prefill, score_prefill
 
     device = _on(device)
     H, new, prefix = 4, [129, 1, 0, 300], [127, 0, 5, 128]
@@ -436,11 +462,11 @@ def test_plan_then_run_equals_the_checked_entry_and_the_oracle(gen, device, fmt)
     cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32, device=device)
     q = make_q(gen, sum(new), H, torch.bfloat16, device, 1.0)
     out = torch.full((H, sum(new), max_block), float("nan"), device=device)
-    plan = plan_prefill(cache, bt, seq, cu, H, 0.25, max_block, out, backend="triton_sm90")
-    assert plan.backend == "triton_sm90" and plan.tiles.dtype == torch.int32
+    plan = plan_prefill(cache, PrefillBatch(bt, seq, cu, H, 0.25, max_block, out), backend="triton_sm90")
+    assert plan.backend == "triton_sm90" and plan.work.dtype == torch.int32
     got = score_prefill(plan, q, cache)
     assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
-    want = _mod().score_prefill_sm90(q, k_cache, k_scale, fmt, bt, seq, cu, 0.25, max_block)
+    want = score_prefill_sm90(q, k_cache, k_scale, fmt, bt, seq, cu, 0.25, max_block)
     assert torch.equal(got, want)
     kc, ks = k_cache.cpu(), (k_scale.cpu() if k_scale is not None else None)
     args = (bt.cpu(), seq.cpu(), cu.cpu(), 0.25, max_block)

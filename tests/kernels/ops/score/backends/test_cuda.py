@@ -26,7 +26,7 @@ from m3_kernels.formats import (
     PAGE_SIZE,
     IndexKCache,
 )
-from m3_kernels.ops.score import plan_decode, resolve_backend, score_decode
+from m3_kernels.ops.score import DecodeBatch, plan_decode, resolve_backend, score_decode
 from m3_kernels.ops.score.backends import cuda as cuda_backend
 from m3_kernels.ops.score.naive import score_decode_ref
 from m3_kernels.testing import (
@@ -297,7 +297,7 @@ def test_cuda_graph_capture_and_replay(gen):
     q = torch.zeros(batch * S, H, 128, dtype=torch.bfloat16, device="cuda")
     out = torch.empty(H, batch * S, mb, device="cuda")
     cache = IndexKCache.of(k_data, k_scale)
-    plan = plan_decode(cache, bt, seq, S, H, 0.5, mb, out, backend="cuda")  # once, as the server at capture
+    plan = plan_decode(cache, DecodeBatch(bt, seq, S, H, 0.5, mb, out), backend="cuda")  # once, at capture
 
     def run():
         score_decode(plan, q, cache, out)
@@ -325,30 +325,31 @@ def test_dispatcher_picks_cuda_for_mxfp4_on_sm90(gen, monkeypatch):
     _sm90()
     monkeypatch.delenv("M3_SCORE_BACKEND", raising=False)
     calls = []
-    launch = cuda_backend.score_decode  # every CUDA-kernel run, auto or forced, ends here
-    monkeypatch.setattr(cuda_backend, "score_decode", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    launch = cuda_backend.run  # every CUDA-kernel run, auto or forced, ends here (bound by the plan)
+    monkeypatch.setattr(cuda_backend, "run", lambda *a, **k: calls.append(1) or launch(*a, **k))
     k_data, k_scale = random_cache(gen, "mxfp4", 9, "cuda")
     cache = IndexKCache.of(k_data, k_scale)
     bt = torch.arange(8, dtype=torch.int32, device="cuda").reshape(2, 4)
     seq = torch.tensor([300, 512], dtype=torch.int32, device="cuda")
     q = make_q(gen, 2, 4, torch.bfloat16, "cuda")
-    plan = plan_decode(cache, bt, seq, 1, 4, 0.2)
+    plan = plan_decode(cache, DecodeBatch(bt, seq, 1, 4, 0.2))
     assert plan.backend == "cuda"
     auto = score_decode(plan, q, cache)
     assert calls == [1]
-    assert torch.equal(auto, score_decode(plan_decode(cache, bt, seq, 1, 4, 0.2, backend="cuda"), q, cache))
+    forced = plan_decode(cache, DecodeBatch(bt, seq, 1, 4, 0.2), backend="cuda")
+    assert torch.equal(auto, score_decode(forced, q, cache))
     assert calls == [1, 1]
     fp8 = IndexKCache.new(9, "fp8", "cuda")
-    assert plan_decode(fp8, bt, seq, 1, 4, 0.2).backend == "triton"
-    assert plan_decode(cache, bt, seq, 1, 33, 0.2).backend == "triton"  # past the kernel's 32 query vectors
-    score_decode(plan_decode(fp8, bt, seq, 1, 4, 0.2), q, fp8)
+    assert plan_decode(fp8, DecodeBatch(bt, seq, 1, 4, 0.2)).backend == "triton"
+    assert plan_decode(cache, DecodeBatch(bt, seq, 1, 33, 0.2)).backend == "triton"  # past the 32 query vectors
+    score_decode(plan_decode(fp8, DecodeBatch(bt, seq, 1, 4, 0.2)), q, fp8)
     assert calls == [1, 1]  # fp8 went to Triton
 
 
 @pytest.mark.gpu
 def test_rejections(gen):
-    """What the kernel does not take is a ValueError naming the rule (at plan time), and verify_decode says no;
-    a misaligned Q view, refused by verify_decode, is copied once by the run and scores the same."""
+    """What the kernel does not take is a ValueError naming the rule (at plan time); a misaligned Q view is
+    copied once by the run and scores the same."""
     _sm90()
     k_data, k_scale = random_cache(gen, "mxfp4", 9, "cuda")
     bt = torch.arange(8, dtype=torch.int32, device="cuda").reshape(2, 4)
@@ -357,8 +358,6 @@ def test_rejections(gen):
     fp8 = torch.zeros(9, 128, 128, dtype=torch.uint8, device="cuda").view(FP8_DTYPE)
     misaligned = torch.zeros(2 * 4 * 128 + 4, dtype=torch.bfloat16, device="cuda")[4:].view(2, 4, 128)
     misaligned.copy_(q)
-    ok, reason = cuda_backend.verify_decode(misaligned, k_data, k_scale, bt, seq, 1, 0.2)
-    assert not ok and "16-byte aligned" in reason
     assert torch.equal(score_decode_views(misaligned, k_data, k_scale, bt, seq, 1, 0.2, backend="cuda"),
                        score_decode_views(q, k_data, k_scale, bt, seq, 1, 0.2, backend="cuda"))
     cases = {
@@ -370,8 +369,6 @@ def test_rejections(gen):
     base = dict(q=q, k_cache=k_data, k_scale=k_scale, block_table=bt, seq_lens=seq, S=1, sm_scale=0.2)
     for match, change in cases.items():
         args = {**base, **change}
-        ok, reason = cuda_backend.verify_decode(**args)
-        assert not ok and match in reason, (match, reason)
         with pytest.raises(ValueError, match=match):
             score_decode_views(**args, backend="cuda")
 
@@ -383,8 +380,8 @@ def test_unavailable_off_gpu_is_a_reason_not_a_crash():
     if not torch.cuda.is_available():
         cache = IndexKCache.new(1, "mxfp4")
         with pytest.raises(NotImplementedError, match="cannot run here"):
-            plan_decode(cache, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1, 1, 1.0,
-                        backend="cuda")
+            plan_decode(cache, DecodeBatch(torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1,
+                                           1, 1.0), backend="cuda")
 
 
 def test_resolver_names_the_auto_backend(monkeypatch):

@@ -288,8 +288,6 @@ def test_shares_the_decode_rules():
     bad[6] = -1.0
     with pytest.raises(ValueError, match="sm_scale"):
         check_flydsl_decode(*bad)
-    ok, reason = flydsl_backend.verify_decode(*bad)
-    assert not ok and "sm_scale" in reason
 
 
 def test_rejects_misaligned_q():
@@ -308,8 +306,6 @@ def test_not_available_off_rocm():
     ok, reason = flydsl_backend.availability(torch.device("cpu"))
     assert not ok and ("gfx950" in reason or "not installed" in reason)
     args, _ = decode_call("mxfp4", "bf16", 1, 1)
-    ok, reason = flydsl_backend.verify_decode(*args)
-    assert not ok and reason
     with pytest.raises(NotImplementedError, match="flydsl"):
         score_decode_views(*args, backend="flydsl")
 
@@ -365,21 +361,21 @@ def test_a_planned_run_marshals_the_launch_of_the_checked_call(fmt):
     """The run of a plan (no checks) builds the very launch the checked loose call builds; a misaligned Q
     view is copied once instead of refused."""
     from m3_kernels.formats import IndexKCache
-    from m3_kernels.ops.score import plan_decode
+    from m3_kernels.ops.score import DecodeBatch, plan_decode
     from m3_kernels.ops.score.backends.flydsl.host import prepare_decode, prepare_run
 
     (q, k_cache, k_scale, bt, sl, S, sm), _ = decode_call(fmt, "bf16", 2, 4)
     cache = IndexKCache.of(k_cache, k_scale)
     want_launcher, want, _ = prepare_decode(q, k_cache, k_scale, bt, sl, S, sm)
-    plan = plan_decode(cache, bt, sl, S, 4, sm, backend="torch")  # the plan's fields; the launch is FlyDSL's
-    launcher, got, out = prepare_run(plan, q, cache)
+    plan = plan_decode(cache, DecodeBatch(bt, sl, S, 4, sm), backend="torch")  # the plan's fields; FlyDSL's launch
+    launcher, got, out = prepare_run(plan, q, cache, None)
     assert launcher is want_launcher and len(got) == len(want)
     for a, b in zip(got, want):
         assert (a is b or torch.equal(a, b)) if isinstance(a, torch.Tensor) else a == b
     store = torch.zeros(q.numel() + 4, dtype=q.dtype)
     shifted = store[4:].view_as(q)
     shifted.copy_(q)
-    launcher, got, _ = prepare_run(plan, shifted, cache)
+    launcher, got, _ = prepare_run(plan, shifted, cache, None)
     assert got[0].data_ptr() % 16 == 0 and torch.equal(got[0], want[0])
 
 

@@ -24,13 +24,12 @@ import torch
 
 from .....formats import IndexKFormat
 from ....pdl import use_pdl
-from ...common import check_decode_args, supported
+from ...common import aligned_q
 
 NAME = "cuda"
 SOURCE = pathlib.Path(__file__).with_name("decode_mxfp4.cuh")
 MIN_CAPABILITY = (9, 0)  # bulk copies on mbarriers (cp.async.bulk) are sm_90+
 MAX_QUERY_VECTORS = 32  # S * H: 4 tiles of 8 MMA columns
-QUERY_ALIGN_BYTES = 16  # the kernel reads Q in 16-byte vectors
 
 logger = logging.getLogger(__name__)
 _build_error: str | None = None  # set when the JIT build failed once: this backend is then unavailable
@@ -77,54 +76,20 @@ def is_available(device=None) -> bool:
     return availability(device)[0]
 
 
-def check_cuda_plan(fmt: IndexKFormat, S: int, H: int) -> None:
+def check_plan(plan, batch) -> None:
     """This kernel's rules on a decode batch (``plan_decode`` calls it once): an MXFP4 cache and
     ``S * H <= 32`` query vectors per request; ValueError otherwise. (Q's 16-byte alignment is met at
-    run time: ``score_decode`` copies a misaligned Q once, the kernel reads it in 16-byte vectors.)"""
-    if fmt is not IndexKFormat.MXFP4:
-        raise ValueError(f"the CUDA scorer reads MXFP4 caches only, got a {fmt.value} cache")
-    if S * H > MAX_QUERY_VECTORS:
-        raise ValueError(f"the CUDA scorer takes S * H <= {MAX_QUERY_VECTORS} query vectors, got S={S}, H={H}")
-
-
-def check_plan(fmt, S, H, batch, max_block, block_table, out, cp_world) -> None:
-    """The plan-time rules of this backend (``ops.score.plan_decode``'s common hook): ``check_cuda_plan``."""
-    check_cuda_plan(fmt, S, H)
-
-
-def check_cuda_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
-                      cp_world=1):
-    """A call given as loose tensors: the shared argument rules plus ``check_cuda_plan``'s and Q base and
-    row/head strides 16-byte aligned. Returns ``check_decode_args``'s tuple; ValueError otherwise."""
-    res = check_decode_args(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank, cp_world)
-    check_cuda_plan(res[0], S, res[2])
-    if not q_aligned(q):
-        es = q.element_size()
-        raise ValueError(f"q's base address and row/head strides must be {QUERY_ALIGN_BYTES}-byte aligned for the CUDA "
-                         f"scorer, got address % 16 = {q.data_ptr() % 16}, strides {q.stride()} x {es} B")
-    return res
-
-
-def q_aligned(q) -> bool:
-    """Q's base address and row/head strides are 16-byte aligned (the kernel's vector loads)."""
-    es = q.element_size()
-    return not (q.data_ptr() % QUERY_ALIGN_BYTES or (q.stride(0) * es) % QUERY_ALIGN_BYTES
-                or (q.stride(1) * es) % QUERY_ALIGN_BYTES)
-
-
-def verify_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
-                  cp_world=1) -> tuple[bool, str]:
-    """``(ok, reason)`` for a call of this kernel given as loose tensors; never raises."""
-    ok, reason = supported(check_cuda_decode, q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out,
-                           cp_rank, cp_world)
-    if not ok:
-        return ok, reason
-    return availability(q.device)
+    run time: ``run`` copies a misaligned Q once, the kernel reads it in 16-byte vectors.)"""
+    if plan.fmt is not IndexKFormat.MXFP4:
+        raise ValueError(f"the CUDA scorer reads MXFP4 caches only, got a {plan.fmt.value} cache")
+    if plan.S * plan.H > MAX_QUERY_VECTORS:
+        raise ValueError(f"the CUDA scorer takes S * H <= {MAX_QUERY_VECTORS} query vectors, got S={plan.S}, "
+                         f"H={plan.H}")
 
 
 def load_module(source=SOURCE, name="m3_score_decode_mxfp4"):
     """The TVM-FFI module compiled from ``source`` (built, or loaded from SGLang's JIT cache) under
-    ``name``, for ``score_decode(plan, q, cache, out, module=)``. The benchmark passes an earlier revision of
+    ``name``, for ``run(plan, q, cache, out, module=)``. The benchmark passes an earlier revision of
     the source to time it beside this one."""
     try:
         from sglang.jit_kernel.utils import load_jit  # SGLang 0.5.16
@@ -170,24 +135,20 @@ def ensure_built(device=None) -> bool:
     return True
 
 
-def score_decode(plan, q, cache, out=None, module=None, pdl=None):
-    """Decode block scores ``fp32 [H, batch*S, max_block]`` of ``plan`` (``ops.score.plan_decode``, which
-    checked the batch, this kernel's rules and its availability) for ``q [batch*S, H, 128]`` bf16 | e4m3
-    over the MXFP4 ``cache``. Validates nothing.
-
-    With ``out=None`` the buffer is allocated filled with -inf (columns past a row's last visible
-    page read -inf); a preallocated ``out`` is written up to each request's last page only.
+def run(plan, q, cache, out, module=None, pdl=None):
+    """Decode block scores of ``plan`` (``ops.score.plan_decode``, which checked the batch, this kernel's rules
+    and its availability) for ``q [batch*S, H, 128]`` bf16 | e4m3 over the MXFP4 ``cache`` into ``out``
+    (``ops.score.score_decode`` checked all three), written up to each request's last visible page.
     ``module``: another build of the kernel with the same launcher signature (``load_module``; the
     benchmark's baseline), else this source's. ``pdl``: programmatic dependent launch (default
     ``ops.pdl.use_pdl``).
+
+    The kernel takes the page ids as given: a page id outside the cache is not guarded inside it. The
+    plans report such ids under ``M3_SCORE_DEBUG=1`` (``ops.score.common``).
     """
-    if out is None:
-        out = torch.full((plan.H, plan.batch * plan.S, plan.max_block), float("-inf"), dtype=torch.float32,
-                         device=q.device)
     if plan.batch == 0 or plan.max_block == 0:
         return out
-    if not q_aligned(q):  # a view at an odd offset: copied once (the kernel reads Q in 16-byte vectors)
-        q = q.clone(memory_format=torch.contiguous_format)
+    q = aligned_q(q)  # a view at an odd offset: copied once (the kernel reads Q in 16-byte vectors)
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     (module or _module()).score_decode_mxfp4(q.view(torch.uint8), cache.data, cache.scale_e8m0, plan.block_table,
                                              plan.seq_lens, out, int(q.dtype != torch.bfloat16), plan.S,

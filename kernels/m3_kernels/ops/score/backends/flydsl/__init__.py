@@ -1,6 +1,6 @@
 """FlyDSL decode scorer for AMD gfx950 (MI350/MI355X).
 
-Importing this package imports neither FlyDSL nor the kernel: ``score_decode`` loads them on
+Importing this package imports neither FlyDSL nor the kernel: ``run`` loads them on
 first use, so a machine without FlyDSL (every NVIDIA or CPU box) imports ``sglang_m3`` unharmed.
 The kernel has been compile-checked to gfx950 assembly on a CPU machine; it has not run on a GPU.
 """
@@ -10,7 +10,6 @@ import importlib.util
 
 import torch
 
-from ...common import supported
 
 TARGET_ARCH = "gfx950"
 NAME = "flydsl"
@@ -35,7 +34,7 @@ def device_arch(device) -> str | None:
 
 def availability(device=None) -> tuple[bool, str]:
     """``(True, "")`` if this backend can run on ``device`` (default: the current GPU), else
-    ``(False, reason)``. Cached per device: the dispatcher asks on every decode call."""
+    ``(False, reason)``. Cached per device (a plan asks once per batch)."""
     device = torch.device(default_device() if device is None else device)
     return _availability(device.type, device.index)
 
@@ -57,30 +56,18 @@ def is_available(device=None) -> bool:
     return availability(device)[0]
 
 
-def verify_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
-                  cp_world=1) -> tuple[bool, str]:
-    """``(ok, reason)`` for a ``score_decode`` call: the shared argument rules, this kernel's
-    alignment and 32-bit offset rules, then hardware availability. Never raises."""
-    from .checks import check_flydsl_decode
-
-    ok, reason = supported(check_flydsl_decode, q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block,
-                           out, cp_rank, cp_world)
-    if not ok:
-        return ok, reason
-    return availability(q.device)
-
-
-def check_plan(fmt, S, H, batch, max_block, block_table, out, cp_world) -> None:
-    """The plan-time rules of this kernel (``ops.score.plan_decode``'s hook): 32-bit offsets of
+def check_plan(plan, batch) -> None:
+    """The plan-time rules of this kernel (``ops.score.plan_decode`` calls it once): 32-bit offsets of
     ``block_table``, ``out`` and a contiguous Q of the batch."""
     from .checks import check_flydsl_plan
 
-    check_flydsl_plan(H, S, batch, max_block, block_table, out)
+    check_flydsl_plan(plan.H, plan.S, plan.batch, plan.max_block, plan.block_table, plan.out)
 
 
-def score_decode(plan, q, cache, out=None, nt_k=None):
-    """Decode block scores of ``plan`` for ``q`` over ``cache`` (contract: ``ops.score.score_decode``);
-    checks nothing (the plan did). ``nt_k``: K tiles whose loads are issued ahead."""
-    from .host import run
+def run(plan, q, cache, out, nt_k=None):
+    """Decode block scores of ``plan`` for ``q`` over ``cache`` into ``out`` (contract: ``ops.score.score_decode``,
+    which checked the call). ``nt_k``: K tiles whose loads are issued ahead. Page ids are taken as given (not
+    guarded inside the kernel); ``M3_SCORE_DEBUG=1`` reports ids outside the cache at plan time."""
+    from .host import run as launch
 
-    return run(plan, q, cache, out, nt_k)
+    return launch(plan, q, cache, out, nt_k)

@@ -3,7 +3,7 @@
 import torch
 
 from .....formats import VIEW_ALIGN_BYTES
-from ...common import check_decode_args
+from ...common import check_decode_args, q_aligned
 
 INT32_LIMIT = 2**31  # buffer offsets and strides are 32-bit
 
@@ -19,11 +19,11 @@ def check_flydsl_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale,
     Extra rules (ValueError): q rows are read 16 B at a time, so q's base address and its row and
     head strides must be 16-byte aligned; out and block_table offsets must fit int32.
     """
-    fmt, batch, H, max_block, sm_scale = check_decode_args(
+    batch, H, max_block, sm_scale = check_decode_args(
         q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank, cp_world
     )
     es = q.element_size()
-    if any(x % VIEW_ALIGN_BYTES for x in (q.data_ptr(), q.stride(0) * es, q.stride(1) * es)):
+    if not q_aligned(q):
         raise ValueError(
             f"q base address and row/head strides must be {VIEW_ALIGN_BYTES}-byte aligned for the FlyDSL scorer, "
             f"got address % {VIEW_ALIGN_BYTES} = {q.data_ptr() % VIEW_ALIGN_BYTES}, strides {q.stride()} x {es} B"
@@ -31,7 +31,7 @@ def check_flydsl_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale,
     if _byte_span(q) >= INT32_LIMIT:
         raise ValueError(f"q spans {_byte_span(q)} B; the FlyDSL scorer needs < 2^31 B (32-bit offsets)")
     check_flydsl_plan(H, S, batch, max_block, block_table, out)
-    return fmt, batch, H, max_block, sm_scale
+    return batch, H, max_block, sm_scale
 
 
 def check_flydsl_plan(H, S, batch, max_block, block_table, out) -> None:

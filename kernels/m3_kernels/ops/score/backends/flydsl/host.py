@@ -7,7 +7,8 @@ import functools
 
 import torch
 
-from .....formats import FP8_DTYPE, VIEW_ALIGN_BYTES, IndexKFormat
+from .....formats import FP8_DTYPE, IndexKFormat, check_index_k_cache
+from ...common import aligned_q
 from .checks import check_flydsl_decode
 from .decode import build_decode_scorer
 
@@ -33,22 +34,20 @@ def prepare_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_
     ``out=None``, ``out`` is allocated and pre-filled with -inf (the kernel writes visible pages only).
     Works on any device, so the exact launch can be compile-checked on a CPU machine.
     """
-    fmt, batch, H, max_block, sm_scale = check_flydsl_decode(
+    batch, H, max_block, sm_scale = check_flydsl_decode(
         q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank, cp_world
     )
+    fmt = check_index_k_cache(k_cache, k_scale)
     return _marshal(fmt, batch, H, max_block, sm_scale, q, k_cache, k_scale, block_table, seq_lens, S, out, cp_rank,
                     cp_world, nt_k)
 
 
-def prepare_run(plan, q, cache, out=None, nt_k=None):
+def prepare_run(plan, q, cache, out, nt_k=None):
     """``prepare_decode`` of a planned batch (``ops.score.plan_decode`` checked it and this kernel's
     batch rules): marshals without checking. A Q view whose base or strides are not 16-byte aligned is
     copied once (the kernel reads Q rows 16 B at a time)."""
-    es = q.element_size()
-    if any(x % VIEW_ALIGN_BYTES for x in (q.data_ptr(), q.stride(0) * es, q.stride(1) * es)):
-        q = q.clone(memory_format=torch.contiguous_format)
-    return _marshal(plan.fmt, plan.batch, plan.H, plan.max_block, plan.sm_scale, q, cache.data, cache.scale_e8m0,
-                    plan.block_table, plan.seq_lens, plan.S, out, plan.cp_rank, plan.cp_world, nt_k)
+    return _marshal(plan.fmt, plan.batch, plan.H, plan.max_block, plan.sm_scale, aligned_q(q), cache.data,
+                    cache.scale_e8m0, plan.block_table, plan.seq_lens, plan.S, out, plan.cp_rank, plan.cp_world, nt_k)
 
 
 def _marshal(fmt, batch, H, max_block, sm_scale, q, k_cache, k_scale, block_table, seq_lens, S, out, cp_rank,
@@ -71,7 +70,7 @@ def _marshal(fmt, batch, H, max_block, sm_scale, q, k_cache, k_scale, block_tabl
     return launcher, args, out
 
 
-def run(plan, q, cache, out=None, nt_k=None):
+def run(plan, q, cache, out, nt_k=None):
     """Launch a planned batch on gfx950 (``ops.score.score_decode``'s FlyDSL run); checks nothing."""
     launcher, args, out = prepare_run(plan, q, cache, out, nt_k)
     if launcher is not None:

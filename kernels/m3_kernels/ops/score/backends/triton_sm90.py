@@ -1,6 +1,7 @@
 """Prefill block scorer for NVIDIA sm_90 (Hopper): large query tiles, each page decoded once per tile.
 
-Contract: ``naive.score_prefill_ref`` (DESIGN section 3); validation: ``common.check_prefill_args``.
+Contract: ``naive.score_prefill_ref`` (``docs/design.md``, "The block scorer contract"), its page-id and
+non-finite-q rules included; validation: the plan (``common.check_batch``) and the run (``common.check_run``).
 ``out[h, r, p] = sm_scale * max over the tokens t of page p visible to row r of q[r, h] . K[t]``,
 -inf for a page with no visible token, every column written.
 
@@ -28,29 +29,26 @@ Numerics (exact operands, fp32 accumulation):
 - bf16 x bf16 products are exact in fp32; the tensor cores accumulate in fp32.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from ...formats import INDEX_DIM, MXFP4_DATA_BYTES, MXFP4_SCALE_BYTES, PAGE_SIZE, IndexKFormat
-from .common import check_prefill_args, check_prefill_lengths
-from .triton import _E2M1_F16_ASM_TEXT, _e2m1_split_f16  # the e2m1 byte-permute decode, shared with decode
+from ....formats import INDEX_DIM, MXFP4_DATA_BYTES, MXFP4_SCALE_BYTES, PAGE_SIZE
+from .triton import (  # the e2m1 byte-permute decode and the kernels' small rules, shared with decode
+    _E2M1_F16_ASM_TEXT,
+    FMT_CODE,
+    _e2m1_split_f16,
+    _nonfinite,
+    _page_id,
+    _page_score,
+    _pow2,
+    interpret,
+    use_asm,
+)
 
 BLOCK_Q = 256  # query vectors per tile (tokens x heads)
-_FMT_CODE = {IndexKFormat.BF16: 0, IndexKFormat.FP8: 1, IndexKFormat.MXFP4: 2, IndexKFormat.MXFP4_ROT: 2}
 _MX_FOLD_EXP = 2  # MXFP4 K is formed as e2m1 * 2^(s - 127 - 2): exact in bf16 for every byte 0..254
 SENTINEL = -1  # request id of a padding tile
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _use_asm() -> bool:
-    """Inline PTX for the e2m1 decode on NVIDIA GPUs (not in the interpreter, not on ROCm)."""
-    return not _interpret() and torch.version.hip is None and os.environ.get("M3_TRITON_NO_ASM", "0") != "1"
 
 
 def tile_rows(H: int) -> int:
@@ -97,12 +95,6 @@ def prefill_tiles_device(cu_seqlens_q: torch.Tensor, H: int, max_tiles: int) -> 
 
 
 # ---------------------------------------------------------------- kernel
-
-
-@triton.jit
-def _pow2(e):
-    """fp32 2^(e - 127) for biased exponents e in [1, 254] (int32)."""
-    return (e << 23).to(tl.float32, bitcast=True)
 
 
 # the same, then times 2^14 (fp16 0x7400) in one exact f16x2 multiply per pair: the e2m1 values themselves
@@ -227,7 +219,7 @@ def _mxfp4_page_joined(k_ptr, s_ptr, page, stride_k_page, stride_s_page, o_t, T:
 @triton.jit
 def _prefill_sm90_kernel(
     q_ptr, k_ptr, s_ptr, bt_ptr, seq_ptr, cu_ptr, tile_ptr, out_ptr,
-    n_cols, post_scale,
+    n_cols, n_pages, post_scale,
     stride_q_r, stride_q_h, stride_k_page, stride_s_page, stride_bt, stride_o_h, stride_o_r,
     FMT: tl.constexpr,  # 0 bf16, 1 fp8, 2 mxfp4
     H: tl.constexpr,
@@ -275,6 +267,7 @@ def _prefill_sm90_kernel(
     o_t = tl.arange(0, TN)
     KDT: tl.constexpr = tl.float32 if INTERPRET else tl.bfloat16  # the interpreter's bf16 dot is not exact
     p_q = q_ptr + rows[:, None].to(tl.int64) * stride_q_r + heads[:, None] * stride_q_h
+    bad = _nonfinite(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, D)
     if FMT == 2 and not MX_JOIN:  # even and odd dims apart, as _mxfp4_page_split decodes the page
         o_e = 2 * tl.arange(0, D // 2)
         b_qe = tl.load(p_q + o_e[None, :], mask=m_n[:, None], other=0.0).to(KDT)  # [BM, D / 2]
@@ -283,7 +276,7 @@ def _prefill_sm90_kernel(
         b_q = tl.load(p_q + o_d[None, :], mask=m_n[:, None], other=0.0).to(KDT)  # [BM, D]
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     for p in tl.range(p_start, p_end, num_stages=NUM_STAGES):
-        page = tl.load(bt_row + p).to(tl.int64)
+        page, ok = _page_id(bt_row, p, n_pages)
         m = tl.full([BM], float("-inf"), tl.float32)
         for half in tl.static_range(T // TN):  # the page in slices of TN tokens (fewer accumulator registers)
             toks = half * TN + o_t
@@ -316,7 +309,7 @@ def _prefill_sm90_kernel(
             if t0 + TN - 1 > pos0:  # a diagonal slice: some row sees only part of it
                 acc = tl.where((t0 + o_t)[None, :] <= pos[:, None], acc, float("-inf"))
             m = tl.maximum(m, tl.max(acc, axis=1))
-        tl.store(o_out + p, m * post_scale, mask=m_n)
+        tl.store(o_out + p, _page_score(m, post_scale, ok, bad, p * T, pos), mask=m_n)
 
 
 # ---------------------------------------------------------------- entry points
@@ -324,7 +317,7 @@ def _prefill_sm90_kernel(
 
 def device_ok(device: torch.device) -> tuple[bool, str]:
     """``(True, "")`` on an NVIDIA sm_90 GPU (or the CPU under the Triton interpreter), else ``(False, why)``."""
-    if device.type == "cpu" and _interpret():
+    if device.type == "cpu" and interpret():
         return True, ""
     if device.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
         return False, f"the sm_90 prefill scorer runs on NVIDIA CUDA devices, got {device}"
@@ -332,17 +325,6 @@ def device_ok(device: torch.device) -> tuple[bool, str]:
     if cap[0] != 9:
         return False, f"the sm_90 prefill scorer needs compute capability 9.x (Hopper), got {cap[0]}.{cap[1]}"
     return True, ""
-
-
-def supported(q, k_data, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None, out=None):
-    """``(True, "")`` if ``score_prefill_sm90`` takes this call (the arguments pass
-    ``check_prefill_args`` and the device is an NVIDIA sm_90 GPU, or the CPU under the Triton
-    interpreter), else ``(False, reason)``. Never raises, never syncs."""
-    try:
-        check_prefill_args(q, k_data, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block, out)
-    except ValueError as e:
-        return False, str(e)
-    return device_ok(q.device)
 
 
 # Launch settings per cache format: those an H100 measured fastest (docs/perf.md, 2026-12-07) for chunks of
@@ -357,92 +339,48 @@ DEFAULT_LAUNCH = {
 }
 
 
-def score_prefill_sm90(q, k_data, k_scale, fmt, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None,
-                       out=None, tiles=None, **launch):
-    """Prefill scores ``fp32 [H, total_new_tokens, max_block]`` (contract: ``naive.score_prefill_ref``).
-
-    Args:
-        q: ``[total_new_tokens, H, 128]`` bf16 or e4m3, last dim contiguous.
-        k_data, k_scale: the cache (``formats.pages``): bf16/e4m3 ``[pages, 128, 128]`` and None, or
-            MXFP4 ``[pages, 128, 64]`` codes and ``[pages, 128, 4]`` e8m0 bytes.
-        fmt: the cache's ``IndexKFormat`` (or its name); must match the cache's dtypes.
-        block_table, seq_lens, cu_seqlens_q, sm_scale, max_block, out: as ``score_prefill``.
-        tiles: int32 ``[n, 2]`` work map (``prefill_tiles_device``, or ``prefill_tiles_host`` as a
-            tensor), the caller's promise that it matches ``cu_seqlens_q``: no host sync, CUDA-graph
-            safe. Without it the lengths are checked on the host (one sync) and the map is built here.
-        launch: overrides of ``DEFAULT_LAUNCH`` for the format (pp, tn, num_warps, num_stages, maxnreg,
-            mx_join).
-    Every column of ``out`` is written (-inf past each row's last visible page).
-    """
-    from ...formats import parse_format
-
-    cache_fmt, batch, H, max_block, sm_scale = check_prefill_args(q, k_data, k_scale, block_table, seq_lens,
-                                                                  cu_seqlens_q, sm_scale, max_block, out)
-    fmt = parse_format(fmt)
-    if fmt.is_mxfp4 != cache_fmt.is_mxfp4 or (not fmt.is_mxfp4 and fmt is not cache_fmt):
-        raise ValueError(f"fmt={fmt.value!r} does not match the cache, which holds {cache_fmt.value}")
-    ok, reason = device_ok(q.device)
-    if not ok:
-        raise ValueError(reason)
-    if tiles is None:
-        check_prefill_lengths(q, seq_lens, cu_seqlens_q)
-        tiles = prefill_tiles_device(cu_seqlens_q, H, max_prefill_tiles(q.shape[0], batch, H))
-    elif tiles.dtype != torch.int32 or tiles.dim() != 2 or tiles.shape[1] != 2 or not tiles.is_contiguous() \
-            or tiles.device != q.device:
-        raise ValueError(f"tiles must be a contiguous int32 [n, 2] tensor on {q.device}, got {tiles.dtype} "
-                         f"{tuple(tiles.shape)} on {tiles.device}")
-    settings = dict(DEFAULT_LAUNCH["mxfp4" if fmt.is_mxfp4 else fmt.value])
-    unknown = set(launch) - set(settings)
-    if unknown:
-        raise TypeError(f"unknown launch settings {sorted(unknown)}; known: {sorted(settings)}")
-    settings.update(launch)
-    if settings["tn"] not in (64, 128) or not (isinstance(settings["pp"], int) and settings["pp"] >= 1):
-        raise ValueError(f"need tn in (64, 128) and an int pp >= 1, got tn={settings['tn']!r}, pp={settings['pp']!r}")
-    if out is None:
-        out = torch.empty((H, q.shape[0], max_block), dtype=torch.float32, device=q.device)
-    return _launch(q, k_data, k_scale, fmt, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block, out, tiles,
-                   settings)
+def check_plan(plan, batch):
+    """The device work map of a prefill batch (the plan's ``work``): no host lengths in it, so the run can be
+    captured in a CUDA graph."""
+    return prefill_tiles_device(plan.cu_seqlens_q, plan.H, max_prefill_tiles(plan.rows, plan.batch, plan.H))
 
 
-def score_prefill_planned(plan, q, cache, out=None):
-    """The run of a ``plan_prefill`` plan whose backend is ``"triton_sm90"`` (``plan.tiles``: the device work map):
-    one launch with the format's ``DEFAULT_LAUNCH``, nothing checked (the plan did). ``out``: default the plan's
-    buffer, else fresh."""
-    if out is None:
-        out = plan.out if plan.out is not None else torch.empty((plan.H, plan.num_tokens, plan.max_block),
-                                                                dtype=torch.float32, device=q.device)
+def run(plan, q, cache, out, **launch):
+    """Prefill scores of ``plan`` (``plan.work``: the device work map) for ``q`` over ``cache`` into ``out``
+    (``ops.score.score_prefill`` checked all three): one launch with the format's ``DEFAULT_LAUNCH``, or with
+    ``launch`` overrides of it (``pp``, ``tn``, ``num_warps``, ``num_stages``, ``maxnreg``, ``mx_join``: the
+    benchmark's sweep). Every column of ``out`` is written (-inf past each row's last visible page)."""
     fmt = cache.storage
-    settings = DEFAULT_LAUNCH["mxfp4" if fmt.is_mxfp4 else fmt.value]
-    return _launch(q, cache.data, cache.scale_e8m0, fmt, plan.block_table, plan.seq_lens, plan.cu_seqlens_q,
-                   plan.sm_scale, plan.max_block, out, plan.tiles, settings)
-
-
-def _launch(q, k_data, k_scale, fmt, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block, out, tiles, settings):
-    """Launch the kernel over checked arguments; returns ``out``."""
-    H, n_tiles = q.shape[1], tiles.shape[0]
-    if n_tiles == 0 or max_block == 0 or q.shape[0] == 0:
+    settings = dict(DEFAULT_LAUNCH["mxfp4" if fmt.is_mxfp4 else fmt.value])
+    if launch:
+        unknown = set(launch) - set(settings)
+        if unknown:
+            raise TypeError(f"unknown launch settings {sorted(unknown)}; known: {sorted(settings)}")
+        settings.update(launch)
+        if settings["tn"] not in (64, 128) or not (isinstance(settings["pp"], int) and settings["pp"] >= 1):
+            raise ValueError(f"need tn in (64, 128) and an int pp >= 1, got tn={settings['tn']!r}, "
+                             f"pp={settings['pp']!r}")
+    tiles, H = plan.work, plan.H
+    if tiles.shape[0] == 0 or plan.max_block == 0 or plan.rows == 0:
         return out
     pp, tn, maxnreg = settings["pp"], settings["tn"], settings["maxnreg"]
     rows = tile_rows(H)
     bm = max(16, triton.next_power_of_2(rows * H))
-    if fmt.is_mxfp4:
-        k_ptr, s_ptr, stride_k, stride_s = k_data, k_scale, k_data.stride(0), k_scale.stride(0)
-        post = sm_scale * 2.0**_MX_FOLD_EXP
-    else:
-        k_ptr, s_ptr, stride_k, stride_s = k_data, k_data, k_data.stride(0), 0
-        post = sm_scale
-    grid = (n_tiles, triton.cdiv(max_block, pp))
+    post = plan.sm_scale * 2.0**_MX_FOLD_EXP if fmt.is_mxfp4 else plan.sm_scale
+    scale = cache.scale_e8m0 if fmt.is_mxfp4 else cache.data
+    grid = (tiles.shape[0], triton.cdiv(plan.max_block, pp))
     _prefill_sm90_kernel[grid](
-        q, k_ptr, s_ptr, block_table, seq_lens, cu_seqlens_q, tiles, out,
-        max_block, post,
-        q.stride(0), q.stride(1), stride_k, stride_s, block_table.stride(0), out.stride(0), out.stride(1),
-        FMT=_FMT_CODE[fmt], H=H, ROWS=rows, BM=bm, PP=pp, TN=tn, MX_JOIN=bool(settings["mx_join"]),
-        NUM_STAGES=settings["num_stages"], USE_ASM=_use_asm(), INTERPRET=_interpret(), D=INDEX_DIM, T=PAGE_SIZE,
+        q, cache.data, scale, plan.block_table, plan.seq_lens, plan.cu_seqlens_q, tiles, out,
+        plan.max_block, cache.num_pages, post,
+        q.stride(0), q.stride(1), cache.data.stride(0), scale.stride(0) if fmt.is_mxfp4 else 0,
+        plan.block_table.stride(0), out.stride(0), out.stride(1),
+        FMT=FMT_CODE[fmt], H=H, ROWS=rows, BM=bm, PP=pp, TN=tn, MX_JOIN=bool(settings["mx_join"]),
+        NUM_STAGES=settings["num_stages"], USE_ASM=use_asm(), INTERPRET=interpret(), D=INDEX_DIM, T=PAGE_SIZE,
         DATA_BYTES=MXFP4_DATA_BYTES, SCALE_BYTES=MXFP4_SCALE_BYTES, num_warps=settings["num_warps"],
         **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )
     return out
 
 
-__all__ = ["BLOCK_Q", "DEFAULT_LAUNCH", "SENTINEL", "max_prefill_tiles", "prefill_tiles_device", "prefill_tiles_host",
-           "score_prefill_planned", "score_prefill_sm90", "supported", "tile_rows"]
+__all__ = ["BLOCK_Q", "DEFAULT_LAUNCH", "SENTINEL", "check_plan", "device_ok", "max_prefill_tiles",
+           "prefill_tiles_device", "prefill_tiles_host", "run", "tile_rows"]

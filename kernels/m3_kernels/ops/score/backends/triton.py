@@ -1,8 +1,10 @@
 """Triton block scorers (decode and prefill) over the paged index-K cache: bf16, fp8 and MXFP4.
 
 Contract: ``naive.score_decode_ref`` / ``naive.score_prefill_ref`` (``docs/design.md``, "The block
-scorer contract"). Validation happens in the plans (``plan_decode`` / ``plan_prefill``) and when the
-``IndexKCache`` is made; nothing here re-checks what they check.
+scorer contract"). Validation happens in the plans (``plan_decode`` / ``plan_prefill``), the runs'
+host check (``common.check_run``) and when the ``IndexKCache`` is made; nothing here re-checks them.
+A page id outside the cache is read as page 0 and scores -inf; a query vector holding a NaN or Inf
+scores NaN on every page it sees (the rules of ``naive.py``).
 
 Work map: one program per (chunk of ``PP`` local pages, query tile). A decode query tile is one
 request's ``S`` rows; a prefill tile is up to ``64 // H`` consecutive new tokens of one request.
@@ -44,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...formats import (
+from ....formats import (
     FP8_DTYPE,
     INDEX_DIM,
     MX_GROUP_SIZE,
@@ -53,9 +55,9 @@ from ...formats import (
     PAGE_SIZE,
     IndexKFormat,
 )
-from ..pdl import triton_launch_kwargs, use_pdl
+from ...pdl import triton_launch_kwargs, use_pdl
 
-_FMT_CODE = {IndexKFormat.BF16: 0, IndexKFormat.FP8: 1, IndexKFormat.MXFP4: 2}
+FMT_CODE = {IndexKFormat.BF16: 0, IndexKFormat.FP8: 1, IndexKFormat.MXFP4: 2, IndexKFormat.MXFP4_ROT: 2}  # kernels' FMT
 _F16_K_EXP = 14  # MXFP4 K is formed as 2^-14 * e2m1 in fp16
 _Q_F16_TOP = 14  # a bf16 Q row's largest magnitude is moved to [2^14, 2^15)
 _PREFILL_ROWS_X_HEADS = 64  # query vectors per prefill tile
@@ -63,13 +65,14 @@ _MX_STACK_MAX_NV = 8  # MXFP4: tiles of at most this many query vectors take the
 ENV_NO_ASM = "M3_TRITON_NO_ASM"  # "1": decode e2m1 with plain Triton ops on the GPU too (no inline PTX)
 
 
-def _interpret() -> bool:
+def interpret() -> bool:
+    """Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _use_asm() -> bool:
-    """Inline PTX for the e2m1 decode: on NVIDIA GPUs only (not in the interpreter, not on ROCm)."""
-    return not _interpret() and torch.version.hip is None and os.environ.get(ENV_NO_ASM, "0") != "1"
+def use_asm() -> bool:
+    """Inline PTX for the e2m1 decode: on NVIDIA GPUs only (not in the interpreter, not on ROCm; ``ENV_NO_ASM``)."""
+    return not interpret() and torch.version.hip is None and os.environ.get(ENV_NO_ASM, "0") != "1"
 
 
 @triton.jit
@@ -198,6 +201,30 @@ def _mx_group_dot_split(k_ptr, s_ptr, base_d, base_s, o_t, b_qe, b_qo, col_scale
 
 
 @triton.jit
+def _page_id(bt_row, p, n_pages):
+    """Page ``p`` of the request (int64) and whether it lies in the cache; an id outside ``[0, n_pages)`` is
+    replaced by page 0, so nothing is read outside the cache, and its score is -inf (``_page_score``)."""
+    page = tl.load(bt_row + p)
+    ok = (page >= 0) & (page < n_pages)
+    return tl.where(ok, page, 0).to(tl.int64), ok
+
+
+@triton.jit
+def _page_score(m, post, ok, bad, first_token, pos):
+    """What a page stores: its max times ``post``; NaN for a query vector holding a NaN or Inf (``bad``) that
+    sees the page (``first_token <= pos``); -inf for a page id outside the cache (``ok`` false)."""
+    v = tl.where(bad & (first_token <= pos), float("nan"), m * post)
+    return tl.where(ok, v, float("-inf"))
+
+
+@triton.jit
+def _nonfinite(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, D: tl.constexpr):
+    """int1 ``[NQ]``: the query vector holds a NaN or an Inf (``x - x`` is then NaN, else 0)."""
+    x = _load_q_dims(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, tl.arange(0, D))
+    return tl.sum(((x - x) != 0.0).to(tl.int32), axis=0) > 0
+
+
+@triton.jit
 def _n_nonzero(x):
     """How many elements of a 2-D fp32 tile are not zero (NaN counts), int32 scalar."""
     return tl.sum(tl.sum((x != 0.0).to(tl.int32), axis=1), axis=0)
@@ -216,8 +243,8 @@ def _mx_group_dot_tile(k_ptr, base_d, o_t, w_s, qe, qo, tile_scale, g: tl.conste
 
 @triton.jit
 def _page_loop_tile(k_ptr, s_ptr, bt_row, out_ptr, o_h, pos, pos_min, m_n, post, tile_scale, p_start, p_end,
-                    cp_rank, cp_world, stride_k_page, stride_s_page, qe0, qo0, qe1, qo1, qe2, qo2, qe3, qo3,
-                    NUM_STAGES: tl.constexpr, T: tl.constexpr, G: tl.constexpr, DATA_BYTES: tl.constexpr,
+                    cp_rank, cp_world, n_pages, bad, stride_k_page, stride_s_page, qe0, qo0, qe1, qo1, qe2, qo2, qe3,
+                    qo3, NUM_STAGES: tl.constexpr, T: tl.constexpr, G: tl.constexpr, DATA_BYTES: tl.constexpr,
                     SCALE_BYTES: tl.constexpr, USE_ASM: tl.constexpr):
     """MXFP4, one power of two per tile, tiles of more than 8 query vectors: every page of
     ``[p_start, p_end)``: one 32-bit load of each token's 4 scale bytes, four ``_mx_group_dot_tile``
@@ -227,7 +254,7 @@ def _page_loop_tile(k_ptr, s_ptr, bt_row, out_ptr, o_h, pos, pos_min, m_n, post,
     GB: tl.constexpr = G // 2
     s_words = s_ptr.to(tl.pointer_type(tl.int32))
     for p in tl.range(p_start, p_end, num_stages=NUM_STAGES):
-        page = tl.load(bt_row + p).to(tl.int64)
+        page, ok = _page_id(bt_row, p, n_pages)
         base_d = page * stride_k_page
         w_s = tl.load(s_words + page * (stride_s_page // 4) + o_t * (SCALE_BYTES // 4))
         acc = _mx_group_dot_tile(k_ptr, base_d, o_t, w_s, qe0, qo0, tile_scale, 0, DATA_BYTES, GB, USE_ASM)
@@ -237,12 +264,12 @@ def _page_loop_tile(k_ptr, s_ptr, bt_row, out_ptr, o_h, pos, pos_min, m_n, post,
         t0 = (p * cp_world + cp_rank) * T
         if t0 + T - 1 > pos_min:
             acc = tl.where((t0 + o_t)[:, None] <= pos[None, :], acc, float("-inf"))
-        tl.store(out_ptr + o_h + p, tl.max(acc, axis=0) * post, mask=m_n)
+        tl.store(out_ptr + o_h + p, _page_score(tl.max(acc, axis=0), post, ok, bad, t0, pos), mask=m_n)
 
 
 @triton.jit
 def _page_loop_stacked(k_ptr, s_ptr, bt_row, out_ptr, o_h, pos, pos_min, m_n, post, tile_scale, p_start, p_end,
-                       cp_rank, cp_world, stride_k_page, stride_s_page, q_bd, NUM_STAGES: tl.constexpr,
+                       cp_rank, cp_world, n_pages, bad, stride_k_page, stride_s_page, q_bd, NUM_STAGES: tl.constexpr,
                        T: tl.constexpr, G: tl.constexpr, NV: tl.constexpr, DATA_BYTES: tl.constexpr,
                        SCALE_BYTES: tl.constexpr, USE_ASM: tl.constexpr):
     """MXFP4, one power of two per tile, tiles of at most 8 query vectors: one K=128 dot per page
@@ -256,7 +283,7 @@ def _page_loop_stacked(k_ptr, s_ptr, bt_row, out_ptr, o_h, pos, pos_min, m_n, po
     grp = tl.arange(0, NG * NV) // NV
     s_words = s_ptr.to(tl.pointer_type(tl.int32))
     for p in tl.range(p_start, p_end, num_stages=NUM_STAGES):
-        page = tl.load(bt_row + p).to(tl.int64)
+        page, ok = _page_id(bt_row, p, n_pages)
         b_d = tl.load(k_ptr + page * stride_k_page + o_t[:, None] * DATA_BYTES + o_b[None, :])
         w_s = tl.load(s_words + page * (stride_s_page // 4) + o_t * (SCALE_BYTES // 4))
         # each group's bytes in _split_dims order (byte 4c + 2h + i to column 8h + 2c + i)
@@ -269,13 +296,13 @@ def _page_loop_stacked(k_ptr, s_ptr, bt_row, out_ptr, o_h, pos, pos_min, m_n, po
         t0 = (p * cp_world + cp_rank) * T
         if t0 + T - 1 > pos_min:
             acc = tl.where((t0 + o_t)[:, None] <= pos[None, :], acc, float("-inf"))
-        tl.store(out_ptr + o_h + p, tl.max(acc, axis=0) * post, mask=m_n)
+        tl.store(out_ptr + o_h + p, _page_score(tl.max(acc, axis=0), post, ok, bad, t0, pos), mask=m_n)
 
 
 @triton.jit
 def _score_kernel(
     q_ptr, k_ptr, s_ptr, bt_ptr, seq_ptr, cu_ptr, tile_ptr, out_ptr,
-    n_cols, S, cp_rank, cp_world, sm_scale,
+    n_cols, n_pages, S, cp_rank, cp_world, sm_scale,
     stride_q_r, stride_q_h, stride_k_page, stride_s_page, stride_bt, stride_o_h, stride_o_r,
     FMT: tl.constexpr,  # 0 bf16, 1 fp8, 2 mxfp4
     Q_FP8: tl.constexpr,
@@ -337,6 +364,7 @@ def _score_kernel(
 
     # Query vectors, widened onto the tensor-core operand type (module docstring).
     post = tl.full([NQ], 1.0, tl.float32) * sm_scale
+    bad = _nonfinite(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, D)
     GB: tl.constexpr = G // 2
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     if FMT == 2:
@@ -359,8 +387,10 @@ def _score_kernel(
                 j_v = o_nv // H
                 o_h_v = (o_nv % H).to(tl.int64) * stride_o_h + (row0 + j_v).to(tl.int64) * stride_o_r
                 post_v = tl.full([NV], 1.0, tl.float32) * sm_scale
+                bad_v = _nonfinite(q_ptr, row0 + j_v, o_nv % H, j_v < n_rows, stride_q_r, stride_q_h, D)
                 _page_loop_stacked(k_ptr, s_ptr, bt_row, out_ptr, o_h_v, pos0 + j_v, pos0, j_v < n_rows, post_v,
-                                   _pow2(e_t - Q_TOP) * KFAC, p_start, p_end, cp_rank, cp_world, stride_k_page,
+                                   _pow2(e_t - Q_TOP) * KFAC, p_start, p_end, cp_rank, cp_world, n_pages, bad_v,
+                                   stride_k_page,
                                    stride_s_page, q_bd, NUM_STAGES, T, G, NV, DATA_BYTES, SCALE_BYTES, USE_ASM)
                 return
         else:
@@ -385,7 +415,7 @@ def _score_kernel(
                        + _n_nonzero(hf3.to(tl.float32) - f3) + _n_nonzero(hg3.to(tl.float32) - g3))
             if inexact == 0:
                 _page_loop_tile(k_ptr, s_ptr, bt_row, out_ptr, o_h, pos, pos0, m_n, post, _pow2(e_t - Q_TOP) * KFAC,
-                                p_start, p_end, cp_rank, cp_world, stride_k_page, stride_s_page,
+                                p_start, p_end, cp_rank, cp_world, n_pages, bad, stride_k_page, stride_s_page,
                                 hf0, hg0, hf1, hg1, hf2, hg2, hf3, hg3, NUM_STAGES, T, G, DATA_BYTES, SCALE_BYTES,
                                 USE_ASM)
                 return
@@ -421,7 +451,7 @@ def _score_kernel(
     o_t = tl.arange(0, T)
     o_d = tl.arange(0, D)
     for p in tl.range(p_start, p_end, num_stages=NUM_STAGES):
-        page = tl.load(bt_row + p).to(tl.int64)
+        page, ok = _page_id(bt_row, p, n_pages)
         if FMT == 2:
             base_d = page * stride_k_page
             base_s = page * stride_s_page
@@ -441,20 +471,15 @@ def _score_kernel(
                 acc = tl.dot(b_k.to(tl.float32), b_q, input_precision="ieee", out_dtype=tl.float32)
             else:
                 acc = tl.dot(b_k, b_q, out_dtype=tl.float32)
-        t_pos = (p * cp_world + cp_rank) * T + o_t
-        acc = tl.where(t_pos[:, None] <= pos[None, :], acc, float("-inf"))
-        tl.store(out_ptr + o_h + p, tl.max(acc, axis=0) * post, mask=m_n)
+        t0 = (p * cp_world + cp_rank) * T
+        acc = tl.where((t0 + o_t)[:, None] <= pos[None, :], acc, float("-inf"))
+        tl.store(out_ptr + o_h + p, _page_score(tl.max(acc, axis=0), post, ok, bad, t0, pos), mask=m_n)
 
 
 def _static_constexprs() -> dict:
     """The kernel's constexpr arguments that depend on nothing but the formats' constants."""
-    return dict(INTERPRET=_interpret(), D=INDEX_DIM, T=PAGE_SIZE, G=MX_GROUP_SIZE, DATA_BYTES=MXFP4_DATA_BYTES,
+    return dict(INTERPRET=interpret(), D=INDEX_DIM, T=PAGE_SIZE, G=MX_GROUP_SIZE, DATA_BYTES=MXFP4_DATA_BYTES,
                 SCALE_BYTES=MXFP4_SCALE_BYTES, KFAC=float(2**_F16_K_EXP), Q_TOP=_Q_F16_TOP)
-
-
-def pages_per_program(batch: int, max_block: int) -> int:
-    """The decode work map's pages per program for a batch (what ``plan_decode`` records)."""
-    return _pages_per_program(batch * max_block)
 
 
 def _pages_per_program(work_pages: int) -> int:
@@ -465,79 +490,56 @@ def _pages_per_program(work_pages: int) -> int:
     return pp
 
 
-def _cache_args(cache):
-    """(data, scale or None, data page stride, scale page stride) in elements, as the kernel reads them."""
-    if cache.storage is IndexKFormat.MXFP4:
-        return cache.data, cache.scale_e8m0, cache.data.stride(0), cache.scale_e8m0.stride(0)
-    return cache.data, None, cache.data.stride(0), 0
+def prefill_tiles(cu: list[int], H: int, device):
+    """Host work map for prefill: ``(int32 [n_tiles, 2] of (request, first row), rows per tile)`` from the host
+    offsets ``cu`` (``cu_seqlens_q``), put on ``device``."""
+    rows = max(1, _PREFILL_ROWS_X_HEADS // H)
+    tiles = [(b, r) for b in range(len(cu) - 1) for r in range(cu[b], cu[b + 1], rows)]
+    return torch.tensor(tiles, dtype=torch.int32).reshape(-1, 2).to(device), rows
 
 
-def _launch(q, cache, block_table, seq_lens, cu, tiles, out, n_tiles, S, rows, max_block,
-            sm_scale, cp_rank, cp_world, prefill, fill_tail, pp=None, num_warps=4, num_stages=2, pdl=None):
-    H = q.shape[1]
-    nq = max(16, triton.next_power_of_2(rows * H))
-    nv = max(4, triton.next_power_of_2(rows * H))
-    if pp is None:
-        pp = _pages_per_program(n_tiles * max_block)
-    k_ptr, s_ptr, stride_k, stride_s = _cache_args(cache)
-    grid = (triton.cdiv(max_block, pp), n_tiles)
+def check_plan(plan, batch):
+    """The Triton work map of a batch: decode, pages per program; prefill, the host tile list (``(tiles,
+    rows)``, from the batch's host offsets). Returns it (the plan's ``work``)."""
+    if plan.op == "decode":
+        return _pages_per_program(plan.batch * plan.max_block)
+    cu = batch.cu_seqlens_q.tolist() if batch.cu_seqlens_host is None else [int(x) for x in batch.cu_seqlens_host]
+    return prefill_tiles(cu, plan.H, plan.device)
+
+
+def run(plan, q, cache, out, pp=None, num_warps=4, num_stages=2, pdl=None):
+    """Scores of ``plan`` (``ops.score.plan_decode`` / ``plan_prefill``) for ``q`` over ``cache`` into ``out``
+    (``ops.score.score_decode`` / ``score_prefill`` checked all three). Decode writes each request's columns up
+    to its last visible page; prefill every column (-inf past each row's last visible page). No host sync and no
+    data-dependent grid: safe to capture in a CUDA graph. ``pp``, ``num_warps``, ``num_stages``: launch
+    parameters for benchmarks (default: the plan's work map); ``pdl``: programmatic dependent launch (default
+    ``ops.pdl.use_pdl``)."""
+    prefill = plan.op == "prefill"
+    if prefill:
+        tiles, rows = plan.work
+        n_tiles, S, cu, cp_rank, cp_world = tiles.shape[0], 0, plan.cu_seqlens_q, 0, 1
+    else:
+        tiles, rows, n_tiles, S, cu, cp_rank, cp_world = None, plan.S, plan.batch, plan.S, None, plan.cp_rank, \
+            plan.cp_world
+    pp = pp or (_pages_per_program(n_tiles * plan.max_block) if prefill else plan.work)
+    grid = (triton.cdiv(plan.max_block, pp), n_tiles)
     if grid[0] == 0 or grid[1] == 0:
         return out
+    H = plan.H
+    nq = max(16, triton.next_power_of_2(rows * H))
+    nv = max(4, triton.next_power_of_2(rows * H))
+    scale = cache.scale_e8m0
     _score_kernel[grid](
-        q, k_ptr, s_ptr, block_table, seq_lens, cu, tiles, out,
-        max_block, S, cp_rank, cp_world, sm_scale,
-        q.stride(0), q.stride(1), stride_k, stride_s, block_table.stride(0), out.stride(0), out.stride(1),
-        FMT=_FMT_CODE[cache.storage], Q_FP8=q.dtype == FP8_DTYPE, H=H, ROWS=rows, NQ=nq, PP=pp, PREFILL=prefill,
-        MX_STACK=nv <= _MX_STACK_MAX_NV, NV=nv, FILL_TAIL=fill_tail, NUM_STAGES=num_stages, USE_ASM=_use_asm(),
+        q, cache.data, scale, plan.block_table, plan.seq_lens, cu, tiles, out,
+        plan.max_block, cache.num_pages, S, cp_rank, cp_world, plan.sm_scale,
+        q.stride(0), q.stride(1), cache.data.stride(0), 0 if scale is None else scale.stride(0),
+        plan.block_table.stride(0), out.stride(0), out.stride(1),
+        FMT=FMT_CODE[cache.storage], Q_FP8=q.dtype == FP8_DTYPE, H=H, ROWS=rows, NQ=nq, PP=pp, PREFILL=prefill,
+        MX_STACK=nv <= _MX_STACK_MAX_NV, NV=nv, FILL_TAIL=prefill, NUM_STAGES=num_stages, USE_ASM=use_asm(),
         **_static_constexprs(), num_warps=num_warps,
         **triton_launch_kwargs(use_pdl(q.device) if pdl is None else pdl),
     )
     return out
 
 
-def score_decode_triton(plan, q, cache, out=None, pp=None, num_warps=4, num_stages=2, pdl=None):
-    """Decode scores ``fp32 [H, batch*S, max_block]`` of ``plan`` (``ops.score.plan_decode``: the batch's
-    metadata, checked there) for ``q [batch*S, H, 128]`` over ``cache`` (an ``IndexKCache``).
-
-    No host synchronisation and no data-dependent grid: safe to capture in a CUDA graph. With
-    ``out=None`` the buffer is allocated here and every column past a row's last visible page
-    reads -inf; a preallocated ``out`` is written up to each request's last page only. ``pp``,
-    ``num_warps``, ``num_stages``: launch parameters for benchmarks (default: the plan's work map);
-    ``pdl``: programmatic dependent launch (default ``ops.pdl.use_pdl``).
-    """
-    fill_tail = out is None
-    if out is None:
-        out = torch.empty((plan.H, plan.batch * plan.S, plan.max_block), dtype=torch.float32, device=q.device)
-    return _launch(q, cache, plan.block_table, plan.seq_lens, None, None, out, plan.batch, plan.S, plan.S,
-                   plan.max_block, plan.sm_scale, plan.cp_rank, plan.cp_world, False, fill_tail,
-                   pp or plan.pages_per_program, num_warps, num_stages, pdl)
-
-
-def prefill_tiles(cu_seqlens_q, H: int, device=None):
-    """Host work map for prefill: ``(int32 [n_tiles, 2] of (request, first row), rows per tile)``.
-
-    ``cu_seqlens_q``: the int32 tensor (read back: one sync) or the same offsets as a list of ints
-    (no sync); the map is put on ``device`` (default: the tensor's)."""
-    rows = max(1, _PREFILL_ROWS_X_HEADS // H)
-    if isinstance(cu_seqlens_q, torch.Tensor):
-        cu, device = cu_seqlens_q.tolist(), device or cu_seqlens_q.device
-    else:
-        cu = list(cu_seqlens_q)
-    tiles = [(b, r) for b in range(len(cu) - 1) for r in range(cu[b], cu[b + 1], rows)]
-    t = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 2)
-    return t.to(device), rows
-
-
-def score_prefill_triton(plan, q, cache, out=None, pp=None, num_warps=4, num_stages=2):
-    """Prefill scores ``fp32 [H, total_new_tokens, max_block]`` of ``plan`` (``ops.score.plan_prefill``,
-    which checked the metadata and made the work map once) for ``q [total_new_tokens, H, 128]`` over
-    ``cache``. Every column is written (-inf past each row's last visible page) whether ``out`` is
-    given or not, as ``naive.score_prefill_ref``.
-    """
-    if out is None:
-        out = torch.empty((plan.H, plan.num_tokens, plan.max_block), dtype=torch.float32, device=q.device)
-    return _launch(q, cache, plan.block_table, plan.seq_lens, plan.cu_seqlens_q, plan.tiles, out, plan.tiles.shape[0],
-                   0, plan.rows, plan.max_block, plan.sm_scale, 0, 1, True, True, pp, num_warps, num_stages)
-
-
-__all__ = ["pages_per_program", "prefill_tiles", "score_decode_triton", "score_prefill_triton"]
+__all__ = ["FMT_CODE", "check_plan", "interpret", "prefill_tiles", "run", "use_asm"]
