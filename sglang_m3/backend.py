@@ -46,7 +46,9 @@ import torch
 from m3_kernels.formats import FP8_DTYPE, PAGE_SIZE
 from m3_kernels.ops.score import (
     ENV_BACKEND,
+    DecodeBatch,
     DecodePlan,
+    PrefillBatch,
     PrefillPlan,
     plan_decode,
     plan_prefill,
@@ -108,8 +110,7 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
         if spec is not None:  # fail at start-up, not at the first verify batch inside the scheduler
             raise NotImplementedError(
                 f"speculative_algorithm={spec!r}: speculative decoding is not supported with the MiniMax-M3.1 "
-                "index-K cache (its decode plan scores one query row per request; verify batches, several rows "
-                "a request, are not planned); launch without --speculative-algorithm"
+                "index-K cache; launch without --speculative-algorithm"
             )
         super().__init__(runner)
         # Our index path feeds SGLang's Triton sparse kernels; MSA (SM100) decode is not wired in.
@@ -226,9 +227,10 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
         meta, cache = self._extend_meta, self._any_cache()
         if cache is not None:
             # Rows seeing at most topk blocks take them all (no scores needed) unless the recorder keeps scores.
-            meta.plan = plan_prefill(cache, meta.block_table, seq_lens, cu, self.num_idx_heads, self.idx_sm_scale,
-                                     max_block, cu_seqlens_host=cu_host, seq_lens_host=seq_lens_cpu.tolist(),
-                                     skip_rows_seeing=self.topk_blocks if self.recorder is None else 0)
+            meta.plan = plan_prefill(cache, PrefillBatch(
+                meta.block_table, seq_lens, cu, self.num_idx_heads, self.idx_sm_scale, max_block,
+                cu_seqlens_host=cu_host, seq_lens_host=seq_lens_cpu.tolist(),
+                skip_rows_seeing=self.topk_blocks if self.recorder is None else 0))
 
     def _any_cache(self):
         """A sparse layer's ``IndexKCache`` (every layer shares format, geometry and device, so plans take any);
@@ -239,8 +241,8 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
     def _plan_decode(self, meta: _DecodeMeta) -> _DecodeMeta:
         cache = self._any_cache()
         if cache is not None:
-            meta.plan = plan_decode(cache, meta.block_table, meta.seq_lens, 1, self.num_idx_heads, self.idx_sm_scale,
-                                    self.max_blocks, meta.scores)
+            meta.plan = plan_decode(cache, DecodeBatch(meta.block_table, meta.seq_lens, 1, self.num_idx_heads,
+                                                       self.idx_sm_scale, self.max_blocks, meta.scores))
         return meta
 
     def init_forward_metadata_in_graph(self, forward_batch):
