@@ -14,9 +14,10 @@
 #   lab/gpu/retrofit_h100.sh                                # GPU side: train + evaluate
 #
 # Env: BUDGET_S (default 480: seconds for the whole call), TRAIN_S (default 150: training's share),
-# OUT (default out/retrofit-gpu: index.pt stays in build/, rows.jsonl, summary.md/json, call.log come
-# back), LENGTHS (default "4096 8192"), TASKS (default all five), N (default 400 per cell: the time
-# limit stops earlier), BATCH (default 4).
+# OUT (default out/retrofit-gpu: index.pt stays in build/; rows.jsonl, summary.md/json, train.jsonl,
+# eval.log (the per-sample lines) and call.log come back), LENGTHS (default "4096 8192"), TASKS (default
+# all five), N (default 400 per cell: the time limit stops earlier), BATCH (default 4), BASE_DTYPE (default bfloat16: the frozen model's weights; the
+# index heads and every index-K format's scoring are as on the CPU, where the model ran in float32).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -47,6 +48,7 @@ LENGTHS="${LENGTHS:-4096 8192}"
 TASKS="${TASKS:-single multikey kv vt prose}"
 N="${N:-400}"
 BATCH="${BATCH:-4}"
+BASE_DTYPE="${BASE_DTYPE:-bfloat16}"
 mkdir -p "$OUT" "$DIR"
 exec > >(tee -a "$OUT/call.log") 2>&1
 export PYTHONUNBUFFERED=1
@@ -67,9 +69,13 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 
 timeout "$(( TRAIN_S + 60 ))" python3 -m retrofit.train --gguf "$DIR/$GGUF_NAME" --out build/retrofit/index.pt \
     --log "$OUT/train.jsonl" --rounds 50 --collect 32 --epochs 3 --lengths 2048 4096 8192 --kl-rows 256 \
-    --lr 2e-3 --time-limit "$TRAIN_S" || { echo "training failed"; exit 1; }
+    --lr 2e-3 --time-limit "$TRAIN_S" --base-dtype "$BASE_DTYPE" || { echo "training failed"; exit 1; }
 left=$(( BUDGET_S - ($(date +%s) - t0) - 30 ))
 # shellcheck disable=SC2086
 timeout "$(( left + 20 ))" python3 -m retrofit.evaluate --gguf "$DIR/$GGUF_NAME" --index build/retrofit/index.pt \
-    --out "$OUT" --lengths $LENGTHS --tasks $TASKS --n "$N" --batch "$BATCH" --time-limit "$left"
+    --out "$OUT" --lengths $LENGTHS --tasks $TASKS --n "$N" --batch "$BATCH" --time-limit "$left" \
+    --base-dtype "$BASE_DTYPE" > "$OUT/eval.log" 2>&1
+tail -n 3 "$OUT/eval.log"
 echo "call: $(( $(date +%s) - t0 )) s"
+# The table last (also when the time limit cut the evaluation mid-batch).
+python3 -m retrofit.evaluate --index build/retrofit/index.pt --out "$OUT" --summary-only

@@ -22,7 +22,8 @@ def gguf_path(path: str | None = None) -> str:
 
 
 def load_base(path: str | None = None, dtype=torch.float32):
-    """``(model, tokenizer)``: the transformers Llama model (eval mode) and its fast tokenizer."""
+    """``(model, tokenizer)``: the transformers Llama model (eval mode, weights in ``dtype``) and its fast
+    tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     file = gguf_path(path)

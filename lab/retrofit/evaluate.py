@@ -197,6 +197,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--base-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the frozen model's weights (the index heads stay fp32)")
     p.add_argument("--time-limit", type=float, default=None, help="stop starting batches after this many seconds")
     p.add_argument("--summary-only", action="store_true", help="summarize rows.jsonl, run nothing")
     args = p.parse_args(argv)
@@ -207,7 +209,7 @@ def main(argv=None):
     if not args.summary_only:
         torch.set_num_threads(args.threads)
         t0 = time.time()
-        hf, tok = load_base(args.gguf)
+        hf, tok = load_base(args.gguf, getattr(torch, args.base_dtype))
         model = RetrofitLM(hf).to(args.device)
         model.index.load_state_dict(torch.load(args.index, map_location=args.device))
         if args.device != "cpu":
@@ -216,7 +218,9 @@ def main(argv=None):
         done = {(r["task"], r["length"], r["sample"]) for r in rows}
         todo = [(L, task, i) for i in range(args.start, args.start + args.n) for L in args.lengths for task in args.tasks
                 if (task, L, i) not in done]
-        todo.sort(key=lambda x: (x[0], x[2], x[1]))  # a short run still covers every task at a length
+        # Chunks of --batch sample indices, every length and task in each: a run cut short by the time
+        # limit still covers every (task, length) cell evenly.
+        todo.sort(key=lambda x: (x[2] // args.batch, x[0], x[2], x[1]))
         with path.open("a") as f:
             for j in range(0, len(todo), args.batch):
                 if args.time_limit and time.time() - t0 > args.time_limit:

@@ -185,7 +185,8 @@ class RetrofitLM(nn.Module):
             need_index = sparse_layer and (attention == "sparse" or kl_rows is not None)
             if need_index:
                 with torch.set_grad_enabled(torch.is_grad_enabled() and kl_rows is not None):
-                    iq, ik = self.index[str(i)](x.detach(), icos, isin)
+                    heads = self.index[str(i)]
+                    iq, ik = heads(x.detach().to(heads.index_q_proj.weight.dtype), icos, isin)
             if need_index and kl_rows is not None:
                 kls[i] = self._kl(q.detach(), k.detach(), iq, ik, kl_rows.long(), scale)
             if sparse_layer and attention == "sparse":

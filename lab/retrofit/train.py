@@ -107,13 +107,15 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--base-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the frozen model's weights (the index heads stay fp32)")
     p.add_argument("--resume", type=Path, default=None, help="start from these index-head weights")
     p.add_argument("--time-limit", type=float, default=None, help="stop stepping after this many seconds (then save)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t0 = time.time()
-    hf, tok = load_base(args.gguf)
+    hf, tok = load_base(args.gguf, getattr(torch, args.base_dtype))
     model = RetrofitLM(hf, seed=args.seed).to(args.device)
     if args.resume:
         model.index.load_state_dict(torch.load(args.resume))

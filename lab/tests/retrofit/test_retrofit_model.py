@@ -155,3 +155,18 @@ def test_cached_training_loss_is_the_forward_kl(seed, gen):
     # The cache holds the layer inputs in bf16: close to the forward's fp32 KL, not bit-equal.
     torch.testing.assert_close(loss, aux["index_kl"], rtol=0.05, atol=1e-3)
     assert 0 < kept <= 1 + 1e-5  # two rows see more than 16 blocks
+
+
+def test_bf16_base_runs_every_mode(seed, gen):
+    model = RetrofitLM(tiny_llama(seed).to(torch.bfloat16), dense_layers=1, seed=seed)
+    T = (TOPK_BLOCKS + 1) * PAGE_SIZE
+    ids = torch.randint(0, 97, (1, T), generator=gen)
+    rows = torch.tensor([[T - 1]])
+    with torch.no_grad():
+        dense, _ = model(ids, logit_rows=rows)
+        sparse, aux = model(ids, "sparse", index_k_format="mxfp4_rot", logit_rows=rows, probe_rows=rows[0],
+                            probe_formats=("nvfp4",))
+    _, aux_kl = model(ids, kl_rows=rows, logit_rows=rows)
+    aux_kl["index_kl"].backward()
+    assert dense.dtype == sparse.dtype == torch.float32 and torch.isfinite(sparse).all()
+    assert model.index["1"].index_k_proj.weight.grad is not None
