@@ -367,6 +367,70 @@ def test_sglangs_host_pool_group_drives_the_index_sidecar_by_the_kv_slots(fmt, g
     assert anchor.calls == [("backup", None)] + [("load", i) for i in range(layers)]
 
 
+# ---- a CPU server with HiCache (SGLang's CUDA-only K/V host copies replaced by torch, for the test) ----
+
+CPU_DEVICE_SLOTS = 4096  # holds one long prompt: the next one pushes it to the host
+LONG = 20 * PAGE_SIZE + 37  # past 16 blocks, so top-16 selection reads the index keys
+
+
+def _records(path):
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _selection_rows(records):
+    """{(mode, layer, position): selected blocks per index head} over ``records``."""
+    return {(rec["mode"], rec["layer"], pos): [head[r] for head in rec["selected"]]
+            for rec in records for r, pos in enumerate(rec["positions"])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_prefix_loaded_back_from_the_host_on_a_cpu_server_selects_and_answers_as_cold(fmt, tmp_path):
+    """configs/msa-small (trained weights) with HiCache on a CPU: SGLang's radix tree, controller and our
+    index sidecar as on a GPU; only SGLang's K/V host copies (CUDA-only) come from ``hicache_cpu/``.
+    A prompt past 16 blocks cold, again (a device prefix hit), then after another long prompt pushed it to
+    the host, again (a host hit): the same greedy tokens, and the host hit's new rows pick the cold run's
+    blocks (the loaded-back index keys are the ones the cold run wrote)."""
+    import json
+    import os
+    import random
+    from pathlib import Path
+
+    from sglang_m3.server import Server, cpu_args
+
+    repo = Path(__file__).resolve().parents[2]
+    record = tmp_path / "selection.jsonl"
+    # Spawned children run hicache_cpu/sitecustomize.py at their start (forked ones were seen without its hooks).
+    env = dict(os.environ, M3_TEST_HICACHE_ON_CPU="1", SGLANG_M3_CPU_START="spawn",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent / "hicache_cpu"),
+                                                        os.environ.get("PYTHONPATH")])))
+    args = [*cpu_args(CPU_DEVICE_SLOTS), "--index-k-format", IndexKFormat(fmt).value, "--skip-tokenizer-init",
+            "--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
+            "--json-model-override-args", json.dumps({"index_k_debug_record": str(record)})]
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    prompt = [rng.randrange(3, 2048) for _ in range(LONG)]
+    filler = [rng.randrange(3, 2048) for _ in range(LONG)]
+    with Server(repo / "configs" / "msa-small", args, tmp_path / "server.log", cwd=repo, env=env) as server:
+        cold, cold_cached = _generate(server, prompt, max_new_tokens=4)
+        cold_rows = _selection_rows(_records(record))
+        device_hit, device_cached = _generate(server, prompt, max_new_tokens=4)
+        _generate(server, filler, max_new_tokens=1)
+        n = len(_records(record))
+        host_hit, host_cached = _generate(server, prompt, max_new_tokens=4)
+        host_rows = _selection_rows(_records(record)[n:])
+    assert cold_cached["device"] + cold_cached["host"] == 0
+    assert device_cached["device"] >= (LONG // PAGE_SIZE) * PAGE_SIZE
+    assert host_cached["host"] >= (LONG // PAGE_SIZE) * PAGE_SIZE, host_cached
+    assert device_hit == cold and host_hit == cold
+    extend = [k for k in host_rows if k[0] == "extend"]
+    assert extend and min(k[2] for k in extend) >= host_cached["host"] + host_cached["device"]
+    shared = [k for k in host_rows if k in cold_rows]
+    assert len(shared) >= len(extend)
+    assert all(host_rows[k] == cold_rows[k] for k in shared), [k for k in shared if host_rows[k] != cold_rows[k]][:5]
+
+
 # ---- on a GPU: a real server per format ------------------------------------------------------
 
 GPU_DEVICE_SLOTS = 4096  # a small device pool, so that later prompts evict the first one's prefix to the host
@@ -378,7 +442,7 @@ def _gpu_server(fmt, log_path, *extra, env=None):
     from sglang_m3.server import Server
 
     repo = Path(__file__).resolve().parents[2]
-    args = ["--index-k-format", fmt, "--attention-backend", "triton", "--sampling-backend", "pytorch",
+    args = ["--index-k-format", IndexKFormat(fmt).value, "--attention-backend", "triton", "--sampling-backend", "pytorch",
             "--grammar-backend", "none", "--skip-tokenizer-init", "--enable-hierarchical-cache",
             "--max-total-tokens", str(GPU_DEVICE_SLOTS), "--chunked-prefill-size", "1024",
             "--max-running-requests", "4", "--disable-cuda-graph", "--mem-fraction-static", "0.3", *extra]
@@ -412,7 +476,7 @@ def test_a_prefix_loaded_back_from_the_host_gives_the_cold_tokens_on_cuda(fmt, t
     gen = torch.Generator().manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
     prompt = torch.randint(3, 2048, (1500,), generator=gen).tolist()
     fillers = [torch.randint(3, 2048, (1500,), generator=gen).tolist() for _ in range(3)]
-    server = _gpu_server(fmt, tmp_path / f"{fmt}.log")
+    server = _gpu_server(fmt, tmp_path / f"{IndexKFormat(fmt).value}.log")
     try:
         cold, cold_cached = _generate(server, prompt)
         assert cold_cached["device"] + cold_cached["host"] == 0
