@@ -18,6 +18,7 @@ supported release); "M3.1" means a MiniMax-M3.1 index-K launch, where each row e
 | target | kind | SGLang | why |
 |---|---|---|---|
 | ``ServerArgs.add_cli_args`` / ``from_cli_args`` | after / before | | ``--index-k-format`` into the model overrides |
+| ``ServerArgs.from_cli_args`` | before | | M3.1: refuse a bad launch in one line, exit 2 (``check_launch``) |
 | ``ServerArgs.from_cli_args`` | before | | M3.1, ``--device cpu``: OpenMP waits (``CPU_OPENMP_WAITS``) |
 | ``engine._set_envs_and_config`` | after | | M3.1, ``--device cpu``: fork the children where safe |
 | ``ServerArgs._parse_cuda_graph_config`` | after | < 0.5.19 | M3.1: no prefill CUDA graph (host-planned scorer) |
@@ -94,6 +95,58 @@ def _add_index_k_format_flag(result, parser):
         help="sglang-m3, MiniMax-M3.1 (model_type minimax_m3_1) only: the sparse-attention index-K cache format "
              "(default: the config's index_k_format); refused for any other model.",
     )
+
+
+WEIGHT_LOAD_FORMATS = ("auto", "pt", "safetensors")  # SGLang's load formats that read weight files from the folder
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
+
+
+def refuse_in_one_line(hook):
+    """A BEFORE hook of ``ServerArgs.from_cli_args`` whose ValueError or NotImplementedError (a caller's mistake)
+    ends the launch as a usage error: one ``sglang-m3: error:`` line on stderr and exit status 2, where SGLang would
+    print the traceback of its launcher (and, past this point, of its scheduler processes)."""
+
+    @functools.wraps(hook)
+    def refusing(cls, args):
+        try:
+            return hook(cls, args)
+        except (ValueError, NotImplementedError) as e:
+            import sys
+
+            print(f"sglang-m3: error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+
+    return refusing
+
+
+def check_launch(cls, args):
+    """Before SGLang parses a launch into ``ServerArgs``: what a MiniMax-M3.1 launch gets wrong, refused before any
+    process starts: a ``minimax_m3_1`` config that names no format (``scope.MissingIndexKFormat``); an index-K
+    setting that is not one (``index_k_format``, ``index_k_scale_rule``, ``index_k_sign_seed``, from ``config.json``,
+    ``--json-model-override-args`` or ``--index-k-format``); a local model folder without weight files, loaded
+    from them (the tiny config: "add --load-format dummy"). Other models pass unchanged."""
+    from m3_kernels.formats import parse_format, parse_scale_rule
+
+    from .config import check_sign_seed
+
+    if not is_index_k_launch(args):  # raises MissingIndexKFormat for a minimax_m3_1 config without a format
+        return None
+    model_path = str(args.model_path)
+    merged = {**(model_config_dict(model_path, getattr(args, "revision", None)) or {}),
+              **json.loads(getattr(args, "json_model_override_args", None) or "{}")}
+    if getattr(args, "index_k_format", None) is not None:
+        merged["index_k_format"] = args.index_k_format
+    parse_format(merged["index_k_format"], "index_k_format")
+    parse_scale_rule(merged.get("index_k_scale_rule", "rceil"), "index_k_scale_rule")
+    check_sign_seed(merged.get("index_k_sign_seed"))
+    load_format = str(getattr(args, "load_format", "auto") or "auto")
+    if os.path.isdir(model_path) and load_format in WEIGHT_LOAD_FORMATS:
+        import glob
+
+        if not any(glob.glob(os.path.join(model_path, pattern)) for pattern in WEIGHT_PATTERNS):
+            raise ValueError(f"{model_path} holds no weights ({', '.join(WEIGHT_PATTERNS)}) for --load-format "
+                             f"{load_format}: add --load-format dummy to serve it with random weights")
+    return None
 
 
 def _fold_index_k_format_flag(cls, args):
@@ -520,8 +573,10 @@ def hook_table() -> tuple[Hook, ...]:
     assembler = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"
     return (
         Hook(f"{server_args}.add_cli_args", _add_index_k_format_flag, "AFTER"),
-        Hook(f"{server_args}.from_cli_args", _fold_index_k_format_flag, "BEFORE"),
+        # BEFORE hooks run last-registered first: the launch is checked before anything else reads it
+        Hook(f"{server_args}.from_cli_args", refuse_in_one_line(_fold_index_k_format_flag), "BEFORE"),
         Hook(f"{server_args}.from_cli_args", _cpu_openmp_waits, "BEFORE"),
+        Hook(f"{server_args}.from_cli_args", refuse_in_one_line(check_launch), "BEFORE"),
         Hook("sglang.srt.entrypoints.engine._set_envs_and_config", _cpu_children_start, "AFTER"),
         Hook(f"{server_args}._parse_cuda_graph_config", _no_prefill_cuda_graph, "AFTER", until=RESOLUTION_PIPELINE),
         Hook("sglang.srt.arg_groups.cuda_graph_hook.handle_cuda_graph_config", _no_prefill_cuda_graph_declared,
@@ -577,7 +632,8 @@ def _register_outside_range(error) -> None:
     register_config()
     server_args = "sglang.srt.server_args.ServerArgs"
     HookRegistry.register(f"{server_args}.add_cli_args", _add_index_k_format_flag, HookType.AFTER)
-    HookRegistry.register(f"{server_args}.from_cli_args", _fold_index_k_format_flag, HookType.BEFORE)
+    HookRegistry.register(f"{server_args}.from_cli_args", refuse_in_one_line(_fold_index_k_format_flag),
+                          HookType.BEFORE)
     HookRegistry.register("sglang.srt.configs.model_config.ModelConfig.__init__", _refuse_index_k_launch(error),
                           HookType.AFTER)
 

@@ -7,6 +7,7 @@ blocks of 128 tokens, so top-16 selection drops blocks.
 
 import concurrent.futures
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,12 @@ import pytest
 from m3_kernels.formats import PAGE_SIZE as BLOCK
 from m3_kernels.formats import TOPK_BLOCKS as TOPK
 import prewarm
-from sglang_m3.server import cpu_env, free_port
+from sglang_m3.server import cpu_args, cpu_env, free_port
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
+TINY_MODEL = REPO / "configs" / "minimax-m3.1-tiny"
 
 VOCAB = 2048  # configs/minimax-m3.1-tiny
 FIRST_SPARSE_LAYER = 1
@@ -232,11 +234,55 @@ def _run_launcher(argv, tmp_path) -> tuple[int, str]:
     return code, log_path.read_text()
 
 
-def test_unknown_format_fails_at_startup(launch_command, tmp_path):
-    code, out = _run_launcher(launch_command(free_port(), "--json-model-override-args",
-                                             '{"index_k_format": "mxfp3"}'), tmp_path)
-    assert code != 0
-    assert "mxfp3" in out and "bf16, fp8, mxfp4, mxfp4_rot" in out, out[-3000:]
+def _refused_in_one_line(code: int, out: str) -> str:
+    """The one ``sglang-m3: error:`` line of a launch refused as a usage error (exit 2, no traceback)."""
+    assert code == 2 and "Traceback" not in out, out[-3000:]
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("sglang-m3: error: "), out[-3000:]
+    return errors[0]
+
+
+def _model_folder(folder: Path, **changes) -> Path:
+    """The tiny config's files in ``folder``, its config.json with ``changes`` (None: the key dropped)."""
+    import json
+    import shutil
+
+    shutil.copytree(TINY_MODEL, folder)
+    config = json.loads((folder / "config.json").read_text())
+    for key, value in changes.items():
+        config.pop(key, None) if value is None else config.__setitem__(key, value)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _launch(model: Path, *extra: str, dummy: bool = True) -> list[str]:
+    load = ["--load-format", "dummy"] if dummy else []
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), *load, *cpu_args(4096),
+            *extra, "--host", "127.0.0.1", "--port", str(free_port())]
+
+
+@pytest.mark.parametrize("case, said", [
+    ("bad format override", "index_k_format must be one of [bf16, fp8, mxfp4, mxfp4_rot], got 'mxfp3'"),
+    ("bad scale rule override", "index_k_scale_rule"),
+    ("no format", "names no index_k_format: choose the index-K cache format"),
+    ("format flag on llama", "--index-k-format fp8: the flag is for MiniMax-M3.1 configs"),
+    ("no weights", "holds no weights (*.safetensors, *.bin, *.pt) for --load-format auto: add --load-format dummy"),
+])
+def test_a_bad_launch_is_refused_in_one_line_before_any_process_starts(tmp_path, case, said):
+    argv = {
+        "bad format override": lambda: _launch(TINY_MODEL, "--json-model-override-args", '{"index_k_format": "mxfp3"}'),
+        "bad scale rule override": lambda: _launch(TINY_MODEL, "--json-model-override-args",
+                                                   '{"index_k_scale_rule": "up"}'),
+        "no format": lambda: _launch(_model_folder(tmp_path / "m", index_k_format=None)),
+        "format flag on llama": lambda: _launch(_model_folder(tmp_path / "m", model_type="llama",
+                                                              architectures=["LlamaForCausalLM"]),
+                                                "--index-k-format", "fp8"),
+        "no weights": lambda: _launch(TINY_MODEL, dummy=False),
+    }[case]()
+    code, out = _run_launcher(argv, tmp_path)
+    line = _refused_in_one_line(code, out)
+    assert said in line, line
+    assert "Scheduler" not in out and "Cannot find any model weights" not in out
 
 
 def test_unknown_format_flag_names_the_choices(launch_command, tmp_path):
