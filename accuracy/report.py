@@ -338,7 +338,7 @@ def markdown_table(summary: dict, notes: bool = True) -> str:
         lines += _markdown_discordant(summary.get("discordant", {}).get(f), base, f)
         lines += _markdown_served_on(summary.get("served_on", {}).get(f), base, f)
     text = "\n".join(lines) + "\n"
-    return text + _notes(base, _used_kinds(summary)) if notes else text
+    return text + _notes(base, _used_kinds(summary)) if notes and others else text
 
 
 MAX_LISTED = 40  # discordant pairs listed one by one; past that, the counts per task, length and depth

@@ -17,8 +17,10 @@ Examples::
 
     # start one server per format (8 GPUs, tensor parallel), 1k..context, 20 samples per length
     m3-accuracy --model MiniMaxAI/MiniMax-M3.1 --formats fp8 mxfp4 --out results/m3 -- --tp 8
-    # running deployments, one URL per format
-    m3-accuracy --model MiniMaxAI/MiniMax-M3.1 --base-url fp8=http://h1:30000 mxfp4=http://h2:30000
+    # running deployments, one URL per format (the model and the formats from the servers and the labels)
+    m3-accuracy --base-url fp8=http://h1:30000 mxfp4=http://h2:30000
+    # beside a deployment of SGLang's own MiniMax-M3 path (accuracy.upstream)
+    m3-accuracy --base-url upstream-fp8=http://h0:30000 mxfp4=http://h2:30000
     # dense control (every visible block attended) beside the three index caches
     m3-accuracy --model ckpt --formats dense bf16 fp8 mxfp4 --lengths 4096 8192 16384 32768 --out results/ckpt
 
@@ -31,11 +33,15 @@ the selector returns every visible block. The two are the same arithmetic up to 
 ``topk`` is what the agreement study records selections from, and it needs ``--lengths`` (on an H200 its
 prefill reads each row's blocks through the sparse kernels: ~30 s for a 128k-token prompt, against ~2 s).
 
-Before any prompt is sent, each server is asked what it serves (``/get_server_info``: the model path and the
-``m3_index_k`` entry that sglang-m3 adds, ``sglang_m3.server_info``), and the run is refused when a label is
-not the served index-K format (``dense``: bf16 with every layer dense, or a top-k covering every block), when
-two labels name one server, or when the servers serve different models; ``results.json`` (``servers``) and
-the report record what each said. Servers started here are checked the same way. A caller's mistake (an
+Before any prompt is sent, each server is asked what it serves (``/server_info`` and ``/model_info``, or
+``/get_server_info`` where the SGLang release has only that: the model path and the ``m3_index_k`` entry that
+sglang-m3 adds, ``sglang_m3.server_info``), and the run is refused when a label is not the served index-K format
+(``dense``: bf16 with every layer dense, or a top-k covering every block; ``upstream-<fmt>``: SGLang's own
+MiniMax-M3 path keeping that index-K cache, ``accuracy.upstream``), when two labels name one server, when the
+servers serve different models, or when ``--model`` is not what they serve (left out, it is taken from them;
+``--formats`` left out is the ``--base-url`` labels); ``results.json`` (``servers``) and the report record what
+each said. Servers started here are checked the same way, and a ``--model`` that does not exist is refused
+before one starts. A caller's mistake (an
 unreachable URL, a URL ending in ``/v1``, an unknown task, lengths past the served context, ...) ends in one
 ``m3-accuracy: error:`` line naming the argument, the value and the rule, and leaves no empty ``--out``.
 
@@ -58,7 +64,7 @@ from pathlib import Path
 from m3_kernels.formats import PAGE_SIZE, parse_format
 from sglang_m3.server import Server
 
-from . import report, retrieval
+from . import report, retrieval, upstream
 from .needle import GEN_TOKENS
 
 TASKS_DIR = Path(__file__).parent / "tasks"
@@ -71,6 +77,7 @@ DENSE = "dense"  # control variant: every visible block attended (see format_lau
 DENSE_INDEX_FORMAT = "bf16"
 DENSE_VIA = ("layers", "topk")  # how the dense control is served (dense_sparse_config)
 DEFAULT_BASELINE = "fp8"
+DEFAULT_FORMATS = ("fp8", "mxfp4")
 REPLICA_SEP = "@"  # fp8@2: a replica of fp8 (parse_variant)
 
 
@@ -79,7 +86,8 @@ REPLICA_SEP = "@"  # fp8@2: a replica of fp8 (parse_variant)
 
 
 def parse_variant(name: str, what: str = "format") -> str:
-    """``"dense"`` or the canonical name of an index-K format, either optionally tagged ``@<n>`` (n >= 2): a
+    """``"dense"``, the canonical name of an index-K format or ``upstream-bf16`` / ``upstream-fp8`` (SGLang's own
+    MiniMax-M3 path, ``accuracy.upstream``), each optionally tagged ``@<n>`` (n >= 2): a
     replica, the same server served again as an arm of its own (``fp8@2`` against ``fp8`` counts the answers
     that serving again alone flips). ValueError naming ``what`` otherwise."""
     base, sep, tag = str(name).partition(REPLICA_SEP)
@@ -89,10 +97,13 @@ def parse_variant(name: str, what: str = "format") -> str:
         return f"{parse_variant(base, what)}{REPLICA_SEP}{int(tag)}"
     if str(name).lower() == DENSE:
         return DENSE
+    if upstream.is_upstream(str(name).lower()):
+        return upstream.parse_label(name, what)
     try:
         return parse_format(name, what).value
     except ValueError as e:
-        raise ValueError(f"{e} (or {DENSE!r}, the dense-attention control)") from None
+        raise ValueError(f"{e} (or {DENSE!r}, the dense-attention control, or upstream-bf16 / upstream-fp8, a "
+                         "running server of SGLang's own MiniMax-M3 path)") from None
 
 
 def served_as(variant: str) -> str:
@@ -102,6 +113,10 @@ def served_as(variant: str) -> str:
 
 def is_dense(variant: str) -> bool:
     return served_as(variant) == DENSE
+
+
+def is_upstream(variant: str) -> bool:
+    return upstream.is_upstream(served_as(variant))
 
 
 def replicas_of(formats: list[str], baseline: str) -> dict:
@@ -121,7 +136,7 @@ def parse_command_line(parser: argparse.ArgumentParser, argv=None) -> tuple:
         cut = argv.index("--")
         argv, launch_args = argv[:cut], argv[cut + 1 :]
     args = parser.parse_args(argv)
-    formats = [parse_variant(f, "--formats") for f in args.formats]
+    formats = [parse_variant(f, "--formats") for f in args.formats or ()]
     if len(set(formats)) != len(formats):
         raise ValueError(f"--formats must not repeat, got {formats}")
     return args, formats, launch_args
@@ -273,21 +288,51 @@ def _ask(label: str, url: str, path: str, given: bool = True):
                               "the URL") from None
 
 
+SERVER_INFO_PATHS = ("/server_info", "/get_server_info")  # SGLang's name, then the one it logs as deprecated
+MODEL_INFO_PATHS = ("/model_info", "/get_model_info")
+
+
+def _ask_first(label: str, url: str, paths, given: bool = True):
+    """The JSON of the first of ``paths`` the server has (HTTP 404: the next); None if it has none of them."""
+    for path in paths:
+        try:
+            return _get_json(url.rstrip("/") + path)
+        except urllib.error.HTTPError as e:
+            if e.code != 404:
+                break
+        except (urllib.error.URLError, OSError, ValueError):
+            break
+    else:
+        return None
+    return _ask(label, url, path, given)  # the same request again, for its one-line DeploymentError
+
+
 def server_identity(label: str, url: str, given: bool = True) -> dict:
     """What the server at ``url`` says it serves: ``url``, ``model_path``, ``m3_index_k`` (format, scale rule,
     sign seed, sparse layers, top-k blocks, sglang-m3 version; None for a server without a MiniMax-M3.1 index-K
-    cache), ``sglang_version``, ``max_model_len`` (from ``/get_server_info`` and ``/v1/models``)."""
+    cache), ``sglang_version``, ``max_model_len``, and what decides the index-K cache of SGLang's own M3 path
+    (``architectures``, ``version``, ``dtype``, ``kv_cache_dtype``, ``attention_backend``: ``accuracy.upstream``).
+    Read from ``/v1/models``, ``/server_info`` and ``/model_info``, or their older names where the SGLang
+    release has only those."""
     models = _ask(label, url, "/v1/models", given)
-    info = _ask(label, url, "/get_server_info", given)
+    info = _ask_first(label, url, SERVER_INFO_PATHS, given)
+    if info is None:
+        raise DeploymentError(f"{_where(label, url, given)}: answers none of {list(SERVER_INFO_PATHS)}; the URL "
+                              "must be an SGLang server's root (http://host:port)")
+    model_info = _ask_first(label, url, MODEL_INFO_PATHS, given) or {}
     try:
         model = models["data"][0]
     except (KeyError, IndexError, TypeError):
         raise DeploymentError(f"{_where(label, url, given)}: /v1/models lists no model") from None
     from sglang_m3.server_info import M3_INDEX_K
 
-    return {"url": url, "model_id": model.get("id"), "model_path": info.get("model_path", model.get("id")),
-            "m3_index_k": info.get(M3_INDEX_K), "sglang_version": info.get("version"),
-            "max_model_len": model.get("max_model_len"), "max_req_input_len": info.get("max_req_input_len")}
+    return {"url": url, "model_id": model.get("id"),
+            "model_path": info.get("model_path", model_info.get("model_path", model.get("id"))),
+            "m3_index_k": info.get(M3_INDEX_K, model_info.get(M3_INDEX_K)), "sglang_version": info.get("version"),
+            "max_model_len": model.get("max_model_len"), "max_req_input_len": info.get("max_req_input_len"),
+            "architectures": model_info.get("architectures"), "version": info.get("version"),
+            "dtype": info.get("dtype"), "kv_cache_dtype": info.get("kv_cache_dtype"),
+            "attention_backend": info.get("attention_backend")}
 
 
 def _same_server(a: str, b: str) -> bool:
@@ -304,9 +349,19 @@ def check_served(label: str, identity: dict, given: bool = True, dense_blocks: i
     its format with sparse layers; ``dense`` the bf16 cache with every layer dense, or (``dense_blocks``: the
     blocks of the longest request) a top-k covering every block."""
     where, served = _where(label, identity["url"], given), identity["m3_index_k"]
+    if is_upstream(label):
+        try:
+            return upstream.check(label, identity, where)
+        except ValueError as e:
+            raise DeploymentError(str(e)) from None
     if served is None:
+        if set(identity.get("architectures") or ()) & set(upstream.ARCHITECTURES):
+            fmt, _ = upstream.index_k_format(identity)
+            hint = f"upstream-{fmt}" if fmt in upstream.FORMATS else "upstream-bf16 or upstream-fp8"
+            raise DeploymentError(f"{where}: the server runs SGLang's own MiniMax-M3 path (no m3_index_k in its "
+                                  f"server info), not sglang-m3's index-K cache: label it {hint}")
         raise DeploymentError(f"{where}: the server reports no MiniMax-M3.1 index-K cache (no m3_index_k in "
-                              "/get_server_info: sglang-m3 not installed there, or a model without index_k_format)")
+                              "/server_info: sglang-m3 not installed there, or a model without index_k_format)")
     fmt, want = served["format"], served_as(label)
     if is_dense(label):
         covered = served.get("sparse_layers") == 0 or (
@@ -324,7 +379,8 @@ def check_served(label: str, identity: dict, given: bool = True, dense_blocks: i
 
 
 def check_deployments(identities: dict, given: dict | None = None, earlier: dict | None = None) -> None:
-    """DeploymentError for two labels on one server or servers that serve different models (``identities``:
+    """DeploymentError for two labels on one server or servers that serve different models (SGLang's own M3 path
+    serves the checkpoint from a config folder of its own: upstream arms are compared with each other; ``identities``:
     ``{label: server_identity}``; ``given``: ``{label: whether its URL was given}``; ``earlier``: identities
     of formats served in an earlier call, ``--reuse``, checked for the model only)."""
     given, earlier = given or {}, {k: v for k, v in (earlier or {}).items() if v is not None}
@@ -337,7 +393,7 @@ def check_deployments(identities: dict, given: dict | None = None, earlier: dict
             if a not in earlier and b not in earlier and _same_server(ia["url"], ib["url"]):
                 raise DeploymentError(f"{wa} and {wb} are one server: each label needs a server of its own "
                                       "(a comparison of a server with itself reads as perfect agreement)")
-            if ia["model_path"] != ib["model_path"]:
+            if is_upstream(a) == is_upstream(b) and ia["model_path"] != ib["model_path"]:
                 raise DeploymentError(f"{wa} serves {ia['model_path']!r} but {wb} serves {ib['model_path']!r}: the "
                                       "formats must be compared on one model")
 
@@ -856,11 +912,13 @@ def coverage(logs: dict, tasks, lengths, targets: dict) -> dict:
 
 
 def _parse_base_urls(values: list[str] | None, formats: list[str]) -> dict[str, str]:
+    """``{label: URL}`` of ``--base-url`` (``formats``: the parsed ``--formats``, empty when not given)."""
     if not values:
         return {}
     if len(values) == 1 and "=" not in values[0]:
         if len(formats) != 1:
-            raise ValueError(f"--base-url without fmt= names one deployment; give --formats one format, got {formats}")
+            raise ValueError(f"--base-url without fmt= names one deployment; give it a label (fmt=URL) or --formats "
+                             f"one format, got --formats {formats or 'not given'}")
         return {formats[0]: values[0]}
     urls = {}
     for value in values:
@@ -874,15 +932,73 @@ def _parse_base_urls(values: list[str] | None, formats: list[str]) -> dict[str, 
     return urls
 
 
+def _same_model(a: str, b: str) -> bool:
+    """Whether two model paths or hub ids name one model (local folders compared by their real paths)."""
+    if a == b:
+        return True
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+
+
+def model_of_servers(model: str | None, servers: dict) -> str:
+    """The model a ``--base-url`` run compares: ``model`` (``--model``) when every sglang-m3 arm serves it, else
+    what they serve when ``model`` is None (SGLang's own M3 arms count only when there is no other);
+    DeploymentError naming both when an arm serves another."""
+    ours = {label: i for label, i in servers.items() if i is not None and not is_upstream(label)}
+    arms = ours or {label: i for label, i in servers.items() if i is not None}
+    if model is None:
+        return next(iter(arms.values()))["model_path"]
+    for label, identity in arms.items():
+        if not _same_model(model, str(identity["model_path"])):
+            raise DeploymentError(f"--model {model} but --base-url {label}={identity['url']} serves "
+                                  f"{identity['model_path']!r}: drop --model or name the served one")
+    return model
+
+
+def check_model(model: str) -> None:
+    """ValueError, before a server is started, for a ``--model`` that is neither a local model folder (one holding
+    ``config.json``) nor a hub id whose config is in the Hugging Face cache or on the hub (asked for up to
+    ``HUB_TIMEOUT_S``)."""
+    from sglang_m3.scope import model_config_dict
+
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--model {model}: the folder holds no config.json (a model folder or hub id is needed)")
+        return
+    if model_config_dict(model) is not None:
+        return
+    if model.count("/") != 1 or model.startswith((".", "/", "~")):
+        raise ValueError(f"--model {model}: no such model folder (and not a hub id of the form org/name)")
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    reason = "HF_HUB_OFFLINE is set" if offline else None
+    if not offline:
+        try:
+            urllib.request.urlopen(urllib.request.Request(f"{endpoint}/api/models/{model}", method="HEAD"),
+                                   timeout=HUB_TIMEOUT_S).close()
+            return
+        except urllib.error.HTTPError as e:
+            reason = f"the hub answers HTTP {e.code} for it"
+        except (urllib.error.URLError, OSError) as e:
+            reason = f"the hub at {endpoint} does not answer ({getattr(e, 'reason', e)})"
+    raise ValueError(f"--model {model}: no such model folder, not in the Hugging Face cache, and {reason}")
+
+
+HUB_TIMEOUT_S = 5.0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="m3-accuracy", description=__doc__.split("\n\n")[0],
                                 epilog="Arguments after -- go to `python -m sglang.launch_server` unchanged "
                                        "(e.g. -- --tp 8).")
-    p.add_argument("--model", required=True, help="model path or hub id given to --model-path")
+    p.add_argument("--model", default=None,
+                   help="model path or hub id given to --model-path; with --base-url, checked against what the "
+                        "servers serve (default: what they serve)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path or id (default: --model)")
-    p.add_argument("--formats", nargs="+", default=["fp8", "mxfp4"],
+    p.add_argument("--formats", nargs="+", default=None,
                    help="index-K formats (bf16 fp8 mxfp4 mxfp4_rot) and/or dense, the dense-attention control "
-                        "(see --dense-via)")
+                        f"(see --dense-via) (default: the --base-url labels, else {' '.join(DEFAULT_FORMATS)})")
     p.add_argument("--dense-via", choices=DENSE_VIA, default="layers",
                    help="how dense is served: layers = every layer dense (SGLang's attention backend, no selection); "
                         "topk = the sparse path with top-k = every block of the longest request (needs --lengths; "
@@ -890,8 +1006,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", default=None,
                    help="format the paired statistics compare against (default: fp8 if run, else the first format)")
     p.add_argument("--base-url", nargs="+", default=None,
-                   help="running deployments instead of starting servers: fmt=URL per format "
-                        "(or one URL for one format)")
+                   help="running deployments instead of starting servers: fmt=URL per format (or one URL for one "
+                        "format); upstream-bf16=URL / upstream-fp8=URL: a server of SGLang's own MiniMax-M3 path")
     p.add_argument("--tasks", nargs="+", default=[*LONG_TASKS, *SHORT_TASKS])
     p.add_argument("--lengths", type=int, nargs="+", default=None,
                    help="context lengths in tokens (default: powers of two from 1024 to the served context)")
@@ -1018,10 +1134,18 @@ def compare_formats(argv=None) -> dict:
     retrieval.register_m3_config()  # lm-eval loads the model folder's tokenizer in this process
     args, formats, launch_args = parse_command_line(build_parser(), argv)
     _check_counts(args)
-    baseline = resolve_baseline(args.baseline, formats)
     urls = _parse_base_urls(args.base_url, formats)
+    formats = formats or list(urls) or list(DEFAULT_FORMATS)
+    baseline = resolve_baseline(args.baseline, formats)
     if urls and set(urls) != set(formats):
         raise ValueError(f"--base-url names formats {sorted(urls)} but --formats is {formats}")
+    started = [f for f in formats if f not in urls]
+    if any(is_upstream(f) for f in started):
+        f = next(f for f in started if is_upstream(f))
+        raise ValueError(f"--formats {f}: SGLang's own MiniMax-M3 path is compared as a running server: pass it "
+                         f"with --base-url {f}=URL")
+    if started and args.model is None:
+        raise ValueError(f"--model is needed to start the servers of {started} (or pass --base-url for each)")
     unknown = [t for t in args.tasks if t not in (*LONG_TASKS, *SHORT_TASKS)]
     if unknown:
         raise ValueError(f"--tasks must be among {[*LONG_TASKS, *SHORT_TASKS]}, got {unknown}")
@@ -1037,13 +1161,17 @@ def compare_formats(argv=None) -> dict:
         dense = {"sparse_config": model_sparse_config(args.model), "via": args.dense_via}
         if args.dense_via == "topk":
             dense["max_tokens"] = dense_max_tokens(args.lengths, args.max_gen_toks)
-    tokenizer = args.tokenizer or args.model
     targets = parse_format_samples(args.format_samples, formats, args.samples)
     # --reuse: formats evaluated in an earlier call keep what their server said then (samples/<fmt>/server.json)
     earlier = {f: read_server(args.out, f) for f in formats
                if args.reuse and (args.out / "samples" / f / "run.json").is_file()}
     urls_now = {f: u for f, u in urls.items() if f not in earlier}
+    if any(f not in earlier for f in started):
+        check_model(args.model)
     servers = {**earlier, **verify_base_urls(urls_now, args.lengths, args.max_gen_toks, earlier)} if urls else {}
+    if urls:
+        args.model = model_of_servers(args.model, {f: servers.get(f) for f in urls})
+    tokenizer = args.tokenizer or args.model
     args.out.mkdir(parents=True, exist_ok=True)
     dense_topk = dense_sparse_config(**dense)["sparse_topk_blocks"] if dense and dense["via"] == "topk" else None
     if args.resume:

@@ -3,6 +3,7 @@ stand-in OpenAI-completions server that answers with that oracle (for runner tes
 
 import json
 import re
+from pathlib import Path
 import threading
 import time
 import zlib
@@ -73,23 +74,39 @@ def read_answer():
     return oracle
 
 
+INFO_PATHS = ("/server_info", "/get_server_info", "/model_info", "/get_model_info")
+SERVED_MODEL = str(Path(__file__).resolve().parents[2] / "configs" / "msa-small")  # what the stand-ins serve
+UPSTREAM_INFO = Path(__file__).parent / "data" / "upstream_m3_info_0.5.16.json"
+
+
 class FakeCompletions:
     """An OpenAI-style completions server on a loopback port that answers every prompt with
     ``oracle``'s answer (as the trained answer text, " <answer>."), except where ``wrong(prompt)`` is
     true (then a 0 is put in front of it), each request after ``delay_s``. Keeps the prompts it was sent."""
 
     def __init__(self, wrong=lambda prompt: False, max_model_len: int = 200000, delay_s: float = 0.0,
-                 serves: str | None = "fp8", model_path: str = "fake-model", max_req_input_len: int | None = None):
-        """``serves``: the label whose server this stands in for (``/get_server_info``'s ``m3_index_k``: that
-        format with sparse layers, ``"dense"`` bf16 with none, None no key: a server without sglang-m3)."""
+                 serves: str | None = "fp8", model_path: str = SERVED_MODEL, max_req_input_len: int | None = None,
+                 info_paths=INFO_PATHS, **server_info):
+        """``serves``: the label whose server this stands in for (``m3_index_k`` in the server and model info: that
+        format with sparse layers, ``"dense"`` bf16 with none; None no key: a server of another model;
+        ``"upstream"``: SGLang's own MiniMax-M3 path, its recorded info, ``UPSTREAM_INFO``). ``info_paths``: the
+        info endpoints it answers (SGLang 0.5.16-0.5.23 answer all four; the others get HTTP 404);
+        ``server_info``: keys of its server info (``version``, ``kv_cache_dtype``, ...). ``model_path``: what it
+        says it serves (by default configs/msa-small, whose tokenizer the runner tests load)."""
         self.prompts: list[str] = []
         outer = self
-        info = {"model_path": model_path, "version": "0.0-fake", "max_req_input_len": max_req_input_len}
-        if serves is not None:
+        recorded = json.loads(UPSTREAM_INFO.read_text()) if serves == "upstream" else None
+        info = {**(recorded["server_info"] if recorded else {"version": "0.0-fake"}), "model_path": model_path,
+                "max_req_input_len": max_req_input_len, **server_info}
+        arch = "LlamaForCausalLM" if serves is None else "MiniMaxM3SparseForCausalLM"  # None: another model
+        model_info = {**(recorded["model_info"] if recorded else {"architectures": [arch]}), "model_path": model_path}
+        if serves not in (None, "upstream"):
             fmt = serves.partition("@")[0]
-            info["m3_index_k"] = {"format": "bf16" if fmt == "dense" else fmt, "scale_rule": "rceil",
-                                  "sign_seed": None, "sparse_layers": 0 if fmt == "dense" else 3,
-                                  "sparse_topk_blocks": 16, "sglang_m3_version": "0.0-fake"}
+            info["m3_index_k"] = model_info["m3_index_k"] = {
+                "format": "bf16" if fmt == "dense" else fmt, "scale_rule": "rceil", "sign_seed": None,
+                "sparse_layers": 0 if fmt == "dense" else 3, "sparse_topk_blocks": 16, "sglang_m3_version": "0.0-fake"}
+        answers = {"/server_info": info, "/get_server_info": info, "/model_info": model_info,
+                   "/get_model_info": model_info}
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *a):
@@ -106,8 +123,9 @@ class FakeCompletions:
             def do_GET(self):
                 if self.path.startswith("/v1/models"):
                     self._send({"data": [{"id": "fake", "max_model_len": max_model_len}]})
-                elif self.path.startswith("/get_server_info"):
-                    self._send(info)
+                elif self.path in answers:
+                    self._send(answers[self.path] if self.path in info_paths else {"detail": "Not Found"},
+                               200 if self.path in info_paths else 404)
                 else:
                     self._send({})
 

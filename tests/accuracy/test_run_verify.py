@@ -83,11 +83,11 @@ def test_results_and_report_record_what_each_server_said(tmp_path, fake_completi
         summary = run.compare_formats(_argv(out, {"fp8": a.url, "mxfp4": b.url}))
     saved = json.loads((out / "results.json").read_text())["servers"]
     assert saved == summary["servers"]
-    assert saved["mxfp4"]["url"] == b.url and saved["mxfp4"]["model_path"] == "fake-model"
+    assert saved["mxfp4"]["url"] == b.url and saved["mxfp4"]["model_path"] == MSA
     assert saved["mxfp4"]["m3_index_k"]["format"] == "mxfp4" and saved["fp8"]["m3_index_k"]["format"] == "fp8"
     assert saved["fp8"]["sglang_version"] == "0.0-fake"
     md = (out / "report.md").read_text()
-    assert "## Servers" in md and f"| mxfp4 | {b.url} | fake-model | mxfp4 | rceil | - | 3 | 16 | 0.0-fake |" in md
+    assert "## Servers" in md and f"| mxfp4 | {b.url} | {MSA} | mxfp4 | rceil | - | 3 | 16 | 0.0-fake |" in md
     # --reuse: the report still says what each server said, from samples/<fmt>/server.json
     again = run.compare_formats(_argv(out, {"fp8": a.url, "mxfp4": b.url}, "--reuse"))
     assert again["servers"] == summary["servers"]
@@ -170,3 +170,136 @@ def test_a_server_that_does_not_start_is_two_lines(tmp_path, capsys, monkeypatch
     err = err[err.index("m3-accuracy: error: "):]  # after the progress bar
     assert len(err.strip().splitlines()) == 2, err
     assert "server exited with 2" in err and "server-fp8.log" in err and "unrecognized arguments: --bogus" in err
+
+
+# ---- the info endpoints, the model, the formats from the labels ----------------------------------------------
+
+def test_the_server_info_is_read_where_the_sglang_release_has_it(tmp_path, fake_completions):
+    """/server_info and /model_info (SGLang 0.5.16-0.5.23), or only the older /get_server_info."""
+    out = tmp_path / "acc"
+    with fake_completions(serves="mxfp4", info_paths=("/get_server_info",)) as old, \
+            fake_completions(serves="fp8", info_paths=("/server_info", "/model_info")) as new:
+        summary = run.compare_formats([*_argv(out, {"fp8": new.url, "mxfp4": old.url}), "--limit", "1"])
+    assert summary["servers"]["mxfp4"]["m3_index_k"]["format"] == "mxfp4"
+    assert summary["servers"]["fp8"]["m3_index_k"]["format"] == "fp8"
+    assert summary["servers"]["fp8"]["architectures"] == ["MiniMaxM3SparseForCausalLM"]
+
+
+def test_a_server_without_any_server_info_is_one_line(tmp_path, fake_completions, capsys):
+    out = tmp_path / "acc"
+    with fake_completions(info_paths=()) as a:
+        err = _refused(capsys, _argv(out, {"fp8": a.url}), out)
+    assert f"--base-url fp8={a.url}" in err and "/server_info" in err
+
+
+def test_a_model_other_than_the_served_one_is_refused(tmp_path, fake_completions, capsys):
+    """The issue's case: --model configs/msa-medium against servers of configs/msa-small."""
+    out = tmp_path / "acc"
+    medium = str(ROOT / "configs" / "msa-medium")
+    with fake_completions() as a, fake_completions(serves="mxfp4") as b:
+        argv = _argv(out, {"fp8": a.url, "mxfp4": b.url})
+        err = _refused(capsys, [medium if x == MSA else x for x in argv], out)
+        assert not a.prompts and not b.prompts
+    assert err.count("\n") == 1 and f"--model {medium}" in err and repr(MSA) in err and "drop --model" in err
+
+
+def test_without_model_and_formats_the_servers_and_labels_say_them(tmp_path, fake_completions):
+    """``--base-url mxfp4=URL`` alone: the format from its label, the model from the server; one format prints
+    no paired-statistics legend."""
+    out = tmp_path / "acc"
+    with fake_completions(serves="mxfp4") as a:
+        summary = run.compare_formats(["--base-url", f"mxfp4={a.url}", "--tasks", "m3_kv", "--lengths", "1024",
+                                       "--samples", "1", "--limit", "1", "--out", str(out)])
+    assert summary["run"]["model"] == MSA and summary["run"]["formats"] == ["mxfp4"]
+    report = (out / "report.md").read_text()
+    assert "Baseline:" not in report and "McNemar" not in report
+
+
+def test_the_legend_is_printed_when_there_is_a_pair(tmp_path, fake_completions):
+    out = tmp_path / "acc"
+    with fake_completions() as a, fake_completions(serves="mxfp4") as b:
+        run.compare_formats([*_argv(out, {"fp8": a.url, "mxfp4": b.url}), "--limit", "1"])
+    assert "Baseline: fp8" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("model, env, said", [
+    ("configs/no-such-model", {}, "no such model folder"),
+    ("configs", {}, "holds no config.json"),
+    ("no-such-org/no-such-model", {"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE is set"),
+    ("no-such-org/no-such-model", {"HF_ENDPOINT": "http://127.0.0.1:9"}, "does not answer"),
+])
+def test_a_model_that_does_not_exist_is_refused_before_a_server_starts(tmp_path, capsys, monkeypatch, model, env,
+                                                                        said):
+    import time
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(run.SGLangServer, "start", lambda self: pytest.fail("a server was started"))
+    out = tmp_path / "acc"
+    t0 = time.monotonic()
+    err = _refused(capsys, ["--model", model, "--formats", "fp8", "--out", str(out)], out)
+    assert time.monotonic() - t0 < 15
+    assert f"--model {model}" in err and said in err and err.count("\n") == 1
+
+
+def test_starting_servers_needs_a_model(tmp_path, capsys):
+    out = tmp_path / "acc"
+    err = _refused(capsys, ["--formats", "fp8", "--out", str(out)], out)
+    assert "--model is needed" in err
+
+
+# ---- SGLang's own MiniMax-M3 path as an arm (accuracy.upstream) -------------------------------------------------
+# The stand-in answers SGLang 0.5.16's recorded server and model info (tests/accuracy/data): SGLang's own M3 path
+# cannot start on a CPU here.
+
+UPSTREAM_FP8 = {"version": "0.5.22", "kv_cache_dtype": "fp8_e4m3", "attention_backend": "trtllm_mha"}
+
+
+def test_upstream_arms_are_paired_with_ours(tmp_path, fake_completions, wrong_rule):
+    out = tmp_path / "acc"
+    with fake_completions(serves="upstream", model_path="m3-upstream") as bf16, \
+            fake_completions(serves="upstream", model_path="m3-upstream", **UPSTREAM_FP8) as fp8, \
+            fake_completions(serves="mxfp4", wrong=wrong_rule(3)) as ours:
+        summary = run.compare_formats(["--base-url", f"upstream-fp8={fp8.url}", f"upstream-bf16={bf16.url}",
+                                       f"mxfp4={ours.url}", "--tasks", "m3_kv", "--lengths", "1024", "--samples",
+                                       "4", "--bootstrap", "100", "--out", str(out)])
+    assert summary["run"]["formats"] == ["upstream-fp8", "upstream-bf16", "mxfp4"]
+    assert summary["baseline"] == "upstream-fp8" and summary["run"]["model"] == MSA
+    paired = summary["tasks"]["m3_kv"][0]["paired"]
+    assert set(paired) == {"upstream-bf16", "mxfp4"} and paired["mxfp4"]["n10"] > 0
+    assert summary["servers"]["upstream-bf16"]["m3_index_k"] is None
+    assert summary["servers"]["upstream-fp8"]["kv_cache_dtype"] == "fp8_e4m3"
+
+
+@pytest.mark.parametrize("label, serves, info, said", [
+    ("upstream-fp8", "upstream", {}, "keeps it in bf16 (SGLang 0.5.16"),
+    ("upstream-bf16", "upstream", UPSTREAM_FP8, "keeps it in fp8"),
+    ("upstream-fp8", "upstream", {"version": "0.5.23", "kv_cache_dtype": "fp8_e4m3", "attention_backend": "fa3"},
+     "names no GPU"),
+    ("upstream-bf16", "mxfp4", {}, "runs sglang-m3's index-K cache (index_k_format mxfp4): label it mxfp4"),
+    ("upstream-bf16", None, {}, "needs a MiniMax-M3 server"),
+    ("fp8", "upstream", {}, "SGLang's own MiniMax-M3 path (no m3_index_k in its server info), not sglang-m3's "
+                            "index-K cache: label it upstream-bf16"),
+])
+def test_an_upstream_mislabel_is_refused(tmp_path, fake_completions, capsys, label, serves, info, said):
+    out = tmp_path / "acc"
+    with fake_completions(serves=serves, **info) as a:
+        err = _refused(capsys, ["--base-url", f"{label}={a.url}", "--tasks", "m3_kv", "--lengths", "1024",
+                                "--out", str(out)], out)
+        assert not a.prompts
+    assert f"--base-url {label}={a.url}" in err and said in err and err.count("\n") == 1
+
+
+def test_upstream_arms_of_two_models_are_refused_and_an_upstream_label_needs_a_url(tmp_path, fake_completions,
+                                                                                  capsys):
+    out = tmp_path / "acc"
+    with fake_completions(serves="upstream", model_path="a") as a, \
+            fake_completions(serves="upstream", model_path="b", **UPSTREAM_FP8) as b:
+        err = _refused(capsys, ["--base-url", f"upstream-bf16={a.url}", f"upstream-fp8={b.url}", "--out", str(out)],
+                       out)
+    assert "'a'" in err and "'b'" in err and "one model" in err
+    err = _refused(capsys, ["--model", MSA, "--formats", "upstream-fp8", "mxfp4", "--out", str(out)], out)
+    assert "--base-url upstream-fp8=URL" in err
+    err = _refused(capsys, ["--base-url", "upstream-int4=http://h:1", "--out", str(out)], out)
+    assert "upstream-bf16 or upstream-fp8" in err
