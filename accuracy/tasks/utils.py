@@ -26,8 +26,7 @@ def _tokenizer_name(kwargs) -> str:
     for key in ("tokenizer", "pretrained", "model"):
         if isinstance(kwargs.get(key), str) and kwargs[key]:
             return kwargs[key]
-    raise ValueError("the long-context tasks need the served model's tokenizer: pass --model_args "
-                     "tokenizer=<path or name>")
+    refuse("the long-context tasks need the served model's tokenizer: pass --model_args tokenizer=<path or name>")
 
 
 API_MAX_LENGTH = 2048  # lm-eval's default max_length for local-completions / local-chat-completions
@@ -58,8 +57,29 @@ def check_max_length(task: str, lengths, kwargs) -> None:
     need = needed_max_length(lengths, _flag(kwargs.get("add_bos_token", False)))
     if max_length < need:
         given = "given" if kwargs.get("max_length") else "lm-eval's default"
-        raise ValueError(f"{task}: max_length {max_length} ({given}) would cut the {max(map(int, lengths))}-token "
-                         f"prompts from the left; pass --model_args max_length={need} (max_seq_lengths + 1) or more")
+        refuse(f"{task}: max_length {max_length} ({given}) would cut the {max(map(int, lengths))}-token prompts "
+               f"from the left; pass --model_args max_length={need} (max_seq_lengths + 1) or more")
+
+
+def _under_lm_eval_cli() -> bool:
+    """Whether this process is the ``lm_eval`` command line (``lm_eval`` / ``lm-eval`` or ``python -m lm_eval``)."""
+    import os
+    import sys
+
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return (spec is not None and spec.name in ("lm_eval", "lm_eval.__main__")) or \
+        os.path.basename(sys.argv[0] if sys.argv else "") in ("lm_eval", "lm-eval")
+
+
+def refuse(message: str) -> None:
+    """A caller's mistake: under the ``lm_eval`` command line one ``lm_eval: error:`` line and exit status 2 (lm-eval
+    would print its whole traceback around a ValueError); a ValueError for any other caller."""
+    if _under_lm_eval_cli():
+        import sys
+
+        print(f"lm_eval: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+    raise ValueError(message)
 
 
 def _long_dataset(task: str, kwargs) -> dict:

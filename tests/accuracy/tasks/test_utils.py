@@ -94,6 +94,19 @@ def test_the_needed_max_length_keeps_every_prompt_whole(task):
         assert len(tok(doc["input"], add_special_tokens=False).input_ids) <= kept - (max(lengths) - doc["length"])
 
 
+@pytest.mark.parametrize("argv0", ["/venv/bin/lm_eval", "/venv/bin/lm-eval"])
+def test_under_the_lm_eval_command_line_a_refusal_is_one_line_and_exit_2(argv0, monkeypatch, capsys):
+    """lm-eval prints a whole traceback around a task's ValueError; its command line gets one line instead."""
+    monkeypatch.setattr("sys.argv", [argv0, "--tasks", "x"])
+    with pytest.raises(SystemExit) as e:
+        utils.check_max_length("m3_kv", [4096], {})
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("lm_eval: error: m3_kv: max_length 2048") and err.count("\n") == 1
+    with pytest.raises(SystemExit):
+        utils._tokenizer_name({})
+    assert "--model_args tokenizer=" in capsys.readouterr().err
+
+
 def test_the_long_tasks_check_max_length_when_lm_eval_builds_them():
     with pytest.raises(ValueError, match="max_length=2049"):
         utils.niah_single(max_seq_lengths=[2048], num_samples=1, num_depths=1, tokenizer=MSA)
