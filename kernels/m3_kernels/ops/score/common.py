@@ -8,8 +8,9 @@ that is not an ``IndexKCache``: TypeError).
 
 Values held on the device are checked where that costs nothing, on host tensors; on a GPU only under
 ``M3_SCORE_DEBUG=1``: decode ``seq_lens >= 0`` and prefill's host lengths equal to the device ones. Page
-ids outside the cache are not an error: every backend scores such a page -inf (the kernels never read
-outside the cache); ``M3_SCORE_DEBUG=1`` reports them as ValueError at plan time.
+ids outside the cache are not an error: such a page scores -inf (torch, Triton, the sm_90 scorer and the
+CUDA kernel read page 0 in its place, never outside the cache; the ROCm FlyDSL and aiter kernels, never run
+on a GPU here, take ids as given); ``M3_SCORE_DEBUG=1`` reports them as ValueError at plan time.
 """
 
 import math

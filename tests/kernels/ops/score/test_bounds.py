@@ -156,13 +156,19 @@ def _expect(ref, cells, S, per_request_rows):
 
 
 @pytest.mark.parametrize("bad", list(BAD_PAGE_IDS))
-@pytest.mark.parametrize("backend", DECODE_BACKENDS + ["oracle"])
+@pytest.mark.parametrize("backend", DECODE_BACKENDS + ["cuda", "oracle"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_page_ids_outside_the_cache_score_minus_inf(gen, device, fmt, backend, bad):
+    """Every decode backend, the CUDA C++ kernel included (on an sm_90 GPU, MXFP4)."""
     if backend == "oracle" and device == "cuda":
         pytest.skip("the oracle runs on the CPU")
-    _on(device, backend if backend != "oracle" else "torch")
+    if backend == "cuda":
+        from m3_kernels.ops.score.backends import cuda as cuda_backend
+
+        if device != "cuda" or fmt != "mxfp4" or not cuda_backend.ensure_built(torch.device("cuda")):
+            pytest.skip("the CUDA kernel scores MXFP4 on an sm_90 GPU")
+    _on(device, backend if backend not in ("oracle", "cuda") else "torch")
     S = 2
     cache, batch = _decode_case(gen, device, fmt, S=S)
     cells = [(1, 0), (2, 2)]  # request 1's first page, request 2's last (own) page

@@ -143,8 +143,7 @@ def run(plan, q, cache, out, module=None, pdl=None):
     benchmark's baseline), else this source's. ``pdl``: programmatic dependent launch (default
     ``ops.pdl.use_pdl``).
 
-    The kernel takes the page ids as given: a page id outside the cache is not guarded inside it. The
-    plans report such ids under ``M3_SCORE_DEBUG=1`` (``ops.score.common``).
+    A page id outside the cache is read as page 0 inside the kernel and scores -inf (``naive.py``'s rule).
     """
     if plan.batch == 0 or plan.max_block == 0:
         return out

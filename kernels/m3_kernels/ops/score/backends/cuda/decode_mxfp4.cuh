@@ -76,8 +76,12 @@ struct Params {
   int64_t out_stride_h;      // elements
   int64_t out_stride_r;      // elements
   int batch, S, H, max_block, cp_rank, cp_world;
+  int num_pages;             // pages of the cache: an id outside [0, num_pages) is read as page 0 and scores -inf
   float sm_scale;
 };
+
+// A block-table id that lies in the cache (the others are never read; their page scores -inf).
+__device__ __forceinline__ bool page_in_cache(const Params& p, int id) { return (unsigned)id < (unsigned)p.num_pages; }
 
 // ------------------------------------------------------------------ PTX helpers
 
@@ -418,7 +422,7 @@ __device__ void page_multipass(const uint8_t* data, const uint8_t* scale, int E,
 // Ends with __syncwarp: the page's buffer may be refilled after it returns.
 template <int NT>
 __device__ __forceinline__ void score_page(const Params& p, const uint8_t* data, int page, int seq_len, int lane,
-                                           const QState<NT>& qs) {
+                                           const QState<NT>& qs, bool in_cache) {
   const int page_start = (page * p.cp_world + p.cp_rank) * kPageTokens;
   int lim[NT][2];
 #pragma unroll
@@ -456,7 +460,7 @@ __device__ __forceinline__ void score_page(const Params& p, const uint8_t* data,
       if (lane < 4 && qs.col_pos[nt][c] >= 0) {
         v *= p.sm_scale;
         if (one_pass) v = ldexpf(v, E - kE8m0Bias - 1 + qs.col_qe[nt][c]);  // K = A * 2^(E - 128)
-        p.out[qs.col_out[nt][c] + page] = v;
+        p.out[qs.col_out[nt][c] + page] = in_cache ? v : -INFINITY;
       }
     }
   }
@@ -493,6 +497,7 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm(NT)) score_decode_mxf
   Cursor cur;
   locate(p, lane, start, cur.b, cur.page, cur.n);
   auto issue = [&](int stage, int page_id) {
+    if (!page_in_cache(p, page_id)) page_id = 0;  // read page 0 instead; the page scores -inf
     if (lane == 0) {
       mbar_expect_tx(&bars[stage], kStageBytes);
       bulk_load(ring + stage * kStageBytes, p.k_data + (int64_t)page_id * p.data_page_stride, kPageDataBytes,
@@ -501,7 +506,8 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm(NT)) score_decode_mxf
                 kPageScaleBytes, &bars[stage], policy);
     }
   };
-  issue(0, p.block_table[(int64_t)cur.b * p.bt_stride + cur.page]);
+  int cur_id = p.block_table[(int64_t)cur.b * p.bt_stride + cur.page];
+  issue(0, cur_id);
   Cursor nxt = cur;
   advance(p, nxt);
   int next_id = count > 1 ? p.block_table[(int64_t)nxt.b * p.bt_stride + nxt.page] : 0;
@@ -514,6 +520,7 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm(NT)) score_decode_mxf
       if (lane == 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       issue(stage ^ 1, next_id);
     }
+    const int nxt_id = next_id;
     Cursor after = nxt;
     if (i + 2 < count) {
       advance(p, after);
@@ -525,8 +532,9 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm(NT)) score_decode_mxf
       load_q<NT, Q_E4M3>(p, q_b, seq_len, lane, qs);
     }
     mbar_wait(&bars[stage], (i >> 1) & 1);
-    score_page<NT>(p, ring + stage * kStageBytes, cur.page, seq_len, lane, qs);
+    score_page<NT>(p, ring + stage * kStageBytes, cur.page, seq_len, lane, qs, page_in_cache(p, cur_id));
     cur = nxt;
+    cur_id = nxt_id;
     nxt = after;
   }
 }
@@ -596,6 +604,7 @@ inline void score_decode_mxfp4(tvm::ffi::TensorView q_bytes, tvm::ffi::TensorVie
   p.S = static_cast<int>(S);
   p.H = static_cast<int>(q_bytes.size(1));
   p.max_block = static_cast<int>(max_block);
+  p.num_pages = static_cast<int>(k_data.size(0));
   p.cp_rank = static_cast<int>(cp_rank);
   p.cp_world = static_cast<int>(cp_world);
   p.sm_scale = static_cast<float>(sm_scale);
