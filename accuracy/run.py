@@ -957,8 +957,8 @@ def model_of_servers(model: str | None, servers: dict) -> str:
 
 def check_model(model: str) -> None:
     """ValueError, before a server is started, for a ``--model`` that is neither a local model folder (one holding
-    ``config.json``) nor a hub id whose config is in the Hugging Face cache or on the hub (asked for up to
-    ``HUB_TIMEOUT_S``)."""
+    ``config.json``) nor a hub id whose config is in the Hugging Face cache or on the hub (asked through
+    ``huggingface_hub`` for up to ``HUB_TIMEOUT_S``, with the user's token)."""
     from sglang_m3.scope import model_config_dict
 
     path = Path(model).expanduser()
@@ -970,18 +970,21 @@ def check_model(model: str) -> None:
         return
     if model.count("/") != 1 or model.startswith((".", "/", "~")):
         raise ValueError(f"--model {model}: no such model folder (and not a hub id of the form org/name)")
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
-    reason = "HF_HUB_OFFLINE is set" if offline else None
-    if not offline:
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        reason = "HF_HUB_OFFLINE is set"
+    else:
+        from huggingface_hub import HfApi
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
         try:
-            urllib.request.urlopen(urllib.request.Request(f"{endpoint}/api/models/{model}", method="HEAD"),
-                                   timeout=HUB_TIMEOUT_S).close()
+            HfApi().model_info(model, timeout=HUB_TIMEOUT_S)  # the user's token, if any, as SGLang's download
             return
-        except urllib.error.HTTPError as e:
-            reason = f"the hub answers HTTP {e.code} for it"
-        except (urllib.error.URLError, OSError) as e:
-            reason = f"the hub at {endpoint} does not answer ({getattr(e, 'reason', e)})"
+        except GatedRepoError:  # there, behind an access request: SGLang's download says what it needs
+            return
+        except RepositoryNotFoundError:
+            reason = "the hub has no such model (or it is private and no token can read it)"
+        except Exception as e:  # no answer: connection refused, a timeout, a proxy's error page
+            reason = f"the hub does not answer ({type(e).__name__})"
     raise ValueError(f"--model {model}: no such model folder, not in the Hugging Face cache, and {reason}")
 
 

@@ -222,18 +222,38 @@ def test_the_legend_is_printed_when_there_is_a_pair(tmp_path, fake_completions):
     assert "Baseline: fp8" in (out / "report.md").read_text()
 
 
-@pytest.mark.parametrize("model, env, said", [
-    ("configs/no-such-model", {}, "no such model folder"),
-    ("configs", {}, "holds no config.json"),
-    ("no-such-org/no-such-model", {"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE is set"),
-    ("no-such-org/no-such-model", {"HF_ENDPOINT": "http://127.0.0.1:9"}, "does not answer"),
+def _hub_answers(kind):
+    """A stand-in for ``HfApi.model_info``: no such model, no answer, or a gated one."""
+    import httpx
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    def model_info(self, repo_id, **kw):
+        response = httpx.Response(404 if kind == "missing" else 403, request=httpx.Request("GET", "http://hub/x"))
+        if kind == "missing":
+            raise RepositoryNotFoundError("404", response=response)
+        if kind == "gated":
+            raise GatedRepoError("403", response=response)
+        raise ConnectionError("connection refused")
+
+    return model_info
+
+
+@pytest.mark.parametrize("model, env, hub, said", [
+    ("configs/no-such-model", {}, None, "no such model folder"),
+    ("configs", {}, None, "holds no config.json"),
+    ("no-such-org/no-such-model", {"HF_HUB_OFFLINE": "1"}, None, "HF_HUB_OFFLINE is set"),
+    ("no-such-org/no-such-model", {}, "missing", "the hub has no such model"),
+    ("no-such-org/no-such-model", {}, "down", "the hub does not answer (ConnectionError)"),
 ])
 def test_a_model_that_does_not_exist_is_refused_before_a_server_starts(tmp_path, capsys, monkeypatch, model, env,
-                                                                        said):
+                                                                        hub, said):
     import time
+
+    from huggingface_hub import HfApi
 
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr(HfApi, "model_info", _hub_answers(hub) if hub else _hub_answers("down"))
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(run.SGLangServer, "start", lambda self: pytest.fail("a server was started"))
     out = tmp_path / "acc"
@@ -241,6 +261,15 @@ def test_a_model_that_does_not_exist_is_refused_before_a_server_starts(tmp_path,
     err = _refused(capsys, ["--model", model, "--formats", "fp8", "--out", str(out)], out)
     assert time.monotonic() - t0 < 15
     assert f"--model {model}" in err and said in err and err.count("\n") == 1
+
+
+def test_a_hub_model_that_exists_or_is_gated_passes(monkeypatch):
+    from huggingface_hub import HfApi
+
+    monkeypatch.setattr(HfApi, "model_info", lambda self, repo_id, **kw: None)
+    run.check_model("some-org/some-model")
+    monkeypatch.setattr(HfApi, "model_info", _hub_answers("gated"))
+    run.check_model("some-org/some-model")
 
 
 def test_starting_servers_needs_a_model(tmp_path, capsys):
