@@ -172,3 +172,27 @@ def test_table_without_a_usable_reference_has_no_ratio_block():
     results = _results({"up-bf16": {"error": "not started (time budget)"}, "m3-fp8": {"capacity_tokens": 5}})
     table = sbs.render_table(results)
     assert "Against" not in table and "| m3-fp8 | 5 | as is | - | - | - | - |" in table
+
+
+def test_agreement_falls_back_to_the_first_arm_that_served():
+    arms = {"up-bf16": {"error": "x"}, "m3-fp8": {"greedy": [[1, 2]]}, "m3-mxfp4": {"greedy": [[1, 3]]}}
+    results = _results(arms)
+    sbs.agreement(results, "up-bf16")
+    assert results["agreement_reference"] == "m3-fp8"
+    assert arms["m3-mxfp4"]["agree"] == {"equal": 0, "of": 1, "first_divergence": [1]}
+    assert "greedy = m3-fp8" in sbs.render_table(results)
+
+
+def test_a_failed_start_is_reported_by_its_error_line():
+    log = repr(RuntimeError("up-bf16-0: server exited with 1:\n  File \"x.py\", line 1\n"
+                            "ModuleNotFoundError: No module named 'vllm'\n[t] Received sigquit from a child process."))
+    assert sbs.last_error_line(log) == "ModuleNotFoundError: No module named 'vllm'"
+
+
+def test_cpu_plumbing_flags(tmp_path):
+    args = sbs.parse_args(["--out", str(tmp_path), "--cpu", "--decode", "1024x2"])
+    flags = sbs.common_flags(args)
+    assert flags[:2] == ["--device", "cpu"] and "--disable-cuda-graph" in flags and "--cuda-graph-bs" not in flags
+    assert int(flags[flags.index("--max-total-tokens") + 1]) >= 2 * 1024
+    (note, extra, env), = sbs.attempts(sbs.parse_arm("up-bf16"), args)
+    assert note == "cpu" and env["SGLANG_PLUGINS"] == "none" and env["OMP_WAIT_POLICY"] == "PASSIVE"
