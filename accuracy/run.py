@@ -947,6 +947,8 @@ def model_of_servers(model: str | None, servers: dict) -> str:
     ours = {label: i for label, i in servers.items() if i is not None and not is_upstream(label)}
     arms = ours or {label: i for label, i in servers.items() if i is not None}
     if model is None:
+        if not arms:  # --reuse of runs that kept no server.json
+            raise ValueError("--model is needed: no server of this run said what it serves")
         return next(iter(arms.values()))["model_path"]
     for label, identity in arms.items():
         if not _same_model(model, str(identity["model_path"])):

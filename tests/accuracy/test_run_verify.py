@@ -332,3 +332,14 @@ def test_upstream_arms_of_two_models_are_refused_and_an_upstream_label_needs_a_u
     assert "--base-url upstream-fp8=URL" in err
     err = _refused(capsys, ["--base-url", "upstream-int4=http://h:1", "--out", str(out)], out)
     assert "upstream-bf16 or upstream-fp8" in err
+
+
+def test_the_model_of_the_servers():
+    ours = {"url": "http://a", "model_path": MSA}
+    theirs = {"url": "http://b", "model_path": "m3-upstream"}
+    assert run.model_of_servers(None, {"upstream-fp8": theirs, "mxfp4": ours}) == MSA  # ours first
+    assert run.model_of_servers(None, {"upstream-fp8": theirs}) == "m3-upstream"
+    same = str(ROOT / "configs" / ".." / "configs" / "msa-small")  # another spelling of the served folder
+    assert run.model_of_servers(same, {"mxfp4": ours}) == same
+    with pytest.raises(ValueError, match="--model is needed"):
+        run.model_of_servers(None, {"fp8": None})
