@@ -7,7 +7,8 @@ folders, so committing the log itself does not move them, and ``lab/tests/script
 when the folders at HEAD have no row, or when their newest row failed.
 
     python lab/gpu/gate.py archive REV DIR          # DIR/src: the files the suite needs at REV (carried)
-    python lab/gpu/gate.py record REV LOG MACHINE   # append the row of a returned run (LOG: pytest_gpu.log)
+    python lab/gpu/gate.py record REV MACHINE LOG ...  # append the row of a returned run (each LOG: a
+                                                       # pytest_gpu.log; shards of one suite are summed)
     python lab/gpu/gate.py no-gpu REV WHY           # append a row saying that no GPU could be had
 """
 
@@ -88,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("dir", type=Path)
     r = sub.add_parser("record")
     r.add_argument("rev")
-    r.add_argument("log", type=Path)
     r.add_argument("machine", help='the card, e.g. "one H100"')
+    r.add_argument("log", type=Path, nargs="+")
     n = sub.add_parser("no-gpu")
     n.add_argument("rev")
     n.add_argument("why")
@@ -111,9 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         _append([today, rev, k, s, "none", "-", "-", "-", "no GPU"])
         print(f"{LOG.name}: {rev} no GPU ({args.why})")
         return 0
-    if not args.log.is_file():
-        raise SystemExit(f"gate: LOG {args.log} is not a file")
-    c = counts(args.log.read_text(errors="replace"))
+    c = dict(passed=0, failed=0, skipped=0, errors=0)
+    for log in args.log:
+        if not log.is_file():
+            raise SystemExit(f"gate: LOG {log} is not a file")
+        for key, n in counts(log.read_text(errors="replace")).items():
+            c[key] += n
     result = "passed" if c["failed"] == 0 and c["errors"] == 0 and c["passed"] > 0 else "failed"
     failed = str(c["failed"] + c["errors"])
     _append([today, rev, k, s, args.machine, str(c["passed"]), failed, str(c["skipped"]), result])

@@ -55,3 +55,19 @@ def test_verdict_wants_the_newest_row_of_these_trees():
 def test_rows_skip_the_header_and_prose():
     text = "# title\n\nsome | prose\n\n" + TABLE
     assert [r["commit"] for r in gate.rows(text)] == ["abc1234"]
+
+
+def test_record_sums_the_shards_of_one_suite(tmp_path, monkeypatch):
+    """Two calls' logs (kernels, then serving) make one row; a failure in either fails the row."""
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    log = tmp_path / "gpu-gate.md"
+    log.write_text("# title\n\n" + gate.HEADER)
+    monkeypatch.setattr(gate, "LOG", log)
+    a, b = tmp_path / "a.log", tmp_path / "b.log"
+    a.write_text("10 passed, 2 skipped in 5s\n")
+    b.write_text("3 passed, 1 failed in 9s\n")
+    assert gate.main(["record", "HEAD", "one H100", str(a), str(b)]) == 0
+    (row,) = gate.rows(log.read_text())
+    assert (row["passed"], row["failed"], row["skipped"], row["result"]) == ("13", "1", "2", "failed")
+    assert (row["kernels"], row["sglang_m3"]) == gate.trees("HEAD")
