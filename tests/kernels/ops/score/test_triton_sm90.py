@@ -94,7 +94,7 @@ def check_prefill(gen, device, fmt, q_dtype, H, new, prefix, max_block=None, sin
     """Score a batch (``new`` tokens after ``prefix`` cached ones per request) and compare with the
     reference. ``tiles``: "device" (``prefill_tiles_device``, padded), "host" (``prefill_tiles_host``
     as a tensor) or None (built inside, with the host length check)."""
-    _mod()
+    mod = _mod()
     batch = len(new)
     need = [(p + n + PAGE_SIZE - 1) // PAGE_SIZE for p, n in zip(prefix, new)]
     max_block = max_block or max(max(need), 1)
@@ -138,7 +138,7 @@ def _random_batch(rng):
 def test_device_work_map_equals_the_host_plan(device):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    _mod()
+    mod = _mod()
     seed = random.SystemRandom().randrange(2**31)
     rng = random.Random(seed)
     for _ in range(200):
@@ -155,7 +155,7 @@ def test_device_work_map_equals_the_host_plan(device):
 
 
 def test_tile_rows_and_bound():
-    _mod()
+    mod = _mod()
     assert [mod.tile_rows(h) for h in (1, 3, 4, 8, 512)] == [256, 85, 64, 32, 1]
     # The bound is reached: every request one token past a tile.
     rows = mod.tile_rows(4)
@@ -313,7 +313,7 @@ def test_prefill_mxfp4_scale_ranges_gpu(gen, scale_range, q_scale, mx_join):
 def test_prefill_device_map_under_graph_replay_gpu(gen, fmt):
     """Map and scorer captured once in a CUDA graph with padded buffers, replayed with other lengths."""
     _on("cuda")
-    _mod()
+    mod = _mod()
     H, mb, batch, total = 4, 16, 3, 600
     pages = batch * mb + 1
     k_cache, k_scale = random_cache(gen, fmt, pages, "cuda")

@@ -201,6 +201,17 @@ def _mx_group_dot_split(k_ptr, s_ptr, base_d, base_s, o_t, b_qe, b_qo, col_scale
 
 
 @triton.jit
+def _tile_vectors(row0, pos0, n_rows, stride_o_h, stride_o_r, H: tl.constexpr, N: tl.constexpr):
+    """A query tile's ``N`` vectors (``n_rows`` tokens from row ``row0`` at position ``pos0``, ``H`` heads each,
+    token-major): ``(mask, rows, heads, positions, output offsets without the page)``."""
+    o_n = tl.arange(0, N)
+    j = o_n // H
+    rows = row0 + j
+    heads = o_n % H
+    return j < n_rows, rows, heads, pos0 + j, heads.to(tl.int64) * stride_o_h + rows.to(tl.int64) * stride_o_r
+
+
+@triton.jit
 def _page_id(bt_row, p, n_pages):
     """Page ``p`` of the request (int64) and whether it lies in the cache; an id outside ``[0, n_pages)`` is
     replaced by page 0, so nothing is read outside the cache, and its score is -inf (``_page_score``)."""
@@ -348,13 +359,7 @@ def _score_kernel(
     n_local = tl.minimum(tl.maximum((n_global - cp_rank + cp_world - 1) // cp_world, 0), n_cols)
     p_start = i_c * PP
     p_stop = tl.minimum(p_start + PP, n_cols)
-    o_n = tl.arange(0, NQ)
-    j = o_n // H
-    m_n = j < n_rows
-    rows = row0 + j
-    heads = o_n % H
-    pos = pos0 + j
-    o_h = heads.to(tl.int64) * stride_o_h + rows.to(tl.int64) * stride_o_r
+    m_n, rows, heads, pos, o_h = _tile_vectors(row0, pos0, n_rows, stride_o_h, stride_o_r, H, NQ)
     if FILL_TAIL:
         for p in range(tl.maximum(p_start, n_local), p_stop):
             tl.store(out_ptr + o_h + p, tl.full([NQ], float("-inf"), tl.float32), mask=m_n)

@@ -42,6 +42,7 @@ from .triton import (  # the e2m1 byte-permute decode and the kernels' small rul
     _page_id,
     _page_score,
     _pow2,
+    _tile_vectors,
     interpret,
     use_asm,
 )
@@ -126,6 +127,29 @@ def _e2m1_f16(b_d, USE_ASM: tl.constexpr, UNIT: tl.constexpr):
     return lo, hi
 
 
+def _e4m3_pair_asm(out: int, selector: str) -> str:
+    """PTX placing two e4m3 bytes of ``$2`` (``prmt`` ``selector``) as ``2^-120``-scaled bf16 bit patterns and
+    multiplying them by ``2^120`` into ``$out``."""
+    return f"""
+            prmt.b32 a, $2, c, {selector};
+            shl.b32 m, a, 4;
+            and.b32 m, m, 0x07F007F0;
+            shl.b32 s, a, 8;
+            and.b32 s, s, 0x80008000;
+            or.b32 a, m, s;
+            fma.rn.bf16x2 ${out}, a, f, z;"""
+
+
+_E4M3_BF16_ASM = tl.constexpr("""
+            {
+            .reg .b32 a, c, m, s, f, z;
+            mov.b32 c, 0;
+            mov.b32 f, 0x7B807B80;
+            mov.b32 z, 0x80008000;""" + _e4m3_pair_asm(0, "0x4140") + _e4m3_pair_asm(1, "0x4342") + """
+            }
+            """)
+
+
 @triton.jit
 def _e4m3_bf16(b_k, USE_ASM: tl.constexpr):
     """e4m3 ``[..., C]`` -> bf16 ``[..., C]``, exact. GPU: the bf16 bit pattern ``sign << 15 | (b & 0x7F) << 4``
@@ -133,28 +157,7 @@ def _e4m3_bf16(b_k, USE_ASM: tl.constexpr):
     multiply by ``2^120`` per pair (integer and FMA pipes; no conversion unit)."""
     if USE_ASM:
         k = tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 a, c, m, s, f, z;
-            mov.b32 c, 0;
-            mov.b32 f, 0x7B807B80;
-            mov.b32 z, 0x80008000;
-            prmt.b32 a, $2, c, 0x4140;
-            shl.b32 m, a, 4;
-            and.b32 m, m, 0x07F007F0;
-            shl.b32 s, a, 8;
-            and.b32 s, s, 0x80008000;
-            or.b32 a, m, s;
-            fma.rn.bf16x2 $0, a, f, z;
-            prmt.b32 a, $2, c, 0x4342;
-            shl.b32 m, a, 4;
-            and.b32 m, m, 0x07F007F0;
-            shl.b32 s, a, 8;
-            and.b32 s, s, 0x80008000;
-            or.b32 a, m, s;
-            fma.rn.bf16x2 $1, a, f, z;
-            }
-            """,
+            asm=_E4M3_BF16_ASM,
             constraints="=r,=r,r",
             args=[b_k.to(tl.uint8, bitcast=True)],
             dtype=tl.bfloat16,
@@ -250,13 +253,8 @@ def _prefill_sm90_kernel(
     p_start = i_c * PP
     p_stop = tl.minimum(p_start + PP, n_cols)
 
-    o_n = tl.arange(0, BM)
-    j = o_n // H
-    m_n = j < n_rows
-    rows = row0 + j
-    heads = o_n % H
-    pos = pos0 + j
-    o_out = out_ptr + heads.to(tl.int64) * stride_o_h + rows.to(tl.int64) * stride_o_r
+    m_n, rows, heads, pos, o_h = _tile_vectors(row0, pos0, n_rows, stride_o_h, stride_o_r, H, BM)
+    o_out = out_ptr + o_h
     for p in range(tl.maximum(p_start, n_vis), p_stop):
         tl.store(o_out + p, tl.full([BM], float("-inf"), tl.float32), mask=m_n)
     p_end = tl.minimum(p_stop, n_vis)
