@@ -1,21 +1,29 @@
 """Print what each index-K format costs and keeps: bytes per token, SQNR of a round trip on
 random keys with outlier channels, and top-16 block agreement with bf16.
 
-    python -m m3_kernels.formats.report [--tokens 16384] [--seed 0]
+    .venv/bin/python lab/scripts/format_report.py [--tokens 16384] [--seed 0]
+
+Evidence only (the product's formats module does not import it); the float64 references of the
+writer, scorer and selector do the work.
 """
 
 import argparse
 
 import torch
 
-from ..ops.score.naive import score_decode_ref
-from ..ops.select.naive import select_blocks_ref, visible_blocks
-from ..ops.write.naive import write_index_k_ref
-from .config import IndexKFormat
-from .constants import INDEX_DIM, PAGE_SIZE
-from .index_k import dequantize_index_k, prepare_index_q, quantize_index_k
-from .pages import alloc_index_k_cache
-from .rotation import rotate
+from m3_kernels.formats import (
+    INDEX_DIM,
+    PAGE_SIZE,
+    IndexKFormat,
+    alloc_index_k_cache,
+    dequantize_index_k,
+    prepare_index_q,
+    quantize_index_k,
+    rotate,
+)
+from m3_kernels.ops.score.naive import score_decode_ref
+from m3_kernels.ops.select.naive import select_blocks_ref, visible_blocks
+from m3_kernels.ops.write.naive import write_index_k_ref
 
 
 def _keys(tokens: int, gen: torch.Generator) -> torch.Tensor:
@@ -39,7 +47,8 @@ def main(argv=None):
     n_visible = visible_blocks(torch.full((args.queries,), args.tokens - 1), PAGE_SIZE)
 
     selected = {}
-    print(f"{args.tokens} random keys (4 outlier channels x8), {args.queries} queries x 4 heads, top-16 of {pages} blocks")
+    print(f"{args.tokens} random keys (4 outlier channels x8), {args.queries} queries x 4 heads, top-16 of {pages} "
+          "blocks")
     print("| format | B/token | vs bf16 | SQNR dB | top-16 overlap with bf16 |")
     print("|---|---|---|---|---|")
     for fmt in IndexKFormat:
