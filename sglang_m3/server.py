@@ -3,7 +3,7 @@ tests and the CPU benchmark.
 
 A ``Server`` is ``python -m sglang.launch_server --model-path MODEL ... --host H --port P`` in a session
 (process group) of its own, its output in a log file, on a port the OS hands out and this process has not
-handed out before (``free_port``). Readiness is polled with SGLang's ``sglang.utils.wait_for_http_ready`` on
+handed out lately (``free_port``). Readiness is polled with SGLang's ``sglang.utils.wait_for_http_ready`` on
 ``/v1/models`` and the server is stopped with SIGTERM to its group, then SGLang's ``kill_process_tree`` and
 SIGKILL to the group for what is left. A start that loses a port race (``address already in use`` in its log:
 another program took the port between ``free_port`` and the server's bind) is retried on fresh ports.
@@ -19,6 +19,7 @@ Example::
         print(s.url)  # http://127.0.0.1:<port>
 """
 
+import collections
 import os
 import signal
 import socket
@@ -70,25 +71,30 @@ def cpu_env(env: dict | None = None) -> dict:
     return server_env(["--device", "cpu"], env)
 
 
-_handed_out: set[tuple[str, int]] = set()  # every (host, port) free_port returned in this process
+HANDED_OUT_MEMORY = 4096  # ports free_port remembers; Linux hands out ~14,000 (even) ephemeral ports to bind(0)
+_handed_out: collections.OrderedDict = collections.OrderedDict()  # (host, port) -> None, oldest first
 _handed_out_lock = threading.Lock()
 FREE_PORT_TRIES = 1000
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port on ``host`` that the OS reports free now (bind to port 0) and that this process has never handed
-    out before: a server started again after a lost port race, or one started beside another that has not bound
-    its port yet, never gets a port already given to a server of this process (the OS may hand back a port it
-    just freed). RuntimeError if ``FREE_PORT_TRIES`` binds find none."""
+    """A port on ``host`` that the OS reports free now (bind to port 0) and that is none of the last
+    ``HANDED_OUT_MEMORY`` ports this function returned in this process: a server started again after a lost port
+    race, or one started beside another that has not bound its port yet, never gets a port just given to another
+    (the OS may hand back the port it just freed: 1 triple of calls in 1,000-5,000 did on a 2-core box).
+    RuntimeError if ``FREE_PORT_TRIES`` binds find none."""
     with _handed_out_lock:
         for _ in range(FREE_PORT_TRIES):
             with socket.socket() as s:
                 s.bind((host, 0))
                 port = s.getsockname()[1]
             if (host, port) not in _handed_out:
-                _handed_out.add((host, port))
+                _handed_out[(host, port)] = None
+                while len(_handed_out) > HANDED_OUT_MEMORY:
+                    _handed_out.popitem(last=False)
                 return port
-    raise RuntimeError(f"no port on {host} that this process has not handed out already in {FREE_PORT_TRIES} tries")
+    raise RuntimeError(f"no port on {host} other than the {len(_handed_out)} this process handed out last, in "
+                       f"{FREE_PORT_TRIES} tries")
 
 
 class Server:
