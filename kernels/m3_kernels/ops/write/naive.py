@@ -2,7 +2,16 @@
 
 import torch
 
-from ...formats import INDEX_DIM, PAGE_SIZE, IndexKFormat, ScaleRule, check_index_k_cache, parse_format, quantize_index_k
+from ...formats import (
+    INDEX_DIM,
+    PAGE_SIZE,
+    IndexKCache,
+    IndexKFormat,
+    ScaleRule,
+    check_index_k_cache,
+    parse_format,
+    quantize_index_k,
+)
 
 
 def check_write_rows(k, loc, k_cache) -> None:
@@ -33,19 +42,16 @@ def write_index_k_ref(k, loc, k_cache, k_scale, fmt, scale_rule: ScaleRule | str
     is written, so a bad ``loc`` raises ValueError and leaves the cache untouched.
     """
     fmt = check_write_args(k, loc, k_cache, k_scale, fmt)
-    _store(k, loc, k_cache, k_scale, fmt, scale_rule, sign_seed)
+    write_rows(IndexKCache(fmt, k_cache, k_scale, scale_rule, sign_seed), k, loc)
 
 
 def write_rows(cache, k, loc) -> None:
     """``write_index_k_ref`` into an ``IndexKCache`` (checked when made; ``k``, ``loc`` by the caller)."""
-    _store(k, loc, cache.data, cache.scale_e8m0, cache.fmt, cache.scale_rule, cache.sign_seed)
-
-
-def _store(k, loc, k_cache, k_scale, fmt, scale_rule, sign_seed) -> None:
-    capacity = k_cache.shape[0] * PAGE_SIZE
+    k_cache, k_scale, fmt = cache.data, cache.scale_e8m0, cache.fmt
+    capacity = cache.capacity
     if loc.numel() and (int(loc.min()) < 0 or int(loc.max()) >= capacity):
         raise ValueError(f"loc values must lie in [0, {capacity}), got min {int(loc.min())}, max {int(loc.max())}")
-    rows, scale_rows = quantize_index_k(k, fmt, scale_rule, sign_seed)
+    rows, scale_rows = quantize_index_k(k, fmt, cache.scale_rule, cache.sign_seed)
     page, row = loc.long() // PAGE_SIZE, loc.long() % PAGE_SIZE
     k_cache[page, row] = rows
     if k_scale is not None:

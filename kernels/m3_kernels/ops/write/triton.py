@@ -362,7 +362,7 @@ def write_index_k_triton(cache, k, loc, tokens_per_program=None, num_warps=None)
     if k.stride(1) != 1:
         k = k.contiguous()
     loc = loc.contiguous()
-    capacity = k_cache.shape[0] * PAGE_SIZE
+    capacity = cache.capacity
     rule = parse_scale_rule(scale_rule)
     default_bt, default_warps = _rot_launch(n) if fmt.is_rotated else (_BT, 4)
     bt = tokens_per_program or default_bt
