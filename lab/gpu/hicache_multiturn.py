@@ -125,7 +125,8 @@ def run_format(fmt: str, a, out: Path) -> dict:
 def table(results, a) -> str:
     lines = [
         f"HiCache multi-turn, configs/msa-small, device pool {a.device_slots} slots, host ratio {a.hicache_ratio}, "
-        f"{a.convs} conversations x {a.turns} turns, prefix {a.prefix}, +{a.answer} answer +{a.user} user tokens a turn",
+        f"{a.convs} conversations x {a.turns} turns, prefix {a.prefix}, "
+        f"+{a.answer} answer +{a.user} user tokens a turn",
         "",
         "| format | turn-1 TTFT ms (cold) | turn>=2 TTFT ms (HiCache) | same prompts cold TTFT ms | host hit rate | "
         "device hit rate | requests with host hits | greedy == cold |",

@@ -367,9 +367,9 @@ def test_sglangs_host_pool_group_drives_the_index_sidecar_by_the_kv_slots(fmt, g
     assert anchor.calls == [("backup", None)] + [("load", i) for i in range(layers)]
 
 
-# ---- a CPU server with HiCache (SGLang's CUDA-only K/V host copies replaced by torch, for the test) ----
+# ---- servers with HiCache: a CPU one (SGLang's CUDA-only K/V host copies replaced by torch), a GPU one ----
 
-CPU_DEVICE_SLOTS = 4096  # holds one long prompt: the next one pushes it to the host
+DEVICE_SLOTS = 4096  # holds one long prompt: the next one pushes it to the host
 LONG = 20 * PAGE_SIZE + 37  # past 16 blocks, so top-16 selection reads the index keys
 
 
@@ -385,41 +385,34 @@ def _selection_rows(records):
             for rec in records for r, pos in enumerate(rec["positions"])}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_a_prefix_loaded_back_from_the_host_on_a_cpu_server_selects_and_answers_as_cold(fmt, tmp_path):
-    """configs/msa-small (trained weights) with HiCache on a CPU: SGLang's radix tree, controller and our
-    index sidecar as on a GPU; only SGLang's K/V host copies (CUDA-only) come from ``hicache_cpu/``.
-    A prompt past 16 blocks cold, again (a device prefix hit), then after another long prompt pushed it to
-    the host, again (a host hit): the same greedy tokens, and the host hit's new rows pick the cold run's
-    blocks (the loaded-back index keys are the ones the cold run wrote)."""
+def _server_args(fmt, record, device_slots):
     import json
+
+    return ["--index-k-format", IndexKFormat(fmt).value, "--skip-tokenizer-init", "--enable-hierarchical-cache",
+            "--max-total-tokens", str(device_slots), "--json-model-override-args",
+            json.dumps({"index_k_debug_record": str(record)})]
+
+
+def _long_prompts(n):
     import os
     import random
-    from pathlib import Path
 
-    from sglang_m3.server import Server, cpu_args
-
-    repo = Path(__file__).resolve().parents[2]
-    record = tmp_path / "selection.jsonl"
-    # Spawned children run hicache_cpu/sitecustomize.py at their start (forked ones were seen without its hooks).
-    env = dict(os.environ, M3_TEST_HICACHE_ON_CPU="1", SGLANG_M3_CPU_START="spawn",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent / "hicache_cpu"),
-                                                        os.environ.get("PYTHONPATH")])))
-    args = [*cpu_args(CPU_DEVICE_SLOTS), "--index-k-format", IndexKFormat(fmt).value, "--skip-tokenizer-init",
-            "--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
-            "--json-model-override-args", json.dumps({"index_k_debug_record": str(record)})]
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
-    prompt = [rng.randrange(3, 2048) for _ in range(LONG)]
-    filler = [rng.randrange(3, 2048) for _ in range(LONG)]
-    with Server(repo / "configs" / "msa-small", args, tmp_path / "server.log", cwd=repo, env=env) as server:
-        cold, cold_cached = _generate(server, prompt, max_new_tokens=4)
-        cold_rows = _selection_rows(_records(record))
-        device_hit, device_cached = _generate(server, prompt, max_new_tokens=4)
-        _generate(server, filler, max_new_tokens=1)
-        n = len(_records(record))
-        host_hit, host_cached = _generate(server, prompt, max_new_tokens=4)
-        host_rows = _selection_rows(_records(record)[n:])
+    return [[rng.randrange(3, 2048) for _ in range(LONG)] for _ in range(n)]  # configs/msa-small: 2,048 ids
+
+
+def _check_host_round_trip(server, record):
+    """A prompt past 16 blocks cold, again (a device prefix hit), then after another long prompt pushed it to
+    the host, again (a host hit): the same greedy tokens, and the host hit's new rows (and decode rows) pick
+    the cold run's blocks, so the loaded-back index keys are the ones the cold run wrote."""
+    prompt, filler = _long_prompts(2)
+    cold, cold_cached = _generate(server, prompt, max_new_tokens=4)
+    cold_rows = _selection_rows(_records(record))
+    device_hit, device_cached = _generate(server, prompt, max_new_tokens=4)
+    _generate(server, filler, max_new_tokens=1)
+    n = len(_records(record))
+    host_hit, host_cached = _generate(server, prompt, max_new_tokens=4)
+    host_rows = _selection_rows(_records(record)[n:])
     assert cold_cached["device"] + cold_cached["host"] == 0
     assert device_cached["device"] >= (LONG // PAGE_SIZE) * PAGE_SIZE
     assert host_cached["host"] >= (LONG // PAGE_SIZE) * PAGE_SIZE, host_cached
@@ -431,22 +424,41 @@ def test_a_prefix_loaded_back_from_the_host_on_a_cpu_server_selects_and_answers_
     assert all(host_rows[k] == cold_rows[k] for k in shared), [k for k in shared if host_rows[k] != cold_rows[k]][:5]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_prefix_loaded_back_from_the_host_on_a_cpu_server_selects_and_answers_as_cold(fmt, tmp_path):
+    """configs/msa-small (trained weights) with HiCache on a CPU, ``_check_host_round_trip``: SGLang's radix
+    tree, controller and our index sidecar as on a GPU; only SGLang's K/V host copies (CUDA-only) come from
+    ``hicache_cpu/``."""
+    import os
+    from pathlib import Path
+
+    from sglang_m3.server import Server, cpu_args
+
+    repo = Path(__file__).resolve().parents[2]
+    record = tmp_path / "selection.jsonl"
+    # Spawned children run hicache_cpu/sitecustomize.py at their start (forked ones were seen without its hooks).
+    env = dict(os.environ, M3_TEST_HICACHE_ON_CPU="1", SGLANG_M3_CPU_START="spawn",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent / "hicache_cpu"),
+                                                        os.environ.get("PYTHONPATH")])))
+    args = [*cpu_args(DEVICE_SLOTS), *_server_args(fmt, record, DEVICE_SLOTS),
+            "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first"]
+    with Server(repo / "configs" / "msa-small", args, tmp_path / "server.log", cwd=repo, env=env) as server:
+        _check_host_round_trip(server, record)
+
+
 # ---- on a GPU: a real server per format ------------------------------------------------------
 
-GPU_DEVICE_SLOTS = 4096  # a small device pool, so that later prompts evict the first one's prefix to the host
-
-
-def _gpu_server(fmt, log_path, *extra, env=None):
+def _gpu_server(fmt, tmp_path, *extra, env=None):
     from pathlib import Path
 
     from sglang_m3.server import Server
 
     repo = Path(__file__).resolve().parents[2]
-    args = ["--index-k-format", IndexKFormat(fmt).value, "--attention-backend", "triton", "--sampling-backend", "pytorch",
-            "--grammar-backend", "none", "--skip-tokenizer-init", "--enable-hierarchical-cache",
-            "--max-total-tokens", str(GPU_DEVICE_SLOTS), "--chunked-prefill-size", "1024",
+    args = [*_server_args(fmt, tmp_path / "selection.jsonl", DEVICE_SLOTS), "--attention-backend", "triton",
+            "--sampling-backend", "pytorch", "--grammar-backend", "none", "--chunked-prefill-size", "1024",
             "--max-running-requests", "4", "--disable-cuda-graph", "--mem-fraction-static", "0.3", *extra]
-    server = Server(repo / "configs" / "msa-small", args, log_path, cwd=repo, env=env, timeout_s=600)
+    server = Server(repo / "configs" / "msa-small", args, tmp_path / "server.log", cwd=repo, env=env, timeout_s=600)
     return server.start().wait_ready()
 
 
@@ -468,26 +480,12 @@ def _generate(server, input_ids, max_new_tokens=8):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_a_prefix_loaded_back_from_the_host_gives_the_cold_tokens_on_cuda(fmt, tmp_path):
-    """configs/msa-small (trained weights) with HiCache and a 4,096-slot device pool: a 1,500-token prompt
-    cold, again at once (a device prefix hit), then after 4,500 tokens of other prompts pushed its pages
-    to the host, again (a host hit: pages loaded back, index-K pages with them): the same greedy tokens
-    all three times."""
-    gen = torch.Generator().manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
-    prompt = torch.randint(3, 2048, (1500,), generator=gen).tolist()
-    fillers = [torch.randint(3, 2048, (1500,), generator=gen).tolist() for _ in range(3)]
-    server = _gpu_server(fmt, tmp_path / f"{IndexKFormat(fmt).value}.log")
+def test_a_prefix_loaded_back_from_the_host_selects_and_answers_as_cold_on_cuda(fmt, tmp_path):
+    """``_check_host_round_trip`` on a GPU server (``--attention-backend triton``, configs/msa-small, a
+    4,096-slot device pool, eager so the selection record sees every forward)."""
+    server = _gpu_server(fmt, tmp_path)
     try:
-        cold, cold_cached = _generate(server, prompt)
-        assert cold_cached["device"] + cold_cached["host"] == 0
-        device_hit, device_cached = _generate(server, prompt)
-        assert device_cached["device"] >= (len(prompt) // PAGE_SIZE) * PAGE_SIZE - PAGE_SIZE
-        for filler in fillers:
-            _generate(server, filler, max_new_tokens=1)
-        host_hit, host_cached = _generate(server, prompt)
-        assert host_cached["host"] >= PAGE_SIZE, (host_cached, server.log_tail())
-        assert device_hit == cold, "device prefix hit"
-        assert host_hit == cold, f"host prefix hit ({host_cached})"
+        _check_host_round_trip(server, tmp_path / "selection.jsonl")
     finally:
         server.stop()
 
@@ -502,10 +500,9 @@ def test_a_prefix_restored_from_file_storage_gives_the_cold_tokens_on_cuda(tmp_p
     import time
     import urllib.request
 
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    prompt = torch.randint(3, 2048, (1500,), generator=gen).tolist()
+    (prompt,) = _long_prompts(1)
     env = dict(os.environ, SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=str(tmp_path / "l3"))
-    server = _gpu_server("mxfp4", tmp_path / "mxfp4-file.log", "--hicache-storage-backend", "file",
+    server = _gpu_server("mxfp4", tmp_path, "--hicache-storage-backend", "file",
                          "--hicache-storage-prefetch-policy", "wait_complete", env=env)
     try:
         cold, _ = _generate(server, prompt)
@@ -515,7 +512,7 @@ def test_a_prefix_restored_from_file_storage_gives_the_cold_tokens_on_cuda(tmp_p
         with urllib.request.urlopen(urllib.request.Request(server.url + "/flush_cache", data=b"{}"), timeout=60) as r:
             assert r.status == 200, json.loads(r.read() or b"{}")
         restored, cached = _generate(server, prompt)
-        assert cached.get("storage", 0) >= PAGE_SIZE, (cached, server.log_tail())
+        assert cached.get("storage", 0) >= (LONG // PAGE_SIZE) * PAGE_SIZE, (cached, server.log_tail())
         assert restored == cold
     finally:
         server.stop()
