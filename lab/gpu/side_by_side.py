@@ -24,8 +24,10 @@ Per arm: KV-pool capacity (``max_total_num_tokens``), greedy tokens of fixed pro
 ``--reference``, an upstream arm by default), TTFT of one fresh prompt per ``--ttft`` length (median of
 ``--ttft-reps``), short-prompt TTFT (``--short``: LENxBATCH, one batched request), decode tokens/s per
 ``--decode`` cell (CTXxBATCH; ``sglang_h200.measure_decode``: pairs of 1 and 1 + D new tokens on radix-cached
-contexts, the scheduler's own log rate beside it). Cells that would end past ``--budget-s`` are skipped and
-listed. Writes ``results.json`` and ``table.md`` (printed last) into ``--out``.
+contexts, the scheduler's own log rate beside it), and for one decode cell (``--profile``, the widest by default)
+the kernel time of a decode step by kind from SGLang's profiler (``/start_profile`` by stage): index scoring +
+top-k, sparse attention, stores, dense attention, MoE, GEMMs, other, and the index share. Cells that would end
+past ``--budget-s`` are skipped and listed. Writes ``results.json`` and ``table.md`` (printed last) into ``--out``.
 
 Time on an H100 (estimates, before the first run): a start 60-90 s (the first sglang-m3 MXFP4 start also builds
 the CUDA decode scorer, about 45 s, once per machine), the 128k x 8 decode contexts about 30-45 s of prefill, the
@@ -42,13 +44,16 @@ rotary layer imports vllm), so its row shows the failed start; the sglang-m3 row
 """
 
 import argparse
+import gzip
 import json
 import random
+import re
 import signal
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])]
@@ -120,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--upstream-prefill-graph", choices=("disabled", "default"), default="disabled")
     ap.add_argument("--m3-prefill-graph", action="store_true",
                     help="sglang-m3 arms keep SGLang's breakable prefill graph (SGLANG_M3_PREFILL_GRAPH=1)")
+    ap.add_argument("--profile", default="widest",
+                    help="decode cell CTXxBATCH whose step is profiled (kernel time by kind); 'widest': the decode "
+                         "cell of the most tokens; '' for none")
+    ap.add_argument("--profile-steps", type=int, default=8)
     ap.add_argument("--budget-s", type=float, default=500, help="skip cells that would end past this")
     ap.add_argument("--startup-timeout", type=float, default=300)
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the server commands; start nothing")
@@ -140,6 +149,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.agree = [n for n, _ in parse_cells(args.agree_lengths, "--agree-lengths")]
     except ValueError as e:
         ap.error(str(e))
+    if args.profile == "widest":
+        args.profile_cell = max(args.decode_cells, key=lambda c: c[0] * c[1], default=None)
+    else:
+        try:
+            cells = parse_cells(args.profile, "--profile")
+        except ValueError as e:
+            ap.error(str(e))
+        if cells and cells[0] not in args.decode_cells:
+            ap.error(f"--profile {args.profile!r} must be one of the --decode cells {args.decode}")
+        args.profile_cell = cells[0] if cells else None
     names = [a["name"] for a in args.arm_specs]
     if not names or len(set(names)) != len(names):
         ap.error(f"--arms: give at least one arm, each once; got {names}")
@@ -226,7 +245,8 @@ def estimate_s(args) -> dict:
     prefill = sum(bs * ctx for bs, ctx in widest.items()) + args.ttft_reps * (sum(args.ttft_lengths) + sum(
         n * b for n, b in args.short_cells)) + sum(args.agree)
     steps = len(args.decode_cells) * (args.repeats + 1) * 2 * (1 + args.decode_tokens)
-    parts = {"start": START_S, "prefill": prefill / PREFILL_TOK_S, "decode": steps * STEP_S}
+    profile = 10.0 + (args.profile_steps + 6) * STEP_S if args.profile_cell else 0.0  # the trace's export included
+    parts = {"start": START_S, "prefill": prefill / PREFILL_TOK_S, "decode": steps * STEP_S, "profile": profile}
     parts["arm"] = sum(parts.values())
     parts["all"] = parts["arm"] * len(args.arm_specs)
     return parts
@@ -243,6 +263,65 @@ def ttft_s(server, ids) -> float:
     t = time.perf_counter()
     server.generate(ids, 1)
     return time.perf_counter() - t
+
+
+# Kernel kinds of a decode step, first match wins (names: our Triton/CUDA kernels, SGLang 0.5.16's M3 kernels).
+KERNEL_KINDS = (
+    ("index scoring + top-k", r"_score_kernel|score_decode_mxfp4|_select_kernel|_decode_score_kernel|"
+                              r"_decode_score_attn_kernel|_topk_index_partial|_topk_index_merge|topk_index_reduce"),
+    ("sparse attention", r"gqa_share_sparse|_merge_topk_attn_out|_merge_attn_out"),
+    ("K/V + index-K store", r"write_index_k|_write_mxfp4|store_kv_index|store_cache|set_kv_buffer|copy_kv"),
+    ("dense attention", r"_fwd_kernel|_fwd_grouped_kernel|decode_att|extend_attention"),
+    ("MoE", r"moe|expert|topk_softmax|grouped_topk"),
+    ("GEMM", r"gemm|nvjet|cutlass|xmma|cublas|sm90_|sm80_|ampere_"),
+)
+
+
+def kernel_kind(name: str) -> str:
+    for kind, pattern in KERNEL_KINDS:
+        if re.search(pattern, name):
+            return kind
+    return "other"
+
+
+def kernel_breakdown(trace: dict, steps: int) -> dict:
+    """Kernel time per decode step by kind (``KERNEL_KINDS``) from a torch profiler trace (``traceEvents`` with
+    ``cat: kernel``), the total, the index scoring + top-k share of it, and the 12 costliest kernels."""
+    per_name = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("cat") == "kernel" and "dur" in e:
+            per_name[e["name"]] = per_name.get(e["name"], 0.0) + float(e["dur"])
+    kinds = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    for name, us in per_name.items():
+        kinds[kernel_kind(name)] += us
+    ms = {kind: us / 1e3 / steps for kind, us in kinds.items()}
+    total = sum(ms.values())
+    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:12]
+    return {"steps": steps, "ms_per_step": ms, "total_ms": total,
+            "index_share": ms["index scoring + top-k"] / total if total else None,
+            "top": [(name[:120], us / 1e3 / steps) for name, us in top]}
+
+
+def profile_decode(server, ids, steps: int, out_dir: Path, gpu: bool, timeout_s: float = 120) -> dict:
+    """Profile ``steps`` decode steps of ``ids`` (contexts already cached) with SGLang's profiler by stage and
+    return ``kernel_breakdown`` of its DECODE trace (``out_dir`` keeps the trace)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    body = {"output_dir": str(out_dir), "num_steps": steps, "activities": ["GPU" if gpu else "CPU"],
+            "profile_by_stage": True, "with_stack": False, "record_shapes": False, "profile_id": server.name}
+    req = urllib.request.Request(server.url + "/start_profile", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        r.read()
+    server.generate(ids, steps + 6)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = sorted(out_dir.glob("*DECODE*.trace.json.gz"))
+        if found:
+            time.sleep(1)  # the export may still be writing
+            with gzip.open(found[-1], "rt") as f:
+                return kernel_breakdown(json.load(f), steps) | {"trace": found[-1].name}
+        time.sleep(1)
+    raise TimeoutError(f"no DECODE trace in {out_dir} after {timeout_s:.0f} s")
 
 
 def last_error_line(text: str) -> str:
@@ -298,6 +377,12 @@ def run_arm(arm: dict, args, work: Path, left, r: dict, agree_prompts) -> None:
                 continue
             r["decode"][key] = measure_decode(server, [p[:ctx] for p in contexts[bs]], args.decode_tokens,
                                               args.repeats)
+            if (ctx, bs) == args.profile_cell:
+                try:
+                    r["profile"] = profile_decode(server, [p[:ctx] for p in contexts[bs]], args.profile_steps,
+                                                  work / f"profile-{arm['name']}", gpu=not args.cpu)
+                except Exception as e:  # noqa: BLE001 - the timings stand without it
+                    r["profile"] = {"error": f"{type(e).__name__}: {e}"[-500:]}
     finally:
         server.stop()
 
@@ -372,6 +457,26 @@ def render_table(results: dict) -> str:
                 a, b = (r.get("ttft_s") or {}).get(k), (base.get("ttft_s") or {}).get(k)
                 ratios.append("-" if a is None or not b else f"{a / b:.3f}")
             lines.append(f"| {name} | " + " | ".join(ratios) + " |")
+    profiled = {n: r["profile"] for n, r in arms.items() if "ms_per_step" in (r.get("profile") or {})}
+    if profiled:
+        kinds = [kind for kind, _ in KERNEL_KINDS] + ["other"]
+        cell = "x".join(map(str, args.get("profile_cell") or ()))
+        lines += ["", f"Decode step at {cell}: kernel ms per step by kind (torch profiler, "
+                      f"{next(iter(profiled.values()))['steps']} steps)", "",
+                  "| arm | " + " | ".join(kinds) + " | total | index share | step ms, timed |",
+                  "|---|" + "---|" * (len(kinds) + 3)]
+        for name, p in profiled.items():
+            share = "-" if p["index_share"] is None else f"{p['index_share']:.1%}"
+            timed = arms[name].get("decode", {}).get(cell) or {}
+            step = (timed.get("server") or {}).get("tpot_ms") or timed.get("tpot_ms")
+            lines.append(f"| {name} | " + " | ".join(f"{p['ms_per_step'][k]:.3f}" for k in kinds)
+                         + f" | {p['total_ms']:.3f} | {share} | {_cell(step, '{:.3f}')} |")
+        lines += ["", "(kernel time below the timed step: gaps between kernels, or kernels the profiler did not see "
+                      "inside CUDA graphs)"]
+    failed_profiles = [f"{n}: {r['profile']['error']}" for n, r in arms.items()
+                       if "error" in (r.get("profile") or {})]
+    if failed_profiles:
+        lines += ["", "Profile failed: " + "; ".join(failed_profiles)]
     skipped = [f"{n}: {', '.join(r['skipped'])}" for n, r in arms.items() if r.get("skipped")]
     if skipped:
         lines += ["", "Skipped (time budget or pool): " + "; ".join(skipped)]

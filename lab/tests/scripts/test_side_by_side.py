@@ -127,7 +127,8 @@ def test_launch_attempts_per_arm(tmp_path):
 
 def test_the_default_plan_fits_the_budget(tmp_path):
     est = sbs.estimate_s(sbs.parse_args(["--out", str(tmp_path)]))
-    assert est["all"] < 500 and est["arm"] == pytest.approx(est["start"] + est["prefill"] + est["decode"])
+    assert est["all"] < 500
+    assert est["arm"] == pytest.approx(est["start"] + est["prefill"] + est["decode"] + est["profile"])
 
 
 def test_dry_run_starts_nothing(tmp_path, capsys):
@@ -196,3 +197,56 @@ def test_cpu_plumbing_flags(tmp_path):
     assert int(flags[flags.index("--max-total-tokens") + 1]) >= 2 * 1024
     (note, extra, env), = sbs.attempts(sbs.parse_arm("up-bf16"), args)
     assert note == "cpu" and env["SGLANG_PLUGINS"] == "none" and env["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_the_profiled_cell_is_the_widest_or_one_of_the_decode_cells(tmp_path):
+    assert sbs.parse_args(["--out", str(tmp_path)]).profile_cell == (131072, 8)
+    assert sbs.parse_args(["--out", str(tmp_path), "--profile", "32768x8"]).profile_cell == (32768, 8)
+    assert sbs.parse_args(["--out", str(tmp_path), "--profile", ""]).profile_cell is None
+    assert sbs.parse_args(["--out", str(tmp_path), "--decode", ""]).profile_cell is None
+
+
+def test_a_profile_cell_outside_the_decode_cells_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        sbs.parse_args(["--out", str(tmp_path), "--profile", "65536x8"])
+    assert "must be one of the --decode cells" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("_score_kernel", "index scoring + top-k"), ("score_decode_mxfp4_kernel<4, 8>", "index scoring + top-k"),
+    ("_select_kernel", "index scoring + top-k"), ("_decode_score_kernel", "index scoring + top-k"),
+    ("_topk_index_partial_kernel", "index scoring + top-k"), ("_gqa_share_sparse_decode_kernel", "sparse attention"),
+    ("_write_index_k_kernel", "K/V + index-K store"), ("_fwd_grouped_kernel_stage1", "dense attention"),
+    ("fused_moe_kernel", "MoE"), ("topk_softmax", "MoE"), ("nvjet_tst_128x64", "GEMM"),
+    ("elementwise_kernel", "other"),
+])
+def test_kernel_kinds(name, kind):
+    assert sbs.kernel_kind(name) == kind
+
+
+def test_kernel_breakdown_sums_kernel_time_per_step_by_kind():
+    events = [{"cat": "kernel", "name": "_score_kernel", "dur": 300.0},
+              {"cat": "kernel", "name": "_select_kernel", "dur": 100.0},
+              {"cat": "kernel", "name": "fused_moe_kernel", "dur": 500.0},
+              {"cat": "kernel", "name": "elementwise_kernel", "dur": 100.0},
+              {"cat": "cpu_op", "name": "aten::mm", "dur": 9999.0},  # host ops do not count
+              {"cat": "kernel", "name": "no duration"}]
+    got = sbs.kernel_breakdown({"traceEvents": events}, steps=2)
+    assert got["ms_per_step"]["index scoring + top-k"] == pytest.approx(0.2)
+    assert got["ms_per_step"]["MoE"] == pytest.approx(0.25) and got["ms_per_step"]["other"] == pytest.approx(0.05)
+    assert got["total_ms"] == pytest.approx(0.5) and got["index_share"] == pytest.approx(0.4)
+    assert got["top"][0] == ("fused_moe_kernel", pytest.approx(0.25))
+    assert sbs.kernel_breakdown({"traceEvents": []}, steps=2)["index_share"] is None
+
+
+def test_the_table_shows_each_arms_decode_step_by_kind():
+    breakdown = sbs.kernel_breakdown({"traceEvents": [{"cat": "kernel", "name": "_score_kernel", "dur": 1000.0},
+                                                      {"cat": "kernel", "name": "nvjet", "dur": 3000.0}]}, steps=4)
+    results = _results({"up-bf16": {"capacity_tokens": 1, "profile": breakdown,
+                                    "decode": {"131072x8": {"tok_s": 1.0, "tpot_ms": 1.25, "server": None}}},
+                        "m3-fp8": {"capacity_tokens": 1, "profile": {"error": "TimeoutError: no DECODE trace"}}})
+    results["args"]["profile_cell"] = [131072, 8]
+    table = sbs.render_table(results)
+    assert "Decode step at 131072x8: kernel ms per step by kind (torch profiler, 4 steps)" in table
+    assert "| up-bf16 | 0.250 | 0.000 | 0.000 | 0.000 | 0.000 | 0.750 | 0.000 | 1.000 | 25.0% | 1.250 |" in table
+    assert "Profile failed: m3-fp8: TimeoutError: no DECODE trace" in table
