@@ -426,7 +426,8 @@ def render_table(results: dict) -> str:
     decode_keys = [f"{c}x{b}" for c, b in args["decode_cells"]]
     ttft_keys = [str(n) for n in args["ttft_lengths"]]
     short_keys = [f"{n}x{b}" for n, b in args["short_cells"]]
-    head = (["arm", "pool tokens", "launch", f"greedy = {results.get('agreement_reference', ref)}"] + [f"decode tok/s {k}" for k in decode_keys]
+    head = (["arm", "pool tokens", "launch", f"greedy = {results.get('agreement_reference', ref)}"]
+            + [f"decode tok/s {k}" for k in decode_keys]
             + [f"TTFT ms {k}" for k in ttft_keys] + [f"short TTFT ms {k}" for k in short_keys])
     lines = [f"Side by side, {results['geometry']}; {results['machine']}; {results['date']}", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
