@@ -15,8 +15,8 @@ again, cold: the same greedy tokens are expected, and their TTFT is the cold bas
 
     # on the GPU machine, with the SGLang bundle (lab/gpu/bundle_env.sh)
     source lab/gpu/bundle_env.sh && python3 lab/gpu/hicache_multiturn.py --out "$OUT/hicache"
-    python3 lab/gpu/hicache_multiturn.py --cpu --formats mxfp4 --convs 3 --turns 2 --prefix 1024 \
-        --device-slots 2048 --out out/hicache   # plumbing on a CPU, without HiCache (it needs CUDA)
+    python3 lab/gpu/hicache_multiturn.py --cpu --formats mxfp4 --convs 3 --turns 2 --prefix 2200 \
+        --device-slots 4096 --out out/hicache   # plumbing on a CPU (SGLang's K/V host copies by the tests' hooks)
 
 Writes ``results.json`` and ``table.md`` into ``--out`` (server logs as ``<format>.log``) and prints the
 table last.
@@ -24,6 +24,7 @@ table last.
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -76,16 +77,22 @@ def post(url: str, path: str):
 def run_format(fmt: str, a, out: Path) -> dict:
     args = ["--index-k-format", fmt, "--skip-tokenizer-init", "--max-total-tokens", str(a.device_slots),
             "--chunked-prefill-size", "2048", "--max-running-requests", "8"]
-    if a.cpu:  # plumbing only: SGLang's HiCache needs CUDA, so the CPU server runs without it
-        args += ["--device", "cpu", "--attention-backend", "torch_native"]
+    args += ["--enable-hierarchical-cache", "--hicache-ratio", str(a.hicache_ratio)]
+    env = None
+    if a.cpu:  # plumbing: SGLang's K/V host copies are CUDA-only; the tests' hooks replace them with torch
+        args += ["--device", "cpu", "--attention-backend", "torch_native", "--hicache-io-backend", "direct",
+                 "--hicache-mem-layout", "layer_first"]
+        hooks = REPO / "tests" / "sglang_m3" / "hicache_cpu"
+        env = dict(os.environ, M3_TEST_HICACHE_ON_CPU="1", SGLANG_M3_CPU_START="spawn",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH")])))
     else:
         args += ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
-                 "--mem-fraction-static", "0.3", "--enable-hierarchical-cache", "--hicache-ratio", str(a.hicache_ratio)]
+                 "--mem-fraction-static", "0.3"]
     rng = random.Random(a.seed)
     convs = [[rng.randrange(3, VOCAB) for _ in range(a.prefix)] for _ in range(a.convs)]
     turns = []  # (turn, conv, prompt, ttft, output, details)
     t_start = time.monotonic()
-    server = Server(REPO / "configs" / "msa-small", args, out / f"{fmt}.log", cwd=REPO, timeout_s=900).start()
+    server = Server(REPO / "configs" / "msa-small", args, out / f"{fmt}.log", cwd=REPO, env=env, timeout_s=900).start()
     try:
         server.wait_ready()
         ready_s = time.monotonic() - t_start
@@ -155,7 +162,8 @@ def main():
     p.add_argument("--answer", type=int, default=16)
     p.add_argument("--user", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cpu", action="store_true", help="plumbing on a CPU, without HiCache (no host hits)")
+    p.add_argument("--cpu", action="store_true",
+                   help="plumbing on a CPU: SGLang's CUDA-only K/V host copies replaced by tests/sglang_m3/hicache_cpu")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     results = []
