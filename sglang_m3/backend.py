@@ -110,7 +110,8 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
         if spec is not None:  # fail at start-up, not at the first verify batch inside the scheduler
             raise NotImplementedError(
                 f"speculative_algorithm={spec!r}: speculative decoding is not supported with the MiniMax-M3.1 "
-                "index-K cache; launch without --speculative-algorithm"
+                "index-K cache (its decode plan scores one query row per request; verify batches, several rows "
+                "a request, are not planned); launch without --speculative-algorithm"
             )
         super().__init__(runner)
         # Our index path feeds SGLang's Triton sparse kernels; MSA (SM100) decode is not wired in.
