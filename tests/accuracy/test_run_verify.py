@@ -280,7 +280,7 @@ def test_starting_servers_needs_a_model(tmp_path, capsys):
 
 # ---- SGLang's own MiniMax-M3 path as an arm (accuracy.upstream) -------------------------------------------------
 # The stand-in answers SGLang 0.5.16's recorded server and model info (tests/accuracy/data): SGLang's own M3 path
-# cannot start on a CPU here.
+# cannot start on a CPU with the pinned transformers.
 
 UPSTREAM_FP8 = {"version": "0.5.22", "kv_cache_dtype": "fp8_e4m3", "attention_backend": "trtllm_mha"}
 
