@@ -2,6 +2,7 @@
 pages bit for bit (last partial page included, untouched pages left as they were), flat pages for L3
 storage, the per-format byte count in ``--hicache-size``, and the sidecar class swap."""
 
+import re
 import types
 
 import pytest
@@ -442,9 +443,15 @@ def test_a_prefix_loaded_back_from_the_host_on_a_cpu_server_selects_and_answers_
                PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent / "hicache_cpu"),
                                                         os.environ.get("PYTHONPATH")])))
     args = [*cpu_args(DEVICE_SLOTS), *_server_args(fmt, record, DEVICE_SLOTS),
-            "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first"]
+            "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first", "--hicache-size", "1"]
     with Server(repo / "configs" / "msa-small", args, tmp_path / "server.log", cwd=repo, env=env) as server:
         _check_host_round_trip(server, record)
+    # --hicache-size 1: the K/V and the index-K host buffers share the 1 GB (SGLang's log, GB to 2 decimals).
+    log = (tmp_path / "server.log").read_text()
+    kv = re.findall(r"Allocating ([0-9.]+) GB host memory for hierarchical KV cache", log)
+    index = re.findall(rf"Allocating ([0-9.]+) GB host memory for the {IndexKFormat(fmt).value} index-K cache", log)
+    assert len(kv) == len(index) == 1 and float(index[0]) > 0, (kv, index)
+    assert float(kv[0]) + float(index[0]) == pytest.approx(1.0, abs=0.011)
 
 
 # ---- on a GPU: a real server per format ------------------------------------------------------
