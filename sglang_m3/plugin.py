@@ -27,7 +27,7 @@ supported release); "M3.1" means a MiniMax-M3.1 index-K launch, where each row e
 | ``get_model_architecture`` | around | | M3.1: serve ``MiniMaxM3SparseForCausalLM`` with this package's class |
 | ``KVCacheConfigurator._build_minimax_sparse_kv_pool`` | around | | M3.1: build ``MiniMaxM31SparseKVPool`` |
 | ``hybrid_pool_assembler.MHATokenToKOnlyPoolHost`` | replace | | M3.1 pool: its HiCache host tier (``host_pool``) |
-| ``hybrid_pool_assembler.build_minimax_sparse_hicache_stack`` | around | | M3.1: ``--hicache-size`` counts index bytes |
+| ``hybrid_pool_assembler.build_minimax_sparse_hicache_stack`` | around | | M3.1: index bytes in ``--hicache-size`` |
 | ``DefaultPoolConfigurator._compute_cell_size`` | around | | M3.1: budget the format's bytes (capacity grows with it) |
 | ``attn_backend_wrapper`` | around | | M3.1: dense + ``MiniMaxM31SparseAttnBackend``; CPU dense decode, extend |
 | ``TokenizerManager._validate_one_request`` | before | | workaround W1 |
