@@ -16,13 +16,14 @@ from .mxfp4 import (
     unpack_e2m1,
 )
 from .pages import alloc_index_k_cache, check_index_k_cache, check_mxfp4_views, mxfp4_page_views
-from .cache import IndexKCache
+from .cache import IndexKCache, check_cache
 from .rotation import rotate, rotation_matrix
 
 __all__ = [
     *(name for name in vars(constants) if name.isupper()),
     "FP8_DTYPE",
     "IndexKCache",
+    "check_cache",
     "IndexKFormat",
     "ScaleRule",
     "alloc_index_k_cache",

@@ -116,3 +116,11 @@ class IndexKCache:
         scale = None if self.scale_e8m0 is None else tuple(self.scale_e8m0.shape)
         return (f"IndexKCache({self.fmt.value}, data={tuple(self.data.shape)} {self.data.dtype}, scale_e8m0={scale}, "
                 f"scale_rule={self.scale_rule.value}, sign_seed={self.sign_seed}, device={self.device})")
+
+
+def check_cache(cache) -> IndexKCache:
+    """``cache`` itself when it is an ``IndexKCache``; TypeError naming the argument otherwise (a raw tensor
+    passed where the ops take the cache object)."""
+    if not isinstance(cache, IndexKCache):
+        raise TypeError(f"cache must be an IndexKCache (m3_kernels.formats), got a {type(cache).__name__}")
+    return cache

@@ -19,52 +19,14 @@ Backends (``backends/``, each a module with ``check_plan(plan, batch)`` and ``ru
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 
 from ...formats import PAGE_SIZE, TOPK_BLOCKS, IndexKFormat
 from .backends import check_available, get_backend
-from .common import check_batch, check_run
+from .common import DecodeBatch, PrefillBatch, check_batch, check_run
 from .resolve import BACKENDS, ENV_BACKEND, choose_backend, resolve_backend  # noqa: F401
-
-
-class DecodeBatch(NamedTuple):
-    """One decode batch's metadata: ``block_table int32 [batch, >= max_block]`` (page of each local block),
-    ``seq_lens int32 [batch]`` (context including the ``S`` new rows), ``S`` query rows and ``H`` index heads
-    per request, ``sm_scale``, ``max_block`` (default: ``out``'s columns, else ``block_table``'s), ``out fp32
-    [H, batch*S, max_block]`` or None (each run then gets a fresh buffer), ``cp_rank``/``cp_world`` (context-
-    parallel shard: local page p is global block ``p * cp_world + cp_rank``)."""
-
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    S: int
-    H: int
-    sm_scale: float
-    max_block: int | None = None
-    out: torch.Tensor | None = None
-    cp_rank: int = 0
-    cp_world: int = 1
-
-
-class PrefillBatch(NamedTuple):
-    """One prefill batch's metadata: ``cu_seqlens_q int32 [batch + 1]`` (request b's new tokens are q rows
-    ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``, the last at position ``seq_lens[b] - 1``); ``cu_seqlens_host`` /
-    ``seq_lens_host``: the same as host lists of ints (the server holds them; else read back at plan time, one
-    sync each); ``out fp32 [H, total_new_tokens, max_block]`` or None; ``skip_rows_seeing``: rows seeing at most
-    this many pages are left -inf (the torch backend only; MSA selection takes every block of such a row).
-    Others as ``DecodeBatch``."""
-
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-    H: int
-    sm_scale: float
-    max_block: int | None = None
-    out: torch.Tensor | None = None
-    cu_seqlens_host: list | None = None
-    seq_lens_host: list | None = None
-    skip_rows_seeing: int = 0
 
 
 @dataclass(frozen=True, eq=False)

@@ -16,14 +16,53 @@ on a GPU here, take ids as given); ``M3_SCORE_DEBUG=1`` reports them as ValueErr
 import math
 import operator
 import os
+from typing import NamedTuple
 
 import torch
 
-from ...formats import FP8_DTYPE, INDEX_DIM, PAGE_SIZE, VIEW_ALIGN_BYTES, IndexKCache
+from ...formats import FP8_DTYPE, INDEX_DIM, PAGE_SIZE, VIEW_ALIGN_BYTES, IndexKCache, check_cache
 
 ENV_DEBUG = "M3_SCORE_DEBUG"  # "1": the plans also check values held on a GPU (one sync each)
 
 Q_DTYPES = (torch.bfloat16, FP8_DTYPE)
+
+
+class DecodeBatch(NamedTuple):
+    """One decode batch's metadata: ``block_table int32 [batch, >= max_block]`` (page of each local block),
+    ``seq_lens int32 [batch]`` (context including the ``S`` new rows), ``S`` query rows and ``H`` index heads
+    per request, ``sm_scale``, ``max_block`` (default: ``out``'s columns, else ``block_table``'s), ``out fp32
+    [H, batch*S, max_block]`` or None (each run then gets a fresh buffer), ``cp_rank``/``cp_world`` (context-
+    parallel shard: local page p is global block ``p * cp_world + cp_rank``)."""
+
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    S: int
+    H: int
+    sm_scale: float
+    max_block: int | None = None
+    out: torch.Tensor | None = None
+    cp_rank: int = 0
+    cp_world: int = 1
+
+
+class PrefillBatch(NamedTuple):
+    """One prefill batch's metadata: ``cu_seqlens_q int32 [batch + 1]`` (request b's new tokens are q rows
+    ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``, the last at position ``seq_lens[b] - 1``); ``cu_seqlens_host`` /
+    ``seq_lens_host``: the same as host lists of ints (the server holds them; else read back at plan time, one
+    sync each); ``out fp32 [H, total_new_tokens, max_block]`` or None; ``skip_rows_seeing``: rows seeing at most
+    this many pages are left -inf (the torch backend only; MSA selection takes every block of such a row).
+    Others as ``DecodeBatch``."""
+
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    H: int
+    sm_scale: float
+    max_block: int | None = None
+    out: torch.Tensor | None = None
+    cu_seqlens_host: list | None = None
+    seq_lens_host: list | None = None
+    skip_rows_seeing: int = 0
 
 
 def check_sm_scale(sm_scale) -> float:
@@ -114,13 +153,6 @@ def _check_heads(H) -> int:
     if isinstance(H, bool) or not isinstance(H, int) or H < 1:
         raise ValueError(f"H (index heads) must be an int >= 1, got {H!r}")
     return H
-
-
-def check_cache(cache):
-    """``cache`` must be an ``IndexKCache`` (TypeError naming the argument otherwise)."""
-    if not isinstance(cache, IndexKCache):
-        raise TypeError(f"cache must be an IndexKCache (m3_kernels.formats), got a {type(cache).__name__}")
-    return cache
 
 
 def check_batch(cache, batch):
@@ -258,8 +290,6 @@ def check_decode_args(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, m
     """The float64 oracles' check of a decode call given as loose tensors (``naive.score_decode_ref``): the
     cache views (``IndexKCache.of``), ``check_batch`` and ``q [batch*S, H, 128]``. Returns ``(batch, H,
     max_block, sm_scale)``."""
-    from . import DecodeBatch
-
     _check_q(q, None)
     cache = IndexKCache.of(k_cache, k_scale)
     n, max_block, sm_scale, rows = check_batch(cache, DecodeBatch(block_table, seq_lens, S, q.shape[1], sm_scale,
@@ -272,8 +302,6 @@ def check_decode_args(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, m
 def check_prefill_args(q, k_cache, k_scale, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block=None, out=None):
     """The oracles' check of a prefill call as loose tensors (lengths read back: one sync each), as
     ``check_decode_args``; ``cu_seqlens_q`` must rise from 0 to ``q.shape[0]``."""
-    from . import PrefillBatch
-
     _check_q(q, None)
     cache = IndexKCache.of(k_cache, k_scale)
     n, max_block, sm_scale, rows = check_batch(cache, PrefillBatch(block_table, seq_lens, cu_seqlens_q, q.shape[1],
@@ -305,5 +333,6 @@ def supported(check, *args, **kwargs):
     return True, ""
 
 
-__all__ = ["ENV_DEBUG", "aligned_q", "check_batch", "check_cache", "check_decode_args", "check_prefill_args",
-           "check_prefill_offsets", "check_run", "check_sm_scale", "debug", "new_out", "q_aligned", "supported"]
+__all__ = ["ENV_DEBUG", "DecodeBatch", "PrefillBatch", "aligned_q", "check_batch", "check_decode_args",
+           "check_prefill_args", "check_prefill_offsets", "check_run", "check_sm_scale", "debug", "new_out", "q_aligned",
+           "supported"]

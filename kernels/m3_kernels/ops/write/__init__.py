@@ -17,7 +17,7 @@ def write_index_k(cache, k, loc, check_loc=True):
     current stream is capturing a CUDA graph, and when False: the kernel then skips out-of-range
     slots instead of raising. The CPU path always checks.
     """
-    from ..score.common import check_cache
+    from ...formats import check_cache
 
     check_write_rows(k, loc, check_cache(cache).data)
     if k.device.type != "cuda":
