@@ -136,17 +136,17 @@ def table(results, a) -> str:
         f"+{a.answer} answer +{a.user} user tokens a turn",
         "",
         "| format | turn-1 TTFT ms (cold) | turn>=2 TTFT ms (HiCache) | same prompts cold TTFT ms | host hit rate | "
-        "device hit rate | requests with host hits | greedy == cold |",
-        "|---|---|---|---|---|---|---|---|",
+        "device hit rate | requests with host hits | greedy == cold | cached tokens in the cold pass |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['format']} | error: {r['error'][:200]} | | | | | | |")
+            lines.append(f"| {r['format']} | error: {r['error'][:200]} | | | | | | | |")
             continue
         lines.append(
             f"| {r['format']} | {r['turn1_ttft_ms']:.1f} | {r['later_ttft_ms']:.1f} | {r['cold_ttft_ms']:.1f} | "
             f"{r['host_hit_rate']:.3f} | {r['device_hit_rate']:.3f} | {r['host_hit_requests']}/{r['later_requests']} | "
-            f"{r['greedy_equal_to_cold']} |")
+            f"{r['greedy_equal_to_cold']} | {r['cold_cached_tokens']} |")
     return "\n".join(lines)
 
 
