@@ -5,34 +5,72 @@ bf16, fp8 and mxfp4, within the documented rotation bound for mxfp4_rot), others
 reference ``naive.write_index_k_ref``. The format, scale rule and sign seed are the cache's.
 """
 
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ...formats import IndexKFormat, check_cache
 from .naive import check_write_rows
+
+
+@dataclass(frozen=True, eq=False)
+class WritePlan:
+    """One batch's write, checked once: the slots ``loc``, the caches it was made for (storage format and
+    capacity, on ``device``) and the bound run (the Triton writer on a GPU, else the torch reference)."""
+
+    loc: torch.Tensor
+    fmt: IndexKFormat
+    capacity: int
+    device: torch.device
+    run: Callable
+
+
+def plan_write(cache, loc, check_loc=True) -> WritePlan:
+    """Plan the write of a batch's ``loc [tokens]`` (int32/int64) slots into caches like ``cache`` (an
+    ``IndexKCache``; every layer of a pool shares format and capacity).
+
+    ``check_loc`` (GPU path): verify every slot lies in the cache (one device sync; a bad slot raises
+    ValueError and nothing is written). Skipped automatically while the current stream is capturing a CUDA
+    graph, and when False: the kernel then skips out-of-range slots instead of raising. The CPU path always
+    checks (its writes would otherwise index outside the cache)."""
+    check_cache(cache)
+    if not isinstance(loc, torch.Tensor) or loc.dtype not in (torch.int32, torch.int64) or loc.dim() != 1:
+        raise ValueError(f"loc must be int32/int64 [tokens], got {getattr(loc, 'dtype', type(loc).__name__)} "
+                         f"{tuple(getattr(loc, 'shape', ()))}")
+    if loc.device != cache.device:
+        raise ValueError(f"loc and the cache must be on one device, got {loc.device} and {cache.device}")
+    on_gpu = loc.device.type == "cuda"
+    if loc.numel() and (not on_gpu or (check_loc and not torch.cuda.is_current_stream_capturing())):
+        lo, hi = int(loc.min()), int(loc.max())
+        if lo < 0 or hi >= cache.capacity:
+            raise ValueError(f"loc values must lie in [0, {cache.capacity}), got min {lo}, max {hi}")
+    if on_gpu:
+        from .triton import write_index_k_triton as run
+    else:
+        from .naive import write_rows as run
+    return WritePlan(loc, cache.storage, cache.capacity, cache.device, run)
+
+
+def write_planned(plan: WritePlan, cache, k) -> None:
+    """Store ``k [tokens, 128]`` (fp32/bf16, last dim contiguous on a GPU) at the plan's slots of ``cache``
+    (contract: ``naive.write_index_k_ref``), quantized in the cache's format; checked against the plan on the
+    host (no sync): the cache's storage format, capacity and device, ``k``'s shape, dtype and device."""
+    check_cache(cache)
+    if cache.storage is not plan.fmt or cache.capacity != plan.capacity or cache.device != plan.device:
+        raise ValueError(f"cache must be a {plan.fmt.value} cache of {plan.capacity} slots on {plan.device} (the "
+                         f"plan's), got {cache!r}")
+    check_write_rows(k, plan.loc, cache.data)
+    if plan.device.type == "cuda" and k.stride(1) != 1:
+        raise ValueError(f"k must be contiguous in its last dim, got strides {k.stride()}")
+    plan.run(cache, k, plan.loc)
 
 
 def write_index_k(cache, k, loc, check_loc=True):
     """Store ``k [tokens, 128]`` (fp32/bf16) at slots ``loc [tokens]`` (int32/int64) of ``cache`` (an
-    ``IndexKCache``; contract: ``naive.write_index_k_ref``), quantized in the cache's format.
+    ``IndexKCache``; contract: ``naive.write_index_k_ref``), quantized in the cache's format: ``plan_write`` and
+    ``write_planned`` in one call (a server plans once per batch and writes per layer)."""
+    write_planned(plan_write(cache, loc, check_loc), cache, k)
 
-    ``check_loc`` (GPU path): verify every slot lies in the cache before writing (one device
-    sync; a bad slot raises ValueError and nothing is written). Skipped automatically while the
-    current stream is capturing a CUDA graph, and when False: the kernel then skips out-of-range
-    slots instead of raising. The CPU path always checks.
-    """
-    from ...formats import check_cache
 
-    check_write_rows(k, loc, check_cache(cache).data)
-    if k.device.type != "cuda":
-        from .naive import write_rows
-
-        write_rows(cache, k, loc)
-        return
-    import torch
-
-    from .triton import write_index_k_triton
-
-    if k.stride(1) != 1:
-        raise ValueError(f"k must be contiguous in its last dim, got strides {k.stride()}")
-    if check_loc and loc.numel() and not torch.cuda.is_current_stream_capturing():
-        lo, hi = int(loc.min()), int(loc.max())
-        if lo < 0 or hi >= cache.capacity:
-            raise ValueError(f"loc values must lie in [0, {cache.capacity}), got min {lo}, max {hi}")
-    write_index_k_triton(cache, k, loc)
+__all__ = ["WritePlan", "plan_write", "write_index_k", "write_planned"]

@@ -60,7 +60,7 @@ def test_rejects_bad_options():
 
 
 def test_dispatcher_rejects_what_the_gpu_path_rejects():
-    """``select_blocks`` on CPU applies ``check_select_args`` too: same ValueError on every device."""
+    """``select_blocks`` on CPU applies the plan's checks too: same ValueError on every device."""
     from m3_kernels.ops.select import select_blocks
 
     scores = torch.zeros(1, 2, 20)
@@ -71,3 +71,14 @@ def test_dispatcher_rejects_what_the_gpu_path_rejects():
     with pytest.raises(ValueError, match="scores must be a float"):
         select_blocks(torch.zeros(2, 20), torch.tensor([20, 3]))
     assert select_blocks(scores, torch.tensor([20, 3], dtype=torch.int32)).shape == (1, 2, 16)
+
+
+def test_a_plan_serves_every_layer_of_a_batch(gen):
+    """``plan_select`` once per batch, ``select_planned`` per layer: the one-call ``select_blocks`` result."""
+    from m3_kernels.ops.select import plan_select, select_blocks, select_planned
+
+    n_vis = torch.tensor([1, 17, 40, 40], dtype=torch.int32)
+    plan = plan_select(n_vis, 2, 40)
+    for _ in range(3):
+        scores = torch.randn(2, 4, 40, generator=gen)
+        assert torch.equal(select_planned(plan, scores), select_blocks(scores, n_vis))

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 
-from m3_kernels.ops.select import check_select_args, select_blocks  # noqa: E402
+from m3_kernels.ops.select import plan_select, select_blocks, select_planned  # noqa: E402
 from m3_kernels.ops.select.naive import select_blocks_ref  # noqa: E402
 from m3_kernels.testing import capture_graph, compile_sm90, triton_module  # noqa: E402
 
@@ -156,18 +156,21 @@ def test_select_graph_replay(gen):
 
 
 def test_select_rejects_bad_parameters():
+    """The plan checks the batch once (parameters, n_visible); each run checks the scores against it."""
     scores = torch.zeros(1, 2, 20)
     n_vis = torch.zeros(2, dtype=torch.int32)
     with pytest.raises(ValueError, match="local_blocks >= 1"):
-        check_select_args(scores, n_vis, 16, 0, 0)
+        plan_select(n_vis, 1, 20, 16, 0, 0)
     with pytest.raises(ValueError, match="init_blocks"):
-        check_select_args(scores, n_vis, 16, 1, 16)
+        plan_select(n_vis, 1, 20, 16, 1, 16)
+    with pytest.raises(ValueError, match="scores must be a float .H=1, rows=1, nb=20."):
+        select_planned(plan_select(n_vis[:1], 1, 20, 16, 1, 0), scores)
     with pytest.raises(ValueError, match="n_visible"):
-        check_select_args(scores, n_vis[:1], 16, 1, 0)
-    with pytest.raises(ValueError, match="n_visible"):
-        check_select_args(scores, n_vis.float(), 16, 1, 0)
-    with pytest.raises(ValueError, match="n_visible must be on cpu, got meta"):
-        check_select_args(scores, n_vis.to("meta"), 16, 1, 0)
+        plan_select(n_vis.float(), 1, 20, 16, 1, 0)
+    with pytest.raises(ValueError, match="n_visible must be on the scores' device cpu, got meta"):
+        select_planned(plan_select(n_vis.to("meta"), 1, 20, 16, 1, 0), scores)
+    with pytest.raises(ValueError, match="H must be an int >= 1"):
+        plan_select(n_vis, 0, 20, 16, 1, 0)
     # the limits themselves are allowed: every pick forced (init + local = topk), no init blocks
-    check_select_args(scores, n_vis, 4, 2, 2)
-    check_select_args(scores, n_vis, 4, 4, 0)
+    plan_select(n_vis, 1, 20, 4, 2, 2)
+    select_planned(plan_select(n_vis, 1, 20, 4, 4, 0), scores)

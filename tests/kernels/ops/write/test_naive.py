@@ -122,3 +122,28 @@ def test_the_dispatcher_refuses_bad_rows_and_slots_and_writes_nothing(gen):
         with pytest.raises(ValueError, match=match):
             write_index_k(cache, *args)
     assert all(torch.equal(a, b) for a, b in zip(cache.views(), before))
+
+
+def test_a_plan_checks_the_slots_once_and_each_layer_against_it(gen):
+    """``plan_write`` once per batch (slots in range), ``write_planned`` per layer: the one-call result; a cache
+    of another format or capacity, and a ``k`` of other rows, are refused before anything is written."""
+    from m3_kernels.formats import IndexKCache
+    from m3_kernels.ops.write import plan_write, write_index_k, write_planned
+
+    loc = torch.tensor([3, 130, 255], dtype=torch.int32)
+    caches = [IndexKCache.new(2, "mxfp4") for _ in range(3)]
+    plan = plan_write(caches[0], loc)
+    for cache in caches:
+        k = torch.randn(3, 128, generator=gen)
+        want = IndexKCache.new(2, "mxfp4")
+        write_index_k(want, k, loc)
+        write_planned(plan, cache, k)
+        assert torch.equal(cache.data, want.data) and torch.equal(cache.scale_e8m0, want.scale_e8m0)
+    with pytest.raises(ValueError, match="loc values must lie in"):
+        plan_write(caches[0], torch.tensor([256], dtype=torch.int32))
+    for other in (IndexKCache.new(2, "fp8"), IndexKCache.new(3, "mxfp4")):
+        with pytest.raises(ValueError, match="cache must be a mxfp4 cache of 256 slots"):
+            write_planned(plan, other, torch.zeros(3, 128))
+        assert not other.data.view(torch.uint8).any()
+    with pytest.raises(ValueError, match="loc must be int32/int64 .tokens=4., got torch.int32 .3,."):
+        write_planned(plan, caches[0], torch.zeros(4, 128))
