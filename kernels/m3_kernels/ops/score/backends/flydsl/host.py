@@ -1,4 +1,6 @@
-"""Host side of the FlyDSL decode scorer: validation, specialisation cache, launch.
+"""Host side of the FlyDSL decode scorer: specialisation cache, marshalling, launch (``run``, a plan's); and
+``prepare_decode``, the marshalling of a call given as loose tensors with its checks, for compiling a launch on
+a machine without the GPU (the tests' and ``lab/scripts/flydsl_isa_report.py``'s).
 
 Importing this module imports FlyDSL; ``backends.flydsl`` imports it lazily.
 """
@@ -73,20 +75,6 @@ def _marshal(fmt, batch, H, max_block, sm_scale, q, k_cache, k_scale, block_tabl
 def run(plan, q, cache, out, nt_k=None):
     """Launch a planned batch on gfx950 (``ops.score.score_decode``'s FlyDSL run); checks nothing."""
     launcher, args, out = prepare_run(plan, q, cache, out, nt_k)
-    if launcher is not None:
-        launcher(*args, torch.cuda.current_stream(q.device))
-    return out
-
-
-def score_decode(q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block=None, out=None, cp_rank=0,
-                 cp_world=1, nt_k=None):
-    """Decode block scores on gfx950; arguments and result as ``ops.score.score_decode``.
-
-    ``nt_k``: K tiles whose loads are issued ahead (default 6 for MXFP4, 3 otherwise).
-    """
-    launcher, args, out = prepare_decode(
-        q, k_cache, k_scale, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank, cp_world, nt_k
-    )
     if launcher is not None:
         launcher(*args, torch.cuda.current_stream(q.device))
     return out
