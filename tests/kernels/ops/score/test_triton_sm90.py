@@ -1,4 +1,4 @@
-"""The sm_90 prefill scorer (``ops.score.triton_sm90``) against the float64 torch reference, and its
+"""The sm_90 prefill scorer (``ops.score.backends.triton_sm90``) against the float64 torch reference, and its
 device work map against the host one.
 
 CPU: small cases under the Triton interpreter (``TRITON_INTERPRET=1``, set here when no GPU is
