@@ -188,7 +188,7 @@ def test_decode_page_ids_outside_the_cache_score_minus_inf(gen, device, fmt, bac
     torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("bad", list(BAD_PAGE_IDS))
+@pytest.mark.parametrize("bad", ["num_pages", "huge"])  # -1: the decode cases (the same guard)
 @pytest.mark.parametrize("backend", PREFILL_BACKENDS + ["oracle"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_prefill_page_ids_outside_the_cache_score_minus_inf(gen, device, backend, bad):
