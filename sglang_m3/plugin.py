@@ -18,7 +18,8 @@ supported release); "M3.1" means a MiniMax-M3.1 index-K launch, where each row e
 | target | kind | SGLang | why |
 |---|---|---|---|
 | ``ServerArgs.add_cli_args`` / ``from_cli_args`` | after / before | | ``--index-k-format`` into the model overrides |
-| ``ServerArgs.from_cli_args`` | before | | M3.1: refuse a bad launch in one line, exit 2 (``check_launch``) |
+| ``ServerArgs.from_cli_args`` | before | | M3.1: refuse a bad launch before any process starts (``check_launch``) |
+| ``ServerArgs.from_cli_args`` | around | | this package's refusals there: one line, exit 2 (``_refusals_in_one_line``) |
 | ``ServerArgs.from_cli_args`` | before | | M3.1, ``--device cpu``: OpenMP waits (``CPU_OPENMP_WAITS``) |
 | ``engine._set_envs_and_config`` | after | | M3.1, ``--device cpu``: fork the children where safe |
 | ``ServerArgs._parse_cuda_graph_config`` | after | < 0.5.19 | M3.1: no prefill CUDA graph (host-planned scorer) |
@@ -101,22 +102,34 @@ WEIGHT_LOAD_FORMATS = ("auto", "pt", "safetensors")  # SGLang's load formats tha
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
 
 
-def refuse_in_one_line(hook):
-    """A BEFORE hook of ``ServerArgs.from_cli_args`` whose ValueError or NotImplementedError (a caller's mistake)
-    ends the launch as a usage error: one ``sglang-m3: error:`` line on stderr and exit status 2, where SGLang would
-    print the traceback of its launcher (and, past this point, of its scheduler processes)."""
+PACKAGES = ("sglang_m3", "m3_kernels")  # a refusal raised in their code is this package's
 
-    @functools.wraps(hook)
-    def refusing(cls, args):
-        try:
-            return hook(cls, args)
-        except (ValueError, NotImplementedError) as e:
-            import sys
 
-            print(f"sglang-m3: error: {e}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+def raised_by_package(error: BaseException) -> bool:
+    """Whether ``error`` was raised by this package's code: its innermost frame is in a module of ``PACKAGES``."""
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return str(tb.tb_frame.f_globals.get("__name__", "")).split(".")[0] in PACKAGES
 
-    return refusing
+
+def _refusals_in_one_line(original, cls, args):
+    """Around ``ServerArgs.from_cli_args``, where SGLang parses a launch (checks, model config, resolution) before
+    any of its processes start: a ValueError or NotImplementedError this package raised there (a caller's mistake
+    or an unsupported combination: ``check_launch``, the format flag, the model-config checks) ends the launch as a
+    usage error, one ``sglang-m3: error:`` line on stderr and exit status 2, not a traceback of 10-30 frames.
+    SGLang's own errors pass as they are."""
+    try:
+        return original(cls, args)
+    except (ValueError, NotImplementedError) as e:
+        if not raised_by_package(e):
+            raise
+        import sys
+
+        print(f"sglang-m3: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def check_launch(cls, args):
@@ -573,10 +586,12 @@ def hook_table() -> tuple[Hook, ...]:
     assembler = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"
     return (
         Hook(f"{server_args}.add_cli_args", _add_index_k_format_flag, "AFTER"),
-        # BEFORE hooks run last-registered first: the launch is checked before anything else reads it
-        Hook(f"{server_args}.from_cli_args", refuse_in_one_line(_fold_index_k_format_flag), "BEFORE"),
+        # hooks on one target run last-registered first: the launch is checked before anything else reads it, and
+        # the package's refusals in any of them (or in SGLang's parse past them) end in one line
+        Hook(f"{server_args}.from_cli_args", _fold_index_k_format_flag, "BEFORE"),
         Hook(f"{server_args}.from_cli_args", _cpu_openmp_waits, "BEFORE"),
-        Hook(f"{server_args}.from_cli_args", refuse_in_one_line(check_launch), "BEFORE"),
+        Hook(f"{server_args}.from_cli_args", check_launch, "BEFORE"),
+        Hook(f"{server_args}.from_cli_args", _refusals_in_one_line, "AROUND"),
         Hook("sglang.srt.entrypoints.engine._set_envs_and_config", _cpu_children_start, "AFTER"),
         Hook(f"{server_args}._parse_cuda_graph_config", _no_prefill_cuda_graph, "AFTER", until=RESOLUTION_PIPELINE),
         Hook("sglang.srt.arg_groups.cuda_graph_hook.handle_cuda_graph_config", _no_prefill_cuda_graph_declared,
@@ -632,8 +647,8 @@ def _register_outside_range(error) -> None:
     register_config()
     server_args = "sglang.srt.server_args.ServerArgs"
     HookRegistry.register(f"{server_args}.add_cli_args", _add_index_k_format_flag, HookType.AFTER)
-    HookRegistry.register(f"{server_args}.from_cli_args", refuse_in_one_line(_fold_index_k_format_flag),
-                          HookType.BEFORE)
+    HookRegistry.register(f"{server_args}.from_cli_args", _fold_index_k_format_flag, HookType.BEFORE)
+    HookRegistry.register(f"{server_args}.from_cli_args", _refusals_in_one_line, HookType.AROUND)
     HookRegistry.register("sglang.srt.configs.model_config.ModelConfig.__init__", _refuse_index_k_launch(error),
                           HookType.AFTER)
 

@@ -398,3 +398,27 @@ def test_cpu_dense_layer_extend_equals_sglangs_torch_native_extend(gen):
     _dense_extend_cpu(lambda *a, **kw: calls.append((a, kw)), query, got, *args, scaling=0.09, enable_gqa=True,
                       causal=False)
     assert len(calls) == 1 and calls[0][1]["causal"] is False and calls[0][0][0] is query
+
+
+def test_only_the_package_refusals_become_one_line(capsys):
+    """``_refusals_in_one_line`` (around ``ServerArgs.from_cli_args``): a ValueError raised in sglang_m3 or m3_kernels
+    code ends the launch in one line with exit 2; one raised elsewhere (SGLang's own) passes unchanged."""
+    from m3_kernels.formats import parse_format
+
+    from sglang_m3.plugin import _refusals_in_one_line, raised_by_package
+
+    def ours(cls, args):
+        parse_format(args)  # raises in m3_kernels
+
+    def sglangs(cls, args):
+        raise ValueError("SGLang's own message")
+
+    with pytest.raises(SystemExit) as e:
+        _refusals_in_one_line(ours, None, "mxfp3")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == "sglang-m3: error: index_k_format must be one of [bf16, fp8, mxfp4, " \
+                                        "mxfp4_rot], got 'mxfp3'\n"
+    with pytest.raises(ValueError, match="SGLang's own message") as caught:
+        _refusals_in_one_line(sglangs, None, None)
+    assert not raised_by_package(caught.value) and capsys.readouterr().err == ""
+    assert _refusals_in_one_line(lambda cls, args: args, None, "ok") == "ok"

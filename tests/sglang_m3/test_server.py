@@ -267,6 +267,7 @@ def _launch(model: Path, *extra: str, dummy: bool = True) -> list[str]:
     ("no format", "names no index_k_format: choose the index-K cache format"),
     ("format flag on llama", "--index-k-format fp8: the flag is for MiniMax-M3.1 configs"),
     ("no weights", "holds no weights (*.safetensors, *.bin, *.pt) for --load-format auto: add --load-format dummy"),
+    ("float16", "dtype torch.float16: the MiniMax-M3.1 index-K cache takes bfloat16"),  # from the model-config check
 ])
 def test_a_bad_launch_is_refused_in_one_line_before_any_process_starts(tmp_path, case, said):
     argv = {
@@ -278,6 +279,7 @@ def test_a_bad_launch_is_refused_in_one_line_before_any_process_starts(tmp_path,
                                                               architectures=["LlamaForCausalLM"]),
                                                 "--index-k-format", "fp8"),
         "no weights": lambda: _launch(TINY_MODEL, dummy=False),
+        "float16": lambda: _launch(TINY_MODEL, "--dtype", "float16"),
     }[case]()
     code, out = _run_launcher(argv, tmp_path)
     line = _refused_in_one_line(code, out)
