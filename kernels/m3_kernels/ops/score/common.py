@@ -266,10 +266,14 @@ def check_run(plan, q, cache, out):
 def new_out(plan) -> torch.Tensor:
     """A fresh output buffer ``fp32 [H, rows, max_block]``: decode's filled with -inf (a decode run writes
     up to each request's last visible page only); prefill's left empty (every column is written)."""
-    shape = (plan.H, plan.rows, plan.max_block)
     if plan.op == "decode":
-        return torch.full(shape, float("-inf"), dtype=torch.float32, device=plan.device)
-    return torch.empty(shape, dtype=torch.float32, device=plan.device)
+        return minus_inf_scores(plan.H, plan.rows, plan.max_block, plan.device)
+    return torch.empty((plan.H, plan.rows, plan.max_block), dtype=torch.float32, device=plan.device)
+
+
+def minus_inf_scores(H: int, rows: int, max_block: int, device) -> torch.Tensor:
+    """``fp32 [H, rows, max_block]`` of -inf: a decode buffer before any page is scored."""
+    return torch.full((H, rows, max_block), float("-inf"), dtype=torch.float32, device=device)
 
 
 def q_aligned(q) -> bool:
@@ -324,15 +328,6 @@ def check_prefill_offsets(cu: list[int], lens: list[int], total_new_tokens: int)
             raise ValueError(f"request {b} has {n} new tokens but seq_lens[{b}] = {lens[b]}")
 
 
-def supported(check, *args, **kwargs):
-    """``(True, "")`` if ``check(*args, **kwargs)`` accepts the call, else ``(False, reason)``."""
-    try:
-        check(*args, **kwargs)
-    except ValueError as e:
-        return False, str(e)
-    return True, ""
-
-
 __all__ = ["ENV_DEBUG", "DecodeBatch", "PrefillBatch", "aligned_q", "check_batch", "check_decode_args",
-           "check_prefill_args", "check_prefill_offsets", "check_run", "check_sm_scale", "debug", "new_out", "q_aligned",
-           "supported"]
+           "check_prefill_args", "check_prefill_offsets", "check_run", "check_sm_scale", "debug", "minus_inf_scores",
+           "new_out", "q_aligned"]

@@ -181,7 +181,7 @@ def test_rejections(gen):
                                 dict(cp_rank=0.0, cp_world=2), dict(cp_rank=False, cp_world=1),
                                 dict(cp_rank=0, cp_world=True), dict(cp_rank=torch.tensor(0), cp_world=1)])
 def test_rejects_non_integer_context_parallel_arguments(gen, cp):
-    """supported() and the call agree: a float, bool or tensor cp_rank / cp_world is refused by name."""
+    """The shared check and the call agree: a float, bool or tensor cp_rank / cp_world is refused by name."""
     from m3_kernels.testing import score_decode_views
 
     k_cache, k_scale = build_cache(gen, "mxfp4", 1)

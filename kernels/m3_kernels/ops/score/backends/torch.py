@@ -85,14 +85,15 @@ def run(plan, q, cache, out):
 
 
 def decode_scores(q, cache, block_table, seq_lens, S, sm_scale, max_block, out, cp_rank=0, cp_world=1):
-    """Decode block scores, fp32 ``[H, batch*S, max_block]`` into ``out`` (contract: ``naive.score_decode_ref``)."""
+    """Decode block scores, fp32 ``[H, batch*S, max_block]`` into ``out`` (every column written; contract:
+    ``naive.score_decode_ref``)."""
     k_cache, k_scale = cache.views()
     batch, H = block_table.shape[0], q.shape[1]
     dev = q.device
     positions = seq_lens.long()[:, None] - S + torch.arange(S, device=dev)  # [batch, S]
     n_global = torch.where(positions[:, -1] >= 0, positions[:, -1] // PAGE_SIZE + 1, 0)
     n_local = ((n_global - cp_rank + cp_world - 1) // cp_world).clamp(0, max_block)  # pages the last row sees
-    res = torch.full((H, batch * S, max_block), float("-inf"), dtype=torch.float32, device=dev)
+    res = out.fill_(float("-inf"))
     pages, outside = page_ids(block_table, n_local, k_cache.shape[0])  # [batch, P]
     P = pages.shape[1]
     if P and batch:
@@ -105,7 +106,7 @@ def decode_scores(q, cache, block_table, seq_lens, S, sm_scale, max_block, out, 
         best = dots.view(batch, S, H, P, PAGE_SIZE).amax(dim=-1) * sm_scale  # [batch, S, H, P]
         best.masked_fill_(outside[:, None, None, :], float("-inf"))
         res[:, :, :P] = best.permute(2, 0, 1, 3).reshape(H, batch * S, P)
-    return out.copy_(res)
+    return res
 
 
 def prefill_scores(q, cache, block_table, seq_lens, cu_seqlens_q, sm_scale, max_block, out, skip_rows_seeing: int = 0):
@@ -123,7 +124,7 @@ def prefill_scores(q, cache, block_table, seq_lens, cu_seqlens_q, sm_scale, max_
     k_cache, k_scale = cache.views()
     batch, H = block_table.shape[0], q.shape[1]
     dev = q.device
-    res = torch.full((H, q.shape[0], max_block), float("-inf"), dtype=torch.float32, device=dev)
+    res = out.fill_(float("-inf"))
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     tok = torch.arange(PAGE_SIZE, device=dev)
     qf_all = finite_or_nan(q)
@@ -158,4 +159,4 @@ def prefill_scores(q, cache, block_table, seq_lens, cu_seqlens_q, sm_scale, max_
                 best.masked_fill_(outside[None, None, c0:c1], float("-inf"))
                 res[:, r0 + t0 : r0 + t1, c0:c1] = best.transpose(0, 1)
             t0 = t1
-    return out.copy_(res)
+    return res

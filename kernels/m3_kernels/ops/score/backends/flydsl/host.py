@@ -10,7 +10,7 @@ import functools
 import torch
 
 from .....formats import FP8_DTYPE, IndexKFormat, check_index_k_cache
-from ...common import aligned_q
+from ...common import aligned_q, minus_inf_scores
 from .checks import check_flydsl_decode
 from .decode import build_decode_scorer
 
@@ -55,7 +55,7 @@ def prepare_run(plan, q, cache, out, nt_k=None):
 def _marshal(fmt, batch, H, max_block, sm_scale, q, k_cache, k_scale, block_table, seq_lens, S, out, cp_rank,
              cp_world, nt_k):
     if out is None:
-        out = torch.full((H, batch * S, max_block), float("-inf"), dtype=torch.float32, device=q.device)
+        out = minus_inf_scores(H, batch * S, max_block, q.device)
     if batch == 0 or max_block == 0:
         return None, (), out
     k_format = {IndexKFormat.MXFP4: "mxfp4", IndexKFormat.FP8: "fp8", IndexKFormat.BF16: "bf16"}[fmt]
