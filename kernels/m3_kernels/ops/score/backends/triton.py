@@ -369,7 +369,6 @@ def _score_kernel(
 
     # Query vectors, widened onto the tensor-core operand type (module docstring).
     post = tl.full([NQ], 1.0, tl.float32) * sm_scale
-    bad = _nonfinite(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, D)
     GB: tl.constexpr = G // 2
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     if FMT == 2:
@@ -395,10 +394,12 @@ def _score_kernel(
                 bad_v = _nonfinite(q_ptr, row0 + j_v, o_nv % H, j_v < n_rows, stride_q_r, stride_q_h, D)
                 _page_loop_stacked(k_ptr, s_ptr, bt_row, out_ptr, o_h_v, pos0 + j_v, pos0, j_v < n_rows, post_v,
                                    _pow2(e_t - Q_TOP) * KFAC, p_start, p_end, cp_rank, cp_world, n_pages, bad_v,
-                                   stride_k_page,
-                                   stride_s_page, q_bd, NUM_STAGES, T, G, NV, DATA_BYTES, SCALE_BYTES, USE_ASM)
+                                   stride_k_page, stride_s_page, q_bd, NUM_STAGES, T, G, NV, DATA_BYTES, SCALE_BYTES,
+                                   USE_ASM)
                 return
+            bad = _nonfinite(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, D)  # for the per-vector loop below
         else:
+            bad = _nonfinite(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, D)
             f0, g0, f1, g1, f2, g2, f3, g3 = _load_q_split(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, GB)
             amax = tl.maximum(tl.maximum(tl.maximum(tl.max(tl.max(tl.abs(f0), axis=1), axis=0),
                                                     tl.max(tl.max(tl.abs(g0), axis=1), axis=0)),
@@ -442,6 +443,7 @@ def _score_kernel(
         e2, o2, e3, o3 = e2.to(tl.float16), o2.to(tl.float16), e3.to(tl.float16), o3.to(tl.float16)
     else:
         b_q = _load_q(q_ptr, rows, heads, m_n, stride_q_r, stride_q_h, 0, D)
+        bad = tl.sum(((b_q - b_q) != 0.0).to(tl.int32), axis=0) > 0  # a NaN or Inf in the vector, as _nonfinite
         if FMT == 0:
             if not INTERPRET:  # the CPU interpreter's bf16 dot is wrong: it scores in fp32 there
                 b_q = b_q.to(tl.bfloat16)
