@@ -6,7 +6,8 @@ could get no GPU, adds one row to ``lab/logs/gpu-gate.md``. The rows key on the 
 folders, so committing the log itself does not move them, and ``lab/tests/scripts/test_gate.py`` fails
 when the folders at HEAD have no row, or when their newest row failed.
 
-    python lab/gpu/gate.py archive REV DIR          # DIR/src: the files the suite needs at REV (carried)
+    python lab/gpu/gate.py archive REV DIR [--with PATH ...]   # DIR/src: the files the suite needs at REV
+                                                       # (carried), plus PATHs such as a model's weights
     python lab/gpu/gate.py record REV MACHINE LOG ...  # append the row of a returned run (each LOG: a
                                                        # pytest_gpu.log; shards of one suite are summed)
     python lab/gpu/gate.py no-gpu REV WHY           # append a row saying that no GPU could be had
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("archive")
     a.add_argument("rev")
     a.add_argument("dir", type=Path)
+    a.add_argument("--with", dest="extra", nargs="+", default=[], metavar="PATH")
     r = sub.add_parser("record")
     r.add_argument("rev")
     r.add_argument("machine", help='the card, e.g. "one H100"')
@@ -102,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         if src.exists():
             raise SystemExit(f"gate: {src} exists; remove it first")
         src.mkdir(parents=True)
-        tar = subprocess.run(["git", "-C", str(ROOT), "archive", rev, *SUITE_FILES], capture_output=True, check=True)
+        tar = subprocess.run(["git", "-C", str(ROOT), "archive", rev, *SUITE_FILES, *args.extra], capture_output=True,
+                             check=True)
         subprocess.run(["tar", "-x", "-C", str(src)], input=tar.stdout, check=True)
         (args.dir / "COMMIT").write_text(rev + "\n")
         print(f"{src}: {rev}, {len(tar.stdout) // 1024} KiB")
