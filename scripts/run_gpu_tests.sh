@@ -3,7 +3,8 @@
 # marked), then the scorer/writer benchmark (correctness first).
 #   scripts/run_gpu_tests.sh [bench args...]     logs and tables go to $OUT (default ./out)
 #   scripts/run_gpu_tests.sh --tests-only        the GPU suite alone, log in $OUT/pytest_gpu.log
-#   GPU_TESTS="tests/kernels tests/accuracy"     a shard of it (default: tests), where one call cannot hold all
+#   GPU_TESTS="tests/kernels tests/accuracy"     a shard of it (default: tests), where one call cannot hold all;
+#                                                at PYTEST_TIMEOUT (480 s) pytest is interrupted and still prints its counts
 #   scripts/run_gpu_tests.sh --multi-gpu         only the 2-GPU context-parallel scorer test (NCCL,
 #                                                 NVLink multicast off), log in $OUT/pytest_multi_gpu.log
 # Needs torch, Triton and SGLang importable by python3 (SGLang's JIT loader builds the CUDA MXFP4
@@ -21,7 +22,7 @@ if [ "${1:-}" = "--multi-gpu" ]; then
     exit ${PIPESTATUS[0]}
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-timeout ${PYTEST_TIMEOUT:-480} python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} ${PYTEST_ARGS:-} 2>&1 \
+timeout -s INT -k 30 ${PYTEST_TIMEOUT:-480} python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} ${PYTEST_ARGS:-} 2>&1 \
     | tee "$OUT/pytest_gpu.log"
 tests_rc=${PIPESTATUS[0]}
 echo "gpu tests exit code: $tests_rc" | tee -a "$OUT/pytest_gpu.log"
