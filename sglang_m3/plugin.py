@@ -137,7 +137,9 @@ def check_launch(cls, args):
     process starts: a ``minimax_m3_1`` config that names no format (``scope.MissingIndexKFormat``); an index-K
     setting that is not one (``index_k_format``, ``index_k_scale_rule``, ``index_k_sign_seed``, from ``config.json``,
     ``--json-model-override-args`` or ``--index-k-format``); a local model folder without weight files, loaded
-    from them (the tiny config: "add --load-format dummy"). Other models pass unchanged."""
+    from them (the tiny config: "add --load-format dummy"); the flags the index-K cache does not serve
+    (``--enable-hisparse``, ``--speculative-algorithm``, a HiCache launch ``host_pool.check_hicache_launch``
+    refuses). Other models pass unchanged."""
     from m3_kernels.formats import parse_format, parse_scale_rule
 
     from .config import check_sign_seed
@@ -159,6 +161,14 @@ def check_launch(cls, args):
         if not any(glob.glob(os.path.join(model_path, pattern)) for pattern in WEIGHT_PATTERNS):
             raise ValueError(f"{model_path} holds no weights ({', '.join(WEIGHT_PATTERNS)}) for --load-format "
                              f"{load_format}: add --load-format dummy to serve it with random weights")
+    if getattr(args, "enable_hisparse", False):
+        raise NotImplementedError(HISPARSE_REFUSAL)
+    if getattr(args, "speculative_algorithm", None):
+        raise NotImplementedError(f"--speculative-algorithm {args.speculative_algorithm}: {SPECULATIVE_REFUSAL}")
+    if getattr(args, "enable_hierarchical_cache", False):
+        from .host_pool import check_hicache_launch
+
+        check_hicache_launch(args)
     return None
 
 
@@ -183,6 +193,11 @@ OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
 GOMP_SPINCOUNT = "GOMP_SPINCOUNT"
 CPU_SPINCOUNT = "3000"  # libgomp spins ~100,000 per ms: about 30 us of spinning before a thread sleeps
 CPU_OPENMP_WAITS = {OMP_WAIT_POLICY: "PASSIVE", GOMP_SPINCOUNT: CPU_SPINCOUNT}  # a CPU server's, unless either is set
+HISPARSE_REFUSAL = ("enable_hisparse: the MiniMax-M3.1 index-K cache has no hierarchical sparse (HiSparse) host "
+                    "path; launch without --enable-hisparse")
+SPECULATIVE_REFUSAL = ("speculative decoding is not supported with the MiniMax-M3.1 index-K cache (the decode plan "
+                       "scores one query row per request; verify batches are not planned); launch without "
+                       "--speculative-algorithm")
 PREFILL_GRAPH_ENV = "SGLANG_M3_PREFILL_GRAPH"  # "1": keep SGLang's breakable prefill graph for index-K configs
 CPU_START_ENV = "SGLANG_M3_CPU_START"  # "spawn": keep SGLang's spawned children on the CPU too
 
@@ -382,8 +397,7 @@ def _build_index_k_pool(original, kvc, *, max_total_num_tokens: int):
     if settings is None:
         return original(kvc, max_total_num_tokens=max_total_num_tokens)
     if setting(kvc.server_args, "enable_hisparse", False):
-        raise NotImplementedError("enable_hisparse: the MiniMax-M3.1 index-K cache has no hierarchical sparse "
-                                  "(HiSparse) host path; launch without --enable-hisparse")
+        raise NotImplementedError(HISPARSE_REFUSAL)
     if setting(kvc.server_args, "enable_hierarchical_cache", False):
         from .host_pool import check_hicache_launch  # the host tier: sglang_m3.host_pool
 

@@ -268,6 +268,9 @@ def _launch(model: Path, *extra: str, dummy: bool = True) -> list[str]:
     ("format flag on llama", "--index-k-format fp8: the flag is for MiniMax-M3.1 configs"),
     ("no weights", "holds no weights (*.safetensors, *.bin, *.pt) for --load-format auto: add --load-format dummy"),
     ("float16", "dtype torch.float16: the MiniMax-M3.1 index-K cache takes bfloat16"),  # from the model-config check
+    ("hicache on a cpu", "--enable-hierarchical-cache with --device cpu: SGLang's HiCache K/V host pool needs CUDA"),
+    ("hisparse", "enable_hisparse: the MiniMax-M3.1 index-K cache has no hierarchical sparse"),
+    ("speculative", "--speculative-algorithm EAGLE: speculative decoding is not supported"),
 ])
 def test_a_bad_launch_is_refused_in_one_line_before_any_process_starts(tmp_path, case, said):
     argv = {
@@ -280,6 +283,9 @@ def test_a_bad_launch_is_refused_in_one_line_before_any_process_starts(tmp_path,
                                                 "--index-k-format", "fp8"),
         "no weights": lambda: _launch(TINY_MODEL, dummy=False),
         "float16": lambda: _launch(TINY_MODEL, "--dtype", "float16"),
+        "hicache on a cpu": lambda: _launch(TINY_MODEL, "--enable-hierarchical-cache"),
+        "hisparse": lambda: _launch(TINY_MODEL, "--enable-hisparse"),
+        "speculative": lambda: _launch(TINY_MODEL, "--speculative-algorithm", "EAGLE"),
     }[case]()
     code, out = _run_launcher(argv, tmp_path)
     line = _refused_in_one_line(code, out)
