@@ -195,6 +195,9 @@ def _refusal(request, module: str, initial_env: dict, imported_env: dict,
     if not _dirs(initial_env.get("PYTHONPATH")) <= _dirs(env.get("PYTHONPATH")):
         return "its PYTHONPATH drops directories this launcher started with"
     for d in _new_dirs(env):
+        startup = [f for f in ("sitecustomize.py", "usercustomize.py") if os.path.exists(os.path.join(d, f))]
+        if startup:  # Python runs these when an interpreter starts; a forked child never would
+            return f"its PYTHONPATH entry {d} holds {startup[0]}, which Python runs only at start-up"
         for name, mod in list(sys.modules.items()):
             origin = getattr(mod, "__file__", None)
             if "." in name or not origin:

@@ -152,6 +152,13 @@ def test_pythonpath_may_add_directories_that_hide_nothing_already_imported(launc
     handle, _ = _run(tmp_path, "0", env=dict(os.environ, PYTHONPATH=str(extra)), name="dropped")
     assert isinstance(handle, subprocess.Popen)  # the launcher's own PYTHONPATH entry is dropped
     handle.wait(timeout=60)
+    startup = tmp_path / "startup"
+    startup.mkdir()
+    (startup / "sitecustomize.py").write_text("")  # Python runs it at start-up only: a fork would skip it
+    handle, _ = _run(tmp_path, "0", env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(startup), base])),
+                     name="startup")
+    assert isinstance(handle, subprocess.Popen)
+    handle.wait(timeout=60)
     json.loads(log_path.read_text().strip().splitlines()[-1])
 
 
