@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     k, s = trees(rev)
     if args.cmd == "no-gpu":
-        _append([today, rev, k, s, "none", "-", "-", "-", "no GPU"])
+        _append([today, rev, k, s, f"none: {args.why.replace('|', '/')}", "-", "-", "-", "no GPU"])
         print(f"{LOG.name}: {rev} no GPU ({args.why})")
         return 0
     c = dict(passed=0, failed=0, skipped=0, errors=0)
