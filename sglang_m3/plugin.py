@@ -161,6 +161,8 @@ def check_launch(cls, args):
         if not any(glob.glob(os.path.join(model_path, pattern)) for pattern in WEIGHT_PATTERNS):
             raise ValueError(f"{model_path} holds no weights ({', '.join(WEIGHT_PATTERNS)}) for --load-format "
                              f"{load_format}: add --load-format dummy to serve it with random weights")
+    if str(getattr(args, "dtype", "auto")) in ("float16", "half"):  # SGLang 0.5.23 checks the model config later
+        raise NotImplementedError(FLOAT16_REFUSAL)
     if getattr(args, "enable_hisparse", False):
         raise NotImplementedError(HISPARSE_REFUSAL)
     if getattr(args, "speculative_algorithm", None):
@@ -193,6 +195,8 @@ OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
 GOMP_SPINCOUNT = "GOMP_SPINCOUNT"
 CPU_SPINCOUNT = "3000"  # libgomp spins ~100,000 per ms: about 30 us of spinning before a thread sleeps
 CPU_OPENMP_WAITS = {OMP_WAIT_POLICY: "PASSIVE", GOMP_SPINCOUNT: CPU_SPINCOUNT}  # a CPU server's, unless either is set
+FLOAT16_REFUSAL = ("dtype torch.float16: the MiniMax-M3.1 index-K cache takes bfloat16 (or float32) index keys, not "
+                   "float16; launch with --dtype bfloat16")
 HISPARSE_REFUSAL = ("enable_hisparse: the MiniMax-M3.1 index-K cache has no hierarchical sparse (HiSparse) host "
                     "path; launch without --enable-hisparse")
 SPECULATIVE_REFUSAL = ("speculative decoding is not supported with the MiniMax-M3.1 index-K cache (the decode plan "
@@ -366,10 +370,7 @@ def _validate_index_k_settings(result, model_config, *args, **kwargs):
 
         dtype = getattr(model_config, "dtype", None)
         if dtype == torch.float16:  # "auto" resolves a float32 (or unset) torch_dtype to float16 too
-            raise NotImplementedError(
-                f"dtype {dtype}: the MiniMax-M3.1 index-K cache takes bfloat16 (or float32) index keys, not float16; "
-                "launch with --dtype bfloat16"
-            )
+            raise NotImplementedError(FLOAT16_REFUSAL)
         logger.info("MiniMax-M3.1 index-K cache: %s (scale rule %s)", settings.fmt.value, settings.scale_rule.value)
 
 

@@ -22,6 +22,21 @@ from sglang_m3.host_pool import (
 from sglang_m3.pool import MiniMaxM31SparseKVPool
 
 FORMATS = list(IndexKFormat)
+
+
+def _sglang_m3_hicache_stack_is_0516s() -> bool:
+    """Whether SGLang's M3 HiCache stack is built from ``server_args`` as in 0.5.16 (the plugin refuses HiCache
+    on releases where it is not, 0.5.23 among them)."""
+    import inspect
+
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
+
+    stack = getattr(hybrid_pool_assembler, "build_minimax_sparse_hicache_stack", None)
+    return stack is not None and "server_args" in inspect.signature(stack).parameters
+
+
+needs_0516_stack = pytest.mark.skipif(not _sglang_m3_hicache_stack_is_0516s(),
+                                      reason="this SGLang's M3 HiCache stack is not 0.5.16's: HiCache is refused")
 DEVICE_PAGES = 8  # token-slot pages of the device pool (plus its padding page)
 HOST_PAGES = 6
 SPARSE = (1, 2, 3)
@@ -277,6 +292,7 @@ def test_host_pages_must_be_the_index_page():
         IndexKPoolHost(pool.index_k_pool, anchor, "page_first")
 
 
+@needs_0516_stack
 @pytest.mark.parametrize("backend", [None, "file"])
 def test_a_hicache_launch_with_file_storage_or_none_passes(backend):
     from sglang_m3.host_pool import check_hicache_launch
@@ -328,6 +344,7 @@ class _AnchorHost:
         self.calls.append(("load", layer_id))
 
 
+@needs_0516_stack
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4_rot"])
 def test_sglangs_host_pool_group_drives_the_index_sidecar_by_the_kv_slots(fmt, gen):
     """SGLang's ``HostPoolGroup`` and ``build_pool_entry`` wired as its M3 stack wires them (the index entry's
@@ -425,6 +442,7 @@ def _check_host_round_trip(server, record):
     assert all(host_rows[k] == cold_rows[k] for k in shared), [k for k in shared if host_rows[k] != cold_rows[k]][:5]
 
 
+@needs_0516_stack
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])  # one per page layout (bf16 and mxfp4_rot share them): 2.5 min each
 def test_a_prefix_loaded_back_from_the_host_on_a_cpu_server_selects_and_answers_as_cold(fmt, tmp_path):
@@ -484,6 +502,7 @@ def _generate(server, input_ids, max_new_tokens=8):
     return body["output_ids"], details
 
 
+@needs_0516_stack
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -497,6 +516,7 @@ def test_a_prefix_loaded_back_from_the_host_selects_and_answers_as_cold_on_cuda(
         server.stop()
 
 
+@needs_0516_stack
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_prefix_restored_from_file_storage_gives_the_cold_tokens_on_cuda(tmp_path):
