@@ -29,7 +29,6 @@ SUITE_FILES = ("kernels", "sglang_m3", "accuracy", "tests", "examples", "scripts
                "lab/gpu", "configs/minimax-m3.1", "configs/minimax-m3.1-tiny")
 HEADER = ("| date | commit | kernels tree | sglang_m3 tree | machine | passed | failed | skipped | result |\n"
           "|---|---|---|---|---|---|---|---|---|\n")
-RESULTS = ("passed", "failed", "no GPU")
 
 
 def _git(*args: str, repo: Path = ROOT) -> str:
