@@ -267,7 +267,7 @@ def _launch(model: Path, *extra: str, dummy: bool = True) -> list[str]:
     ("no format", "names no index_k_format: choose the index-K cache format"),
     ("format flag on llama", "--index-k-format fp8: the flag is for MiniMax-M3.1 configs"),
     ("no weights", "holds no weights (*.safetensors, *.bin, *.pt) for --load-format auto: add --load-format dummy"),
-    ("float16", "dtype torch.float16: the MiniMax-M3.1 index-K cache takes bfloat16"),  # from the model-config check
+    ("float16", "dtype torch.float16: the MiniMax-M3.1 index-K cache takes bfloat16"),  # check_launch (and the config)
     ("hicache on a cpu", "--enable-hierarchical-cache with --device cpu: SGLang's HiCache K/V host pool needs CUDA"),
     ("hisparse", "enable_hisparse: the MiniMax-M3.1 index-K cache has no hierarchical sparse"),
     ("speculative", "--speculative-algorithm EAGLE: speculative decoding is not supported"),
