@@ -146,13 +146,21 @@ def _poison(bt, pages, bad_id, cells):
     return bt
 
 
-def _expect(ref, cells, S, per_request_rows):
+def _expect(ref, cells, per_request_rows):
     """``ref`` with every row of the poisoned requests at the poisoned columns set to -inf."""
     ref = ref.clone()
     for b, p in cells:
         r0, r1 = per_request_rows(b)
         ref[:, r0:r1, p] = float("-inf")
     return ref
+
+
+def _assert_scores_as(got, want):
+    """The -inf pattern of ``want`` exactly, and its finite scores to 1e-5."""
+    got = got.cpu().double()
+    assert torch.equal(torch.isinf(got) & (got < 0), torch.isinf(want) & (want < 0))
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("bad", list(BAD_PAGE_IDS))
@@ -176,16 +184,13 @@ def test_decode_page_ids_outside_the_cache_score_minus_inf(gen, device, fmt, bac
     q = make_q(gen, _rows(batch), batch.H, torch.bfloat16, device)
     good = score_decode_ref(q.cpu(), *[v.cpu() if v is not None else None for v in cache.views()],
                             batch.block_table.cpu(), batch.seq_lens.cpu(), S, SCALE, batch.max_block)
-    want = _expect(good, cells, S, lambda b: (b * S, (b + 1) * S))
+    want = _expect(good, cells, lambda b: (b * S, (b + 1) * S))
     if backend == "oracle":
         got = score_decode_ref(q, *cache.views(), bt, batch.seq_lens, S, SCALE, batch.max_block)
     else:
         plan = plan_decode(cache, batch._replace(block_table=bt), backend=backend)
         got = score_decode(plan, q, cache)
-    got = got.cpu().double()
-    assert torch.equal(torch.isinf(got) & (got < 0), torch.isinf(want) & (want < 0))
-    fin = torch.isfinite(want)
-    torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-5)
+    _assert_scores_as(got, want)
 
 
 @pytest.mark.parametrize("bad", ["num_pages", "huge"])  # -1: the decode cases (the same guard)
@@ -203,16 +208,13 @@ def test_prefill_page_ids_outside_the_cache_score_minus_inf(gen, device, backend
     good = score_prefill_ref(q.cpu(), *[v.cpu() if v is not None else None for v in cache.views()],
                              batch.block_table.cpu(), batch.seq_lens.cpu(), batch.cu_seqlens_q.cpu(), SCALE,
                              batch.max_block)
-    want = _expect(good, cells, None, lambda b: (cu[b], cu[b + 1]))
+    want = _expect(good, cells, lambda b: (cu[b], cu[b + 1]))
     if backend == "oracle":
         got = score_prefill_ref(q, *cache.views(), bt, batch.seq_lens, batch.cu_seqlens_q, SCALE, batch.max_block)
     else:
         plan = plan_prefill(cache, batch._replace(block_table=bt), backend=backend)
         got = score_prefill(plan, q, cache)
-    got = got.cpu().double()
-    assert torch.equal(torch.isinf(got) & (got < 0), torch.isinf(want) & (want < 0))
-    fin = torch.isfinite(want)
-    torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-5)
+    _assert_scores_as(got, want)
 
 
 @pytest.mark.parametrize("bad", list(BAD_PAGE_IDS))
