@@ -776,7 +776,10 @@ def test_dense_forward_matches_float64_oracle(gen, act):
         gate = model.model.layers[0].mlp.gate_proj(m)
     assert (gate > model.config.swiglu_limit).float().mean() > 0.05  # the clamps matter
     want = _dense_model_oracle(model, ids)
-    torch.testing.assert_close(logits[0].log_softmax(-1).double(), want, rtol=1e-4, atol=1e-4)
+    # float32 forward against float64: over 300 fresh seeds the worst log-prob error was 4.7e-4 (SwiGLU-OAI, whose
+    # x60 gate and up weights scale float32 rounding in the MLP); 1e-4 failed 5 of them. A clamp or alpha slip
+    # moves log-probs by far more than 1e-3.
+    torch.testing.assert_close(logits[0].log_softmax(-1).double(), want, rtol=1e-4, atol=1e-3)
 
 
 def test_init_weights_scales_output_projections_and_keeps_norms_at_identity():
