@@ -5,13 +5,13 @@ bf16, fp8 and mxfp4, within the documented rotation bound for mxfp4_rot), others
 reference ``naive.write_index_k_ref``. The format, scale rule and sign seed are the cache's.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from ...formats import IndexKFormat, check_cache
-from .naive import check_write_rows
+from .naive import check_loc_range, check_write_rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -24,6 +24,12 @@ class WritePlan:
     capacity: int
     device: torch.device
     run: Callable
+
+    def first(self, n: int) -> "WritePlan":
+        """The plan of the first ``n`` slots only (checked with the rest: nothing is checked again)."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.loc.shape[0]:
+            raise ValueError(f"n must be an int in [0, {self.loc.shape[0]}] (the plan's slots), got {n!r}")
+        return replace(self, loc=self.loc[:n])
 
 
 def plan_write(cache, loc, check_loc=True) -> WritePlan:
@@ -41,10 +47,8 @@ def plan_write(cache, loc, check_loc=True) -> WritePlan:
     if loc.device != cache.device:
         raise ValueError(f"loc and the cache must be on one device, got {loc.device} and {cache.device}")
     on_gpu = loc.device.type == "cuda"
-    if loc.numel() and (not on_gpu or (check_loc and not torch.cuda.is_current_stream_capturing())):
-        lo, hi = int(loc.min()), int(loc.max())
-        if lo < 0 or hi >= cache.capacity:
-            raise ValueError(f"loc values must lie in [0, {cache.capacity}), got min {lo}, max {hi}")
+    if not on_gpu or (check_loc and not torch.cuda.is_current_stream_capturing()):
+        check_loc_range(loc, cache.capacity)
     if on_gpu:
         from .triton import write_index_k_triton as run
     else:

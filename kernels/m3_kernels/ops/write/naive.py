@@ -25,6 +25,14 @@ def check_write_rows(k, loc, k_cache) -> None:
         raise ValueError(f"k, loc and k_cache must be on one device, got {k.device}, {loc.device}, {k_cache.device}")
 
 
+def check_loc_range(loc, capacity: int) -> None:
+    """ValueError unless every slot of ``loc`` lies in ``[0, capacity)`` (reads ``loc`` back: a sync on a GPU)."""
+    if loc.numel():
+        lo, hi = int(loc.min()), int(loc.max())
+        if lo < 0 or hi >= capacity:
+            raise ValueError(f"loc values must lie in [0, {capacity}), got min {lo}, max {hi}")
+
+
 def check_write_args(k, loc, k_cache, k_scale, fmt):
     """A write given as loose tensors: the cache views, ``fmt`` against their storage, ``check_write_rows``."""
     fmt = parse_format(fmt)
@@ -42,15 +50,15 @@ def write_index_k_ref(k, loc, k_cache, k_scale, fmt, scale_rule: ScaleRule | str
     is written, so a bad ``loc`` raises ValueError and leaves the cache untouched.
     """
     fmt = check_write_args(k, loc, k_cache, k_scale, fmt)
-    write_rows(IndexKCache(fmt, k_cache, k_scale, scale_rule, sign_seed), k, loc)
+    cache = IndexKCache(fmt, k_cache, k_scale, scale_rule, sign_seed)
+    check_loc_range(loc, cache.capacity)
+    write_rows(cache, k, loc)
 
 
 def write_rows(cache, k, loc) -> None:
-    """``write_index_k_ref`` into an ``IndexKCache`` (checked when made; ``k``, ``loc`` by the caller)."""
+    """``write_index_k_ref`` into an ``IndexKCache`` (checked when made; ``k``, ``loc`` and the slots' range,
+    ``check_loc_range``, by the caller: once per batch when planned)."""
     k_cache, k_scale, fmt = cache.data, cache.scale_e8m0, cache.fmt
-    capacity = cache.capacity
-    if loc.numel() and (int(loc.min()) < 0 or int(loc.max()) >= capacity):
-        raise ValueError(f"loc values must lie in [0, {capacity}), got min {int(loc.min())}, max {int(loc.max())}")
     rows, scale_rows = quantize_index_k(k, fmt, cache.scale_rule, cache.sign_seed)
     page, row = loc.long() // PAGE_SIZE, loc.long() % PAGE_SIZE
     k_cache[page, row] = rows

@@ -147,3 +147,23 @@ def test_a_plan_checks_the_slots_once_and_each_layer_against_it(gen):
         assert not other.data.view(torch.uint8).any()
     with pytest.raises(ValueError, match="loc must be int32/int64 .tokens=4., got torch.int32 .3,."):
         write_planned(plan, caches[0], torch.zeros(4, 128))
+
+
+def test_a_plans_first_slots_write_what_the_one_call_writer_writes_there(gen):
+    """``WritePlan.first(n)``: the plan of the first ``n`` of its slots (a padded batch stores its real tokens),
+    checked with the rest; ``n`` outside ``[0, slots]`` is refused."""
+    from m3_kernels.formats import IndexKCache
+    from m3_kernels.ops.write import plan_write, write_index_k, write_planned
+
+    loc = torch.tensor([3, 130, 255, 0], dtype=torch.int64)
+    plan = plan_write(IndexKCache.new(2, "mxfp4"), loc)
+    for n in (0, 1, 3, 4):
+        k = torch.randn(n, 128, generator=gen)
+        got, want = IndexKCache.new(2, "mxfp4"), IndexKCache.new(2, "mxfp4")
+        write_planned(plan.first(n), got, k)
+        write_index_k(want, k, loc[:n])
+        assert torch.equal(got.data, want.data) and torch.equal(got.scale_e8m0, want.scale_e8m0)
+        assert plan.first(n).loc.shape == (n,) and plan.first(n).run is plan.run
+    for bad in (-1, 5, 2.0, True):
+        with pytest.raises(ValueError, match=r"n must be an int in \[0, 4\] \(the plan's slots\)"):
+            plan.first(bad)
