@@ -3,19 +3,22 @@
 Subclasses SGLang's ``MiniMaxSparseAttnBackend`` (which ``MiniMaxHybridAttnBackend`` pairs with
 the dense backend for layers 0-2) and replaces its index path. Per sparse layer and forward:
 
-1. store main K/V and the index key at ``out_cache_loc`` (``write_index_k`` inside the pool);
+1. store main K/V and the index key at ``out_cache_loc`` (the batch's write plan, run inside the pool);
 2. score every visible 128-token block from the layer's ``IndexKCache`` (``score_prefill`` /
    ``score_decode`` on the batch's plan; radix-cached prefixes are read from the cache like any other page);
-3. pick the top blocks (``select_blocks``);
+3. pick the top blocks (the batch's ``select_planned``);
 4. attend over the picked blocks (``sparse_attention``: SGLang's Triton kernels on CUDA, torch
    elsewhere).
 
-Plan, then run: host work (block tables for prefill, decode buffer views, and the scorers' plans,
-``plan_decode`` / ``plan_prefill``: backend choice and every metadata check, once per batch) happens in
+Plan, then run: host work (block tables for prefill, decode buffer views, and the plans: the scorer's
+``plan_decode`` / ``plan_prefill``, the selector's ``plan_select`` and the index-K writer's plan of
+``out_cache_loc``: backend choice and every metadata check, once per batch) happens in
 ``init_forward_metadata_out_graph``; decode metadata is refreshed by device ops in
 ``init_forward_metadata_in_graph`` into buffers that CUDA-graph capture and replay share. A captured
-batch size's decode plan is made at capture and reused by its replays (it holds the same buffers).
-Each layer's run checks nothing.
+batch size's decode score and select plans are made at capture and reused by its replays (they hold the
+same buffers); the write plan holds the batch's ``out_cache_loc`` tensor and no host value of it (its slot
+check is the allocator's), so the one made at capture reads the graph's static slots at every replay.
+Each layer's run checks only that its tensors match the plans, on the host.
 
 Decode buffers in CUDA-graph mode: ``init_cuda_graph_state(max_bs)`` allocates one set for
 ``max_bs`` rows and every batch size up to it gets leading views of that set (``scores`` as the first
@@ -56,7 +59,8 @@ from m3_kernels.ops.score import (
     score_decode,
     score_prefill,
 )
-from m3_kernels.ops.select import check_select_params, select_blocks, visible_blocks
+from m3_kernels.ops.select import SelectPlan, check_select_params, plan_select, select_planned, visible_blocks
+from m3_kernels.ops.write import WritePlan
 from sglang.srt.configs.model_config import get_minimax_sparse_attention_config
 from sglang.srt.layers.attention.minimax_sparse_backend import MiniMaxSparseAttnBackend
 from sglang.srt.runtime_context import get_parallel
@@ -78,6 +82,7 @@ class _DecodeMeta:
     n_visible: torch.Tensor  # int64 [bs]: blocks the decode row sees
     scores: torch.Tensor  # fp32 [H_idx, bs, max_blocks]
     plan: Optional[DecodePlan] = None  # the scorer's plan over these buffers, made once (per captured size)
+    select: Optional[SelectPlan] = None  # the selector's plan over ``scores`` and ``n_visible``, made with ``plan``
 
 
 @dataclass
@@ -90,6 +95,7 @@ class _ExtendMeta:
     max_block: int
     num_tokens: int
     plan: Optional[PrefillPlan]  # the scorer's plan, made once here for every sparse layer
+    select: Optional[SelectPlan] = None  # the selector's plan: each new token's visible blocks, [num_tokens]
 
 
 def check_decode_scorer(scorer: str, device_type: str, cuda_graph: bool) -> None:
@@ -147,6 +153,7 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
         self._in_graph_mode = False
         self._decode_meta: Optional[_DecodeMeta] = None
         self._extend_meta: Optional[_ExtendMeta] = None
+        self._write_plan: Optional[WritePlan] = None  # the index-K write of this batch's out_cache_loc
         self.recorder = SelectionRecorder.from_config(runner.model_config.hf_config, self.sparse_layer_ids)
         # Resolved now (the CUDA kernel's JIT build happens here, not mid-capture); each plan resolves the same way.
         self.decode_scorer = resolve_backend(self.device, settings.fmt, "decode", query_vectors=self.num_idx_heads)
@@ -189,11 +196,12 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         mode = forward_batch.forward_mode
-        self._decode_meta = self._extend_meta = None
+        self._decode_meta = self._extend_meta = self._write_plan = None
         if mode.is_idle():
             return
         if mode.is_target_verify() or mode.is_draft_extend_v2():
             raise NotImplementedError("speculative decoding is not supported with the MiniMax-M3.1 index-K cache")
+        self._write_plan = self.kv_pool.plan_index_k_write(forward_batch.out_cache_loc)
         if mode.is_decode():
             bs = forward_batch.seq_lens.shape[0]
             shared = self._graph_decode_buffers if self._in_graph_mode else None
@@ -226,6 +234,8 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
             plan=None,
         )
         meta, cache = self._extend_meta, self._any_cache()
+        meta.select = self._plan_select(visible_blocks(forward_batch.positions[: meta.num_tokens], PAGE_SIZE),
+                                        max_block)
         if cache is not None:
             # Rows seeing at most topk blocks take them all (no scores needed) unless the recorder keeps scores.
             meta.plan = plan_prefill(cache, PrefillBatch(
@@ -244,7 +254,12 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
         if cache is not None:
             meta.plan = plan_decode(cache, DecodeBatch(meta.block_table, meta.seq_lens, 1, self.num_idx_heads,
                                                        self.idx_sm_scale, self.max_blocks, meta.scores))
+        meta.select = self._plan_select(meta.n_visible, self.max_blocks)
         return meta
+
+    def _plan_select(self, n_visible: torch.Tensor, nb: int) -> SelectPlan:
+        """The selection over this batch's ``[H_idx, rows, nb]`` scores (no host value of ``n_visible`` read)."""
+        return plan_select(n_visible, self.num_idx_heads, nb, self.topk_blocks, self.local_blocks, self.init_blocks)
 
     def init_forward_metadata_in_graph(self, forward_batch):
         meta = self._decode_meta
@@ -272,13 +287,14 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
                              f"got {idx_q.dtype}")
         return cache.prepare_q(idx_q)
 
-    def _select(self, scores: torch.Tensor, n_visible: torch.Tensor) -> torch.Tensor:
-        return select_blocks(scores, n_visible, self.topk_blocks, self.local_blocks, self.init_blocks)
+    def _select(self, scores: torch.Tensor, plan: SelectPlan) -> torch.Tensor:
+        return select_planned(plan, scores)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, *, idx_q, idx_k, idx_v, **kwargs):
         if _recorded_in_graph():  # SGLang 0.5.16's breakable prefill graph records this call (module docstring)
             return self._extend_between_segments(q, k, v, layer, idx_q, idx_k, idx_v)
-        return self._extend(q, k, v, layer, forward_batch, forward_batch.out_cache_loc, idx_q, idx_k, idx_v)
+        return self._extend(q, k, v, layer, forward_batch, forward_batch.out_cache_loc, self._write_plan, idx_q,
+                            idx_k, idx_v)
 
     def _extend_between_segments(self, q, k, v, layer, idx_q, idx_k, idx_v):
         """Capture of a breakable prefill graph: end the segment here and run this attention eagerly, now
@@ -299,17 +315,17 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
         eager_on_graph(True)(_breakable_extend)(self, q, k, v, out, layer, idx_q, idx_k, idx_v)
         return None, out
 
-    def _extend(self, q, k, v, layer, forward_batch, out_cache_loc, idx_q, idx_k, idx_v):
+    def _extend(self, q, k, v, layer, forward_batch, out_cache_loc, write_plan, idx_q, idx_k, idx_v):
         meta = self._extend_meta
-        self.kv_pool.set_fused_kv_index_buffer(layer, out_cache_loc, k, v, idx_k, idx_v)
+        self.kv_pool.set_fused_kv_index_buffer(layer, out_cache_loc, k, v, idx_k, idx_v, write_plan)
         k_cache, v_cache = self.kv_pool.get_kv_buffer(layer.layer_id)
         cache = self.kv_pool.get_index_k_buffer(layer.layer_id)
 
         padded_tokens, n = q.shape[0], meta.num_tokens  # DP attention may pad q past the real tokens
         q, idx_q, positions = q[:n], idx_q[:n], forward_batch.positions[:n]
         scores = score_prefill(meta.plan, self._index_q(idx_q, cache), cache)
-        n_visible = visible_blocks(positions, PAGE_SIZE)
-        selected = self._select(scores, n_visible)
+        n_visible = meta.select.n_visible
+        selected = self._select(scores, meta.select)
         o = sparse_attention_extend(q, k_cache, v_cache, self.req_to_token, forward_batch.req_pool_indices,
                                     meta.seq_lens, meta.prefix_lens, meta.cu_seqlens_q, meta.max_seqlen_q, positions,
                                     selected, self.block_size_k, layer.scaling)
@@ -323,12 +339,13 @@ class MiniMaxM31SparseAttnBackend(MiniMaxSparseAttnBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, *, idx_q, idx_k, idx_v, **kwargs):
         meta = self._decode_meta
-        self.kv_pool.set_fused_kv_index_buffer(layer, forward_batch.out_cache_loc, k, v, idx_k, idx_v)
+        self.kv_pool.set_fused_kv_index_buffer(layer, forward_batch.out_cache_loc, k, v, idx_k, idx_v,
+                                               self._write_plan)
         k_cache, v_cache = self.kv_pool.get_kv_buffer(layer.layer_id)
         cache = self.kv_pool.get_index_k_buffer(layer.layer_id)
 
         scores = score_decode(meta.plan, self._index_q(idx_q, cache), cache, meta.scores)
-        selected = self._select(scores, meta.n_visible)
+        selected = self._select(scores, meta.select)
         o = sparse_attention_decode(q, k_cache, v_cache, self.req_to_token, forward_batch.req_pool_indices,
                                     meta.seq_lens, selected, self.block_size_k, layer.scaling)
         if self.recorder is not None:
@@ -352,7 +369,9 @@ def _breakable_extend(backend, q, k, v, out, layer, idx_q, idx_k, idx_v) -> None
 
     forward_batch = get_tc_piecewise_forward_context().forward_batch
     n = backend._extend_meta.num_tokens
+    # The write plan is over the live batch's out_cache_loc (made before the replay), whose first n slots are the
+    # static ones the segment reads; a DP-padded live batch plans more rows than the n stored here.
     _, o = backend._extend(q[:n], k[:n], v[:n], layer, forward_batch, forward_batch.out_cache_loc[:n],
-                           idx_q[:n], idx_k[:n], None if idx_v is None else idx_v[:n])
+                           backend._write_plan.first(n), idx_q[:n], idx_k[:n], None if idx_v is None else idx_v[:n])
     out[:n].copy_(o)
     out[n:].zero_()

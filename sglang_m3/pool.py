@@ -8,8 +8,9 @@ freed or reused by SGLang's allocator is freed or reused for both. Slot ``loc`` 
 
 Each layer's index cache is one ``m3_kernels.formats.IndexKCache`` (format, views, scale rule, sign
 seed), checked once when the pool makes it; ``get_index_k_buffer`` returns it and the writer and
-scorers take it. Quantization is one call to ``m3_kernels.ops.write.write_index_k``; byte sizes come
-from ``IndexKFormat.token_bytes``.
+scorers take it. Quantization is ``m3_kernels.ops.write``'s plan and run: ``plan_index_k_write`` checks a
+batch's slots once (the backend calls it once per forward batch) and each layer's store runs that plan;
+byte sizes come from ``IndexKFormat.token_bytes``.
 """
 
 from contextlib import nullcontext
@@ -18,7 +19,7 @@ from typing import Optional
 import torch
 
 from m3_kernels.formats import INDEX_DIM, PAGE_SIZE, IndexKCache, alloc_index_k_cache
-from m3_kernels.ops.write import write_index_k
+from m3_kernels.ops.write import WritePlan, plan_write, write_planned
 from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
 from sglang.srt.mem_cache.memory_pool import KVCache, MHATokenToKOnlyPool, MiniMaxSparseKVPool
 
@@ -77,11 +78,18 @@ class IndexKPool(MHATokenToKOnlyPool):
             self.layer_transfer_counter.wait_until(layer_id)
         return self.caches[layer_id]
 
-    def set_key_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor) -> None:
+    def plan_write(self, loc: torch.Tensor) -> WritePlan:
+        """The index-K write of a batch's slots ``loc [tokens]`` into any layer's cache (all share format and
+        capacity), checked once. Slots come from SGLang's allocator: on a GPU the writer's slot-range check
+        (a device sync) is skipped, so the plan holds no host value of ``loc`` and a CUDA graph may capture it."""
+        return plan_write(self.caches[0], loc, check_loc=False)
+
+    def set_key_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor,
+                       plan: Optional[WritePlan] = None) -> None:
         """Quantize index keys ``k [tokens, 1, 128]`` or ``[tokens, 128]`` into slots ``loc [tokens]`` (0 tokens:
-        nothing written)."""
-        # Slots come from SGLang's allocator: skip the writer's slot check (a device sync per call).
-        write_index_k(self.caches[layer_id], k.flatten(1), loc, check_loc=False)
+        nothing written). ``plan``: ``plan_write(loc)``, made once for the batch's layers (``loc`` is then
+        not read); None plans here."""
+        write_planned(self.plan_write(loc) if plan is None else plan, self.caches[layer_id], k.flatten(1))
 
     def get_kv_size_bytes(self):
         storages = {k.untyped_storage().data_ptr(): k.untyped_storage().nbytes() for k in self.k_buffer}
@@ -157,11 +165,19 @@ class MiniMaxM31SparseKVPool(MiniMaxSparseKVPool):
     def get_index_kv_buffer(self, layer_id: int):
         raise NotImplementedError("MiniMax-M3.1 sparse layers keep no index value")
 
-    def set_index_k_buffer(self, layer, loc: torch.Tensor, cache_idx_k: torch.Tensor) -> None:
-        self.index_k_pool.set_key_buffer(self._index_layer(layer.layer_id), loc, cache_idx_k)
+    def plan_index_k_write(self, loc: torch.Tensor) -> Optional[WritePlan]:
+        """``IndexKPool.plan_write`` of a batch's slots ``loc``, once for all sparse layers; None where this
+        rank holds no sparse layer."""
+        return self.index_k_pool.plan_write(loc) if self.index_k_pool.caches else None
 
-    def set_fused_kv_index_buffer(self, layer, loc, cache_k, cache_v, cache_idx_k, cache_idx_v) -> None:
-        """Store main K/V and the index key of a sparse layer at ``loc``.
+    def set_index_k_buffer(self, layer, loc: torch.Tensor, cache_idx_k: torch.Tensor,
+                           plan: Optional[WritePlan] = None) -> None:
+        self.index_k_pool.set_key_buffer(self._index_layer(layer.layer_id), loc, cache_idx_k, plan)
+
+    def set_fused_kv_index_buffer(self, layer, loc, cache_k, cache_v, cache_idx_k, cache_idx_v,
+                                  index_k_plan: Optional[WritePlan] = None) -> None:
+        """Store main K/V and the index key of a sparse layer at ``loc`` (the index key through
+        ``index_k_plan``, the batch's ``plan_index_k_write(loc)``, when given).
 
         K and V may be column views of a fused projection output (row stride larger than the
         row); they are made contiguous first, which SGLang's fused K/index store does not do.
@@ -169,7 +185,7 @@ class MiniMaxM31SparseKVPool(MiniMaxSparseKVPool):
         if cache_idx_v is not None:
             raise NotImplementedError("MiniMax-M3.1 sparse layers keep no index value")
         self.set_kv_buffer(layer, loc, cache_k.contiguous(), cache_v.contiguous())
-        self.set_index_k_buffer(layer, loc, cache_idx_k)
+        self.set_index_k_buffer(layer, loc, cache_idx_k, index_k_plan)
 
     def get_index_k_state_buf_infos(self):
         """Per layer (base pointer, bytes, bytes per page) of the index cache (PD transfer by page id)."""

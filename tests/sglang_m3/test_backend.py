@@ -1,6 +1,7 @@
 """Backend checks that need no model runner: construction guards and the plan (metadata) half."""
 
 import json
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,6 +14,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang_m3.backend import MiniMaxM31SparseAttnBackend
 from sglang_m3.compat import RESOLUTION_PIPELINE, at_least
 from sglang_m3.config import IndexKSettings
+from sglang_m3.pool import IndexKPool, MiniMaxM31SparseKVPool
 
 
 @pytest.mark.parametrize("algorithm", ["EAGLE", "NGRAM"])
@@ -63,10 +65,12 @@ def _plan_only_backend(req_to_token, max_bs=None, num_idx_heads=2, fmt="mxfp4"):
     backend.max_blocks = backend._block_starts.shape[1]
     backend.num_idx_heads = num_idx_heads
     backend.idx_sm_scale = 128**-0.5
-    backend.topk_blocks, backend.recorder = 16, None
+    backend.topk_blocks, backend.local_blocks, backend.init_blocks, backend.recorder = 16, 1, 0, None
     pages = int(req_to_token.max()) // PAGE_SIZE + 1
-    backend.kv_pool = SimpleNamespace(index_k_pool=SimpleNamespace(caches=[IndexKCache.new(pages, fmt,
-                                                                                           req_to_token.device)]))
+    index_k_pool = SimpleNamespace(caches=[IndexKCache.new(pages, fmt, req_to_token.device)])
+    index_k_pool.plan_write = partial(IndexKPool.plan_write, index_k_pool)
+    backend.kv_pool = SimpleNamespace(index_k_pool=index_k_pool)
+    backend.kv_pool.plan_index_k_write = partial(MiniMaxM31SparseKVPool.plan_index_k_write, backend.kv_pool)
     backend._graph_decode_buffers = None
     backend._graph_decode_plans = {}
     backend._in_graph_mode = False
@@ -90,11 +94,14 @@ def test_extend_plan_block_table_and_offsets(gen, monkeypatch):
     prefix = torch.tensor([0, 0, 100, 128, 1])
     extend = seq_lens - prefix
     req = torch.tensor([5, 0, 3, 1, 2])
-    batch = SimpleNamespace(forward_mode=ForwardMode.EXTEND, seq_lens=seq_lens, seq_lens_cpu=seq_lens,
-                            extend_seq_lens=extend, extend_seq_lens_cpu=extend.tolist(), extend_prefix_lens=prefix,
-                            req_pool_indices=req)
+    batch = _extend_batch(req_to_token, req.tolist(), prefix.tolist(), extend.tolist())
     backend.init_forward_metadata_out_graph(batch)
     meta = backend._extend_meta
+    # The selector's and the writer's plans, made once here for every layer: each new token's visible blocks
+    # over [H, 456 rows, 3 blocks] of scores; the batch's slots.
+    assert meta.select.n_visible.tolist() == (batch.positions // PAGE_SIZE + 1).tolist()
+    assert (meta.select.H, meta.select.rows, meta.select.nb, meta.select.topk) == (2, 456, 3, 16)
+    assert backend._write_plan.loc is batch.out_cache_loc
     assert backend._decode_meta is None
     assert meta.max_block == 3 and meta.block_table.dtype == torch.int32
     assert meta.block_table.tolist() == pages[req, :3].tolist()
@@ -115,7 +122,7 @@ def test_extend_plan_block_table_and_offsets(gen, monkeypatch):
 
 def _decode_batch(seq_lens, req):
     return SimpleNamespace(forward_mode=ForwardMode.DECODE, seq_lens=torch.tensor(seq_lens),
-                           req_pool_indices=torch.tensor(req))
+                           req_pool_indices=torch.tensor(req), out_cache_loc=torch.zeros(len(req), dtype=torch.int64))
 
 
 def test_decode_plan_reuses_captured_buffers_and_refreshes_them_in_place(gen):
@@ -132,6 +139,8 @@ def test_decode_plan_reuses_captured_buffers_and_refreshes_them_in_place(gen):
         a, b = getattr(meta, name), getattr(captured, name)
         assert a.data_ptr() == b.data_ptr() and a.shape == b.shape
     assert meta.plan is captured.plan and meta.plan.out is captured.scores  # planned once, at capture
+    assert meta.select is captured.select and meta.select.n_visible is captured.n_visible
+    assert backend._write_plan.loc is replay.out_cache_loc  # the writer's plan: per batch, over its slots
     backend.init_forward_metadata_in_graph(replay)
     assert captured.block_table.tolist() == pages[[3, 1]].tolist()
     assert captured.seq_lens.tolist() == [128, 129] and captured.n_visible.tolist() == [1, 2]
@@ -223,9 +232,8 @@ def test_extend_without_prefix_lens_takes_seq_minus_extend(gen):
     req_to_token, _ = _paged_req_to_token(2, 3, gen)
     backend = _plan_only_backend(req_to_token)
     seq, new = torch.tensor([300, 5]), torch.tensor([200, 5])
-    batch = SimpleNamespace(forward_mode=ForwardMode.EXTEND, seq_lens=seq, seq_lens_cpu=seq, extend_seq_lens=new,
-                            extend_seq_lens_cpu=new.tolist(), extend_prefix_lens=None,
-                            req_pool_indices=torch.tensor([0, 1]))
+    batch = _extend_batch(req_to_token, [0, 1], [100, 0], new.tolist())
+    batch.extend_prefix_lens = None
     backend.init_forward_metadata_out_graph(batch)
     assert backend._extend_meta.prefix_lens.tolist() == [100, 0]
 
@@ -375,6 +383,107 @@ def test_a_decode_step_checks_its_metadata_once_for_all_layers(monkeypatch, gen)
                                    idx_k=idx_k, idx_v=None)[1] for i in layer_ids]
     assert counts == {"meta": 1, "cache": 0}
     assert all(torch.isfinite(o.float()).all() for o in outs)
+
+
+def _count_calls(monkeypatch, counts, name, *modules):
+    """Count the calls of function ``name`` through every module of ``modules`` that has it."""
+    for module in modules:
+        original = getattr(module, name, None)
+        if original is not None:
+            def counted(*args, _original=original, **kwargs):
+                counts[name] = counts.get(name, 0) + 1
+                return _original(*args, **kwargs)
+
+            monkeypatch.setattr(module, name, counted)
+
+
+@RUNNER_STAND_IN
+@pytest.mark.parametrize("mode", ["extend", "decode"])
+def test_a_forward_plans_its_index_k_write_and_selection_once_for_all_layers(monkeypatch, gen, mode):
+    """The write of the batch's slots and the block selection are planned (and their rules checked: the slots'
+    range, the selection parameters) once per forward batch, not once per sparse layer; each layer runs the
+    plans and gives what the one-call writer and selector give (index cache bytes, selected blocks)."""
+    import m3_kernels.ops.select as select_module
+    import m3_kernels.ops.write as write_module
+    import sglang_m3.backend as backend_module
+    import sglang_m3.pool as pool_module
+    from m3_kernels.ops.select import select_blocks
+    from m3_kernels.ops.write import write_index_k
+
+    backend, req_to_token = _real_backend(monkeypatch)
+    backend.recorder = recorder = _Recorder()
+    selections = []
+    select = backend._select
+    monkeypatch.setattr(backend, "_select", lambda scores, plan: selections.append((scores, plan)) or select(scores,
+                                                                                                          plan))
+    seq_len = 3 * PAGE_SIZE + 7
+    inputs = _inputs(seq_len, gen)
+    prior = 0 if mode == "extend" else seq_len - 1
+    if prior:
+        _extend(backend, req_to_token, 0, 0, prior, [t[:prior] for t in inputs])
+    counts, selections[:], recorder.calls[:] = {}, [], []
+    pool = backend.kv_pool.index_k_pool
+    wants = []  # each layer's cache as the one-call writer leaves it: a copy of its bytes before, then written
+    for cache in pool.caches:
+        wants.append(type(cache).new(pool.num_pages, cache.fmt, "cpu", cache.scale_rule, cache.sign_seed))
+        for dst, src in ((wants[-1].data, cache.data), (wants[-1].scale_e8m0, cache.scale_e8m0)):
+            if dst is not None:
+                dst.untyped_storage().copy_(src.untyped_storage())
+    _count_calls(monkeypatch, counts, "plan_write", write_module, pool_module)
+    _count_calls(monkeypatch, counts, "plan_select", select_module, backend_module)
+    _count_calls(monkeypatch, counts, "check_loc_range", write_module)
+    _count_calls(monkeypatch, counts, "check_select_params", select_module)
+    locs = req_to_token[0, prior:seq_len].long()
+    batch = SimpleNamespace(**{**vars(_extend_batch(req_to_token, [0], [0], [seq_len])), "out_cache_loc": locs,
+                               "positions": torch.arange(prior, seq_len)})
+    if mode == "decode":
+        batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, seq_lens=torch.tensor([seq_len]),
+                                req_pool_indices=torch.tensor([0]), out_cache_loc=locs)
+    else:
+        batch.extend_seq_lens_cpu, batch.extend_seq_lens = [seq_len], torch.tensor([seq_len])
+    backend.init_forward_metadata(batch)
+    q, k, v, idx_q, idx_k = [t[prior:] for t in inputs]
+    forward = backend.forward_decode if mode == "decode" else backend.forward_extend
+    layer_ids = sorted(backend.kv_pool.index_k_layer_id_mapping)
+    assert len(layer_ids) == 3
+    for i in layer_ids:
+        forward(q, k, v, SimpleNamespace(layer_id=i, scaling=LAYER.scaling), batch, idx_q=idx_q, idx_k=idx_k,
+                idx_v=None)
+    assert counts == {"plan_write": 1, "plan_select": 1, "check_loc_range": 1, "check_select_params": 1}
+    # The runs against the one-call forms: every layer's cache holds the one-call writer's bytes at the slots, and
+    # every layer's selection is select_blocks' on its scores.
+    for cache, want in zip(pool.caches, wants):
+        write_index_k(want, idx_k.flatten(1), locs)
+        assert torch.equal(cache.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert len(selections) == len(recorder.calls) == 3
+    for (scores, plan), (positions, n_visible) in zip(selections, recorder.calls):
+        assert torch.equal(n_visible, positions // PAGE_SIZE + 1)
+        assert torch.equal(select(scores, plan), select_blocks(scores, n_visible, backend.topk_blocks,
+                                                               backend.local_blocks, backend.init_blocks))
+
+
+@RUNNER_STAND_IN
+@pytest.mark.parametrize("mode", ["extend", "decode"])
+def test_a_bad_slot_is_refused_once_per_batch_before_anything_is_stored(monkeypatch, gen, mode):
+    """A slot outside the index cache is refused when the batch is planned, with the writer's message, and no
+    layer's cache (main or index) changes."""
+    backend, req_to_token = _real_backend(monkeypatch)
+    capacity = backend.kv_pool.index_k_pool.caches[0].capacity
+    n = 1 if mode == "decode" else PAGE_SIZE + 1
+    locs = req_to_token[0, :n].long()
+    locs[-1] = capacity  # one slot past the last page
+    if mode == "decode":
+        batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, seq_lens=torch.tensor([n]),
+                                req_pool_indices=torch.tensor([0]), out_cache_loc=locs)
+    else:
+        batch = _extend_batch(req_to_token, [0], [0], [n], out_cache_loc=locs)
+    before = _pool_bytes(backend)
+    q, k, v, idx_q, idx_k = _inputs(n, gen)
+    forward = backend.forward_decode if mode == "decode" else backend.forward_extend
+    with pytest.raises(ValueError, match=rf"loc values must lie in \[0, {capacity}\), got min \d+, max {capacity}$"):
+        backend.init_forward_metadata(batch)
+        forward(q, k, v, LAYER, batch, idx_q=idx_q, idx_k=idx_k, idx_v=None)
+    assert all(torch.equal(a, b) for a, b in zip(_pool_bytes(backend), before))
 
 
 # ---- prefill in SGLang's breakable CUDA graph: capture and replay of the eager break, reproduced on the CPU
