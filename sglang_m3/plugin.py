@@ -39,6 +39,8 @@ supported release); "M3.1" means a MiniMax-M3.1 index-K launch, where each row e
 | ``PagedTokenToKVPoolAllocator.alloc_extend`` / ``_decode`` | around | < 0.5.22 | M3.1 pool, off CUDA: torch |
 | ``http_server.server_info`` / ``model_info`` | around | | M3.1: the server and model info add ``m3_index_k`` (``server_info``) |
 | ``http_server.launch_server`` | before | | M3.1: ``/server_info`` and ``/model_info`` answer through those two |
+| ``DecodePreallocQueue._init_kv_manager`` | after | | M3.1 pool, PD decode: the KV manager notes its settings (``pd``) |
+| ``CommonKVReceiver.init`` | around | | M3.1 pool, PD decode: refuse pages of another index-K format |
 
 plus an SGLang model-override provider that defaults ``--page-size`` to 128 for an M3.1 config.
 
@@ -593,7 +595,7 @@ class Hook(NamedTuple):
 
 def hook_table() -> tuple[Hook, ...]:
     """Every hooked SGLang target (see the module docstring), for every supported release."""
-    from . import cpu_alloc, host_pool, server_info
+    from . import cpu_alloc, host_pool, pd, server_info
 
     server_args = "sglang.srt.server_args.ServerArgs"
     tokenizer_manager = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
@@ -633,6 +635,8 @@ def hook_table() -> tuple[Hook, ...]:
         Hook("sglang.srt.entrypoints.http_server.server_info", server_info.add_index_k_info, "AROUND"),
         Hook("sglang.srt.entrypoints.http_server.model_info", server_info.add_index_k_info, "AROUND"),
         Hook("sglang.srt.entrypoints.http_server.launch_server", server_info.route_index_k_info, "BEFORE"),
+        Hook("sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager", pd.note_decode_index_k, "AFTER"),
+        Hook("sglang.srt.disaggregation.common.conn.CommonKVReceiver.init", pd.check_prefill_index_k, "AROUND"),
     )
 
 
