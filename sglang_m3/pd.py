@@ -14,14 +14,15 @@ Two hooks, on the decode side only:
 - around ``CommonKVReceiver.init`` (each request's receiver, before any page moves): the prefill server's
   ``m3_index_k`` is read from its ``/model_info`` (``server_info``), at the HTTP port the prefill server registered
   with its bootstrap server, once per ``PrefillServerInfo`` SGLang fetched (a prefill server seen down and back is
-  read again). A request whose prefill server writes index-K another way fails the way SGLang 0.5.23 fails one whose
-  prefill server has another decode allocation policy: ``record_failure`` with the reason, ``KVPoll.Failed``; the
-  client gets the reason, nothing is transferred, and the decode server serves on. (SGLang raises for a page-size
-  mismatch, which ends the decode scheduler.)
+  read again; one that could not be read, after ``UNREAD_RETRY_S``). A request whose prefill server writes index-K
+  another way fails the way SGLang 0.5.23 fails one whose prefill server has another decode allocation policy:
+  ``record_failure`` with the reason, ``KVPoll.Failed``; the client gets the reason, nothing is transferred, and the
+  decode server serves on. (SGLang raises for a page-size mismatch, which ends the decode scheduler.)
 """
 
 import dataclasses
 import logging
+from time import monotonic
 
 from .config import IndexKSettings
 from .server_info import M3_INDEX_K
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 DECODE_INDEX_K = "sglang_m3_index_k"  # attribute of a decode KV manager whose pool is MiniMaxM31SparseKVPool
 INFO_TIMEOUT_S = 5  # SGLang's timeout for the bootstrap server's /route
+UNREAD_RETRY_S = 10  # a prefill server whose /model_info could not be read is read again after this long
 ALIGN = ("Both servers must use the same --index-k-format, index_k_scale_rule and index_k_sign_seed "
          "(config.json or --json-model-override-args).")
 
@@ -82,17 +84,18 @@ class DecodeIndexK:
 
     settings: IndexKSettings
     api_key: str | None = None
-    verdicts: dict = dataclasses.field(default_factory=dict)  # bootstrap_addr -> (PrefillServerInfo, refusal | None)
+    # bootstrap_addr -> (PrefillServerInfo, refusal | None, monotonic time to read again | None)
+    verdicts: dict = dataclasses.field(default_factory=dict)
 
     def refusal(self, kv_mgr, receiver) -> str | None:
         """Why ``receiver``'s prefill server must not send it index-K pages, or None. Reads the prefill server's
-        ``/model_info`` once per ``PrefillServerInfo``; a read that fails refuses this request only and is tried
-        again for the next one."""
+        ``/model_info`` once per ``PrefillServerInfo``; after a read that fails, its requests fail with that reason
+        for ``UNREAD_RETRY_S`` (a blocking read per request would stall the decode loop), then it is read again."""
         info = kv_mgr.prefill_info_table.get(receiver.bootstrap_addr)
         if info is None:
             return None  # SGLang's init fails a request whose prefill server it has no info for
         known = self.verdicts.get(receiver.bootstrap_addr)
-        if known is not None and known[0] is info:
+        if known is not None and known[0] is info and (known[2] is None or monotonic() < known[2]):
             return known[1]
         url = kv_mgr._resolve_rebootstrap_prefill_url(receiver)  # http://<bootstrap host>:<prefill_http_port>
         if url is None:
@@ -102,14 +105,15 @@ class DecodeIndexK:
             where = f"{url}/model_info"
             try:
                 peer = read_model_info(where, self.api_key).get(M3_INDEX_K)
-            except Exception as e:  # unreachable, refused, not JSON: this request cannot be verified
+            except (OSError, ValueError, TypeError) as e:  # unreachable, refused (requests' errors), not a JSON object
                 mine = describe(settings_fields(self.settings))
                 refusal = (f"Index-K format unverified: could not read {where} of prefill server "
                            f"{receiver.bootstrap_addr} ({e}); decode server has {mine}.")
+                self.verdicts[receiver.bootstrap_addr] = (info, refusal, monotonic() + UNREAD_RETRY_S)
                 logger.error(refusal)
                 return refusal
             refusal = peer_refusal(self.settings, peer, receiver.bootstrap_addr, where)
-        self.verdicts[receiver.bootstrap_addr] = (info, refusal)
+        self.verdicts[receiver.bootstrap_addr] = (info, refusal, None)
         if refusal is not None:
             logger.error(refusal)
         return refusal
@@ -124,7 +128,7 @@ def read_model_info(url: str, api_key: str | None) -> dict:
     response.raise_for_status()
     body = response.json()
     if not isinstance(body, dict):
-        raise ValueError(f"expected a JSON object, got {type(body).__name__}")
+        raise TypeError(f"expected a JSON object, got {type(body).__name__}")
     return body
 
 

@@ -50,13 +50,14 @@ class _ModelInfo(ThreadingHTTPServer):
         self.body = {"model_path": "prefill", "model_type": "minimax_m3_1"}
         if m3_index_k is not None:
             self.body[server_info.M3_INDEX_K] = m3_index_k
-        self.reads = 0
+        self.reads, self.api_key = 0, api_key
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
                 outer.reads += 1
-                allowed = api_key is None or self.headers.get("Authorization") == f"Bearer {api_key}"
+                key = outer.api_key
+                allowed = key is None or self.headers.get("Authorization") == f"Bearer {key}"
                 found = self.path == "/model_info"
                 data = json.dumps(outer.body).encode() if found and allowed else b"{}"
                 self.send_response(401 if not allowed else 200 if found else 404)
@@ -92,6 +93,8 @@ def prefill():
             "load_balance_method": "follow_bootstrap_room", "enable_dsa_cache_layer_split": False,
             "prefill_http_port": api.server_address[1] if http_port is None else http_port,
         }
+        if http_port is False:  # a prefill server that registers no HTTP port
+            del payload["prefill_http_port"]
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -255,15 +258,41 @@ def test_a_prefill_server_without_m3_index_k_is_refused(prefill):
         "(config.json or --json-model-override-args)."))
 
 
-def test_an_unreadable_prefill_server_fails_the_request_and_is_read_again(prefill):
+def test_an_unreadable_prefill_server_fails_its_requests_and_is_read_again_later(prefill, monkeypatch):
+    addr, api = prefill(_m3_index_k("mxfp4"), api_key="not the decode server's")  # every read: 401
+    mgr = _decode_manager(_pool("mxfp4"))
+    _fetch_prefill_info(mgr, addr)
+    for room in (ROOM, ROOM + 1):  # the second within UNREAD_RETRY_S: the first read's reason, no read
+        receiver, ran = _init(mgr, addr, room)
+        assert not ran
+        _assert_refused(mgr, receiver, mgr.failure_records[ROOM])
+        assert mgr.failure_records[room].startswith("Index-K format unverified: could not read http://127.0.0.1:")
+    assert api.reads == 1
+    later = time.monotonic() + pd.UNREAD_RETRY_S + 1
+    monkeypatch.setattr(pd, "monotonic", lambda: later)
+    assert not _init(mgr, addr, ROOM + 2)[1] and api.reads == 2  # read again once that time has passed
+    api.api_key = None  # the prefill server answers now
+    later += pd.UNREAD_RETRY_S + 1
+    assert _init(mgr, addr, ROOM + 3)[1] and api.reads == 3
+
+
+def test_a_prefill_server_whose_http_port_is_closed_fails_its_requests(prefill):
     addr, _ = prefill(_m3_index_k("mxfp4"), http_port=_free_port())  # nothing listens there
     mgr = _decode_manager(_pool("mxfp4"))
     _fetch_prefill_info(mgr, addr)
-    for room in (ROOM, ROOM + 1):
-        receiver, ran = _init(mgr, addr, room)
-        assert not ran
-        assert mgr.failure_records[room].startswith("Index-K format unverified: could not read http://127.0.0.1:")
-    assert not mgr.sglang_m3_index_k.verdicts  # nothing kept: the next request reads again
+    _, ran = _init(mgr, addr)
+    assert not ran
+    assert mgr.failure_records[ROOM].startswith("Index-K format unverified: could not read http://127.0.0.1:")
+
+
+def test_a_prefill_server_that_registered_no_http_port_is_refused(prefill):
+    addr, api = prefill(_m3_index_k("mxfp4"), http_port=False)
+    mgr = _decode_manager(_pool("mxfp4"))
+    _fetch_prefill_info(mgr, addr)
+    _, ran = _init(mgr, addr)
+    assert not ran and api.reads == 0
+    assert mgr.failure_records[ROOM].startswith(f"Index-K format unknown: prefill server {addr} reports no m3_index_k "
+                                                "at its bootstrap registration (no prefill_http_port)")
 
 
 @pytest.mark.parametrize("decode_key", ["k3y", None])
@@ -271,7 +300,7 @@ def test_the_read_carries_the_decode_servers_api_key(prefill, decode_key):
     addr, _ = prefill(_m3_index_k("mxfp4"), api_key="k3y")
     mgr = _decode_manager(_pool("mxfp4"), api_key=decode_key)
     _fetch_prefill_info(mgr, addr)
-    receiver, ran = _init(mgr, addr)
+    _, ran = _init(mgr, addr)
     assert ran == (decode_key is not None)
     if not ran:
         assert "401 Client Error: Unauthorized" in mgr.failure_records[ROOM]
@@ -286,7 +315,7 @@ def test_a_prefill_server_seen_again_is_read_again(prefill):
     api.body[server_info.M3_INDEX_K] = _m3_index_k("fp8")  # restarted with another format
     mgr.prefill_info_table.pop(addr)
     _fetch_prefill_info(mgr, addr)
-    receiver, ran = _init(mgr, addr, ROOM + 1)
+    _, ran = _init(mgr, addr, ROOM + 1)
     assert not ran and api.reads == 2
     assert mgr.failure_records[ROOM + 1].startswith(f"Index-K format mismatch: prefill server {addr} has "
                                                     "index_k_format=fp8,")
