@@ -457,7 +457,7 @@ def test_a_forward_plans_its_index_k_write_and_selection_once_for_all_layers(mon
         assert torch.equal(cache.data.view(torch.uint8), want.data.view(torch.uint8))
     assert len(selections) == len(recorder.calls) == 3
     for (scores, plan), (positions, n_visible) in zip(selections, recorder.calls):
-        assert torch.equal(n_visible, positions // PAGE_SIZE + 1)
+        assert positions.tolist() == list(range(prior, seq_len)) and torch.equal(n_visible, positions // PAGE_SIZE + 1)
         assert torch.equal(select(scores, plan), select_blocks(scores, n_visible, backend.topk_blocks,
                                                                backend.local_blocks, backend.init_blocks))
 
