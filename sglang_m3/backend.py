@@ -18,7 +18,8 @@ Plan, then run: host work (block tables for prefill, decode buffer views, and th
 batch size's decode score and select plans are made at capture and reused by its replays (they hold the
 same buffers); the write plan holds the batch's ``out_cache_loc`` tensor and no host value of it (its slot
 check is the allocator's), so the one made at capture reads the graph's static slots at every replay.
-Each layer's run checks only that its tensors match the plans, on the host.
+Each layer's run checks only that its tensors match the plans, on the host (on a CPU the reference selector
+also checks each row's visible-block count: decode fills those in-graph, after the plan).
 
 Decode buffers in CUDA-graph mode: ``init_cuda_graph_state(max_bs)`` allocates one set for
 ``max_bs`` rows and every batch size up to it gets leading views of that set (``scores`` as the first
