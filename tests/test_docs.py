@@ -153,7 +153,9 @@ README_COMMANDS = shell_commands(README.read_text())
 def test_readme_has_commands_and_its_two_commands():
     assert len(README_COMMANDS) >= 8
     assert MAIN_JOB_COMMAND in README_COMMANDS and CI_TEST_COMMAND in README_COMMANDS
-    assert CI_TEST_COMMAND in (ROOT / ".ci" / "run").read_text()  # CI runs the README's test command
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert CI_TEST_COMMAND in ci  # CI runs the README's test command
+    assert ".venv/bin/python -m pytest -q lab/tests" in ci  # and the lab's, which hold the GPU-gate record check
 
 
 @pytest.mark.parametrize("command", README_COMMANDS)
