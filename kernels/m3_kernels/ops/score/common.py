@@ -8,11 +8,15 @@ that is not an ``IndexKCache``: TypeError).
 
 Values held on the device are checked where that costs nothing, on host tensors; on a GPU only under
 ``M3_SCORE_DEBUG=1``: decode ``seq_lens >= 0`` and prefill's host lengths equal to the device ones. Page
-ids outside the cache are not an error: such a page scores -inf (torch, Triton, the sm_90 scorer and the
-CUDA kernel read page 0 in its place, never outside the cache; the ROCm FlyDSL and aiter kernels, never run
-on a GPU here, take ids as given); ``M3_SCORE_DEBUG=1`` reports them as ValueError at plan time.
+ids outside the cache are not an error: such a page scores -inf, and nothing reads outside the cache (torch,
+Triton, the sm_90 scorer and the CUDA kernel read page 0 in its place; the ROCm FlyDSL and aiter kernels,
+which take ids as given, are run through ``run_guarded``, which hands them a table whose outside ids are page
+0); ``M3_SCORE_DEBUG=1`` reports them as ValueError at plan time. A query vector (one row, one head) holding
+a NaN or an Inf scores NaN on every page it sees (torch and Triton in their kernels, FlyDSL and aiter through
+``run_guarded``; the CUDA kernel does not keep this rule).
 """
 
+import dataclasses
 import math
 import operator
 import os
@@ -276,6 +280,31 @@ def minus_inf_scores(H: int, rows: int, max_block: int, device) -> torch.Tensor:
     return torch.full((H, rows, max_block), float("-inf"), dtype=torch.float32, device=device)
 
 
+def run_guarded(plan, q, cache, out, launch):
+    """Run ``launch(plan, q, cache, out) -> out``, a decode kernel that takes page ids as given and does not
+    look for NaN / Inf in q (FlyDSL, aiter), under the two rules every decode backend keeps:
+
+    - a visible page id outside ``[0, plan.num_pages)`` scores -inf, and the kernel never sees it: it gets the
+      plan with a copy of ``block_table[:, :max_block]`` whose outside ids are page 0;
+    - a query vector (one row, one head) holding a NaN or an Inf scores NaN on every page it sees (the page's
+      first token position <= the row's) whose id is inside the cache.
+
+    Device ops only (no host sync; CUDA-graph capturable). Cost, per layer on those backends: about twenty
+    small elementwise launches, over the block table (``batch x max_block`` ids), q (one ``isfinite`` pass)
+    and ``out`` (two masked fills of ``H x batch*S x max_block``), beside the kernel."""
+    table = plan.block_table[:, : plan.max_block]
+    outside = (table < 0) | (table >= plan.num_pages)  # [batch, max_block]
+    out = launch(dataclasses.replace(plan, block_table=table.masked_fill(outside, 0)), q, cache, out)
+    batch, S, cols = plan.batch, plan.S, plan.max_block
+    out.masked_fill_(outside[:, None, :].expand(batch, S, cols).reshape(1, batch * S, cols), float("-inf"))
+    positions = plan.seq_lens.long()[:, None] - S + torch.arange(S, device=out.device)  # [batch, S]
+    first = (torch.arange(cols, device=out.device) * plan.cp_world + plan.cp_rank) * PAGE_SIZE  # local page p
+    sees = (first <= positions[:, :, None]) & ~outside[:, None, :]  # [batch, S, max_block]
+    bad = ~torch.isfinite(q.float() if q.element_size() == 1 else q).all(dim=2)  # [rows, H]; e4m3 has no isfinite
+    out.masked_fill_(bad.t()[:, :, None] & sees.reshape(1, batch * S, cols), float("nan"))
+    return out
+
+
 def q_aligned(q) -> bool:
     """Q's base address and row/head strides are 16-byte aligned (the CUDA, FlyDSL and aiter kernels read Q
     rows in 16-byte vectors)."""
@@ -330,4 +359,4 @@ def check_prefill_offsets(cu: list[int], lens: list[int], total_new_tokens: int)
 
 __all__ = ["ENV_DEBUG", "DecodeBatch", "PrefillBatch", "aligned_q", "check_batch", "check_decode_args",
            "check_prefill_args", "check_prefill_offsets", "check_run", "check_sm_scale", "debug", "minus_inf_scores",
-           "new_out", "q_aligned"]
+           "new_out", "q_aligned", "run_guarded"]

@@ -16,7 +16,7 @@ import math
 import torch
 
 from .....formats import IndexKFormat
-from ...common import aligned_q
+from ...common import aligned_q, run_guarded
 from .signature import ENTRY_POINT, LOCATIONS
 
 NAME = "aiter"
@@ -73,7 +73,15 @@ def check_plan(plan, batch) -> None:
 
 def run(plan, q, cache, out):
     """Decode block scores of ``plan`` through aiter into ``out`` (contract: ``ops.score.score_decode``, which
-    checked the call). A Q view whose base or strides are not 16-byte aligned is copied once."""
+    checked the call). A Q view whose base or strides are not 16-byte aligned is copied once. aiter takes page
+    ids as given and does not look for NaN / Inf in q: it runs under ``common.run_guarded`` (ids outside the
+    cache score -inf and are never handed to it; a non-finite query vector scores NaN), a few small device ops
+    per layer."""
+    return run_guarded(plan, q, cache, out, _launch)
+
+
+def _launch(plan, q, cache, out):
+    """aiter's scorer on a planned batch (ids inside the cache)."""
     args, kwargs = decode_call(plan, aligned_q(q), cache, out)
     if out.shape[1] and out.shape[2]:
         find_scorer()(*args, **kwargs)

@@ -10,6 +10,7 @@ import importlib.util
 
 import torch
 
+from ...common import run_guarded
 
 TARGET_ARCH = "gfx950"
 NAME = "flydsl"
@@ -66,8 +67,14 @@ def check_plan(plan, batch) -> None:
 
 def run(plan, q, cache, out, nt_k=None):
     """Decode block scores of ``plan`` for ``q`` over ``cache`` into ``out`` (contract: ``ops.score.score_decode``,
-    which checked the call). ``nt_k``: K tiles whose loads are issued ahead. Page ids are taken as given (not
-    guarded inside the kernel); ``M3_SCORE_DEBUG=1`` reports ids outside the cache at plan time."""
+    which checked the call). ``nt_k``: K tiles whose loads are issued ahead. The kernel takes page ids as given
+    and does not look for NaN / Inf in q: it runs under ``common.run_guarded`` (ids outside the cache score
+    -inf and are never handed to it; a non-finite query vector scores NaN), a few small device ops per layer."""
+    return run_guarded(plan, q, cache, out, functools.partial(_launch, nt_k=nt_k))
+
+
+def _launch(plan, q, cache, out, nt_k=None):
+    """The FlyDSL launch of a planned batch (``host.run``; FlyDSL is imported on first use)."""
     from .host import run as launch
 
     return launch(plan, q, cache, out, nt_k)
