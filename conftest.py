@@ -47,6 +47,10 @@ def prewarmed_launcher(request, tmp_path_factory):
     import prewarm
     from sglang_m3.server import cpu_env
 
+    # Importing lm_eval sets HF_XET_HIGH_PERFORMANCE=1 (a download setting that huggingface_hub reads when imported,
+    # so the launcher refuses a request whose value differs): set lm_eval's value first, or every server a worker
+    # starts after one of its tests imported lm_eval would import SGLang afresh.
+    os.environ.setdefault("HF_XET_HIGH_PERFORMANCE", "1")
     root = tmp_path_factory.mktemp("prewarm")
     sock = str(root / "launcher.sock")
     with open(root / "launcher.log", "w") as log:
