@@ -155,7 +155,7 @@ def test_readme_has_commands_and_its_two_commands():
     assert MAIN_JOB_COMMAND in README_COMMANDS and CI_TEST_COMMAND in README_COMMANDS
     ci = (ROOT / ".ci" / "run").read_text()
     assert CI_TEST_COMMAND in ci  # CI runs the README's test command
-    assert ".venv/bin/python -m pytest -q lab/tests" in ci  # and the lab's, which hold the GPU-gate record check
+    assert ".venv/bin/python -m pytest -q -n 2 --dist loadfile lab/tests" in ci  # and the lab's, which hold the GPU-gate record check
 
 
 @pytest.mark.parametrize("command", README_COMMANDS)
